@@ -1,0 +1,50 @@
+"""The wire contract shared by the trainer client and the sidecar.
+
+Generated protobuf/gRPC modules live in ``sidecar.api.strata.v1`` (``make
+proto`` regenerates them). The hand-written modules beside them hold the few
+constants both sides must agree on. This package must stay importable without
+torch and without the rest of the sidecar.
+"""
+
+import os
+from pathlib import Path
+
+from sidecar.api.strata.v1 import strata_pb2 as pb
+from sidecar.api.strata.v1 import strata_pb2_grpc as pb_grpc
+
+#: Bumped on incompatible wire changes; the sidecar refuses other versions.
+PROTOCOL_VERSION = 1
+#: gRPC metadata key carrying the shared token on TCP connections.
+TOKEN_METADATA_KEY = "x-strata-token"
+#: Default largest gRPC message on both ends (chunks are smaller).
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Default chunk the client cuts the byte stream into.
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options both ends set, so a limit never differs by side."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def default_socket_path() -> str:
+    """The sidecar's unix socket when none is configured: a private per-user
+    directory, so only this user's processes (or the pod, via a shared
+    emptyDir mounted at $XDG_RUNTIME_DIR) can reach it."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/strata-{os.getuid()}"
+    return str(Path(base) / "strata" / "sidecar.sock")
+
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "TOKEN_METADATA_KEY",
+    "channel_options",
+    "default_socket_path",
+    "pb",
+    "pb_grpc",
+]

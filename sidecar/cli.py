@@ -1,0 +1,227 @@
+"""The ``strata`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from sidecar import __version__, config
+from sidecar import manifest as mf
+from sidecar.errors import CorruptObject, StrataError
+from sidecar.store import open_store
+from sidecar.store.base import Store
+
+EPILOG_SIDECAR = """\
+examples:
+  # serve on the default unix socket, checkpoints to SeaweedFS/MinIO/S3
+  strata sidecar --storage s3://ckpt/prod --s3-endpoint http://127.0.0.1:8333
+  # local disk instead of S3
+  strata sidecar --storage file:///var/lib/strata
+  # show the effective settings (flags > STRATA_* env > defaults) and exit
+  STRATA_STORAGE=file:///tmp/x strata sidecar --print-config
+"""
+
+EPILOG_STORE = """\
+examples:
+  strata ls   --storage s3://ckpt/prod --s3-endpoint http://127.0.0.1:8333 --job recsys
+  strata show --storage file:///var/lib/strata --job recsys --step 120 --rank 0
+  strata verify --storage file:///var/lib/strata --job recsys            # newest step
+  strata verify --storage file:///var/lib/strata --job recsys --all      # every committed step
+The storage flags also read STRATA_STORAGE, STRATA_S3_ENDPOINT, STRATA_NAMESPACE and STRATA_JOB.
+"""
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage", default=os.environ.get("STRATA_STORAGE"), help="s3://bucket/prefix or file:///path")
+    p.add_argument("--s3-endpoint", default=os.environ.get("STRATA_S3_ENDPOINT"), help="S3 endpoint URL")
+    p.add_argument("--namespace", default=os.environ.get("STRATA_NAMESPACE", "default"), help="job namespace")
+    p.add_argument("--job", default=os.environ.get("STRATA_JOB"), help="job name")
+
+
+def _open(args: argparse.Namespace) -> Store:
+    if not args.storage:
+        raise SystemExit("strata: --storage (or STRATA_STORAGE) is required")
+    if not args.job:
+        raise SystemExit("strata: --job (or STRATA_JOB) is required")
+    if args.storage.startswith("s3://"):
+        return open_store(args.storage, endpoint_url=args.s3_endpoint or None)
+    return open_store(args.storage)
+
+
+def cmd_sidecar(args: argparse.Namespace) -> int:
+    settings = config.from_sources(args)
+    if args.print_config:
+        print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
+        return 0
+    from sidecar.server import SidecarServer  # grpc server only when serving
+
+    try:
+        server = SidecarServer(settings).start()
+    except ValueError as exc:
+        raise SystemExit(f"strata sidecar: {exc}") from None
+    done = threading.Event()
+
+    def stop(signum: int, _frame: Any) -> None:
+        logging.getLogger("strata").info("signal %d: finishing uploads and stopping", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"strata sidecar {__version__} ready on unix:{server.socket_path}", flush=True)
+    done.wait()
+    server.stop(grace=30)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = _open(args)
+    steps = mf.committed_steps(store, args.namespace, args.job)
+    if not steps:
+        print(f"no committed checkpoints for {args.namespace}/{args.job} in {args.storage}")
+        return 0
+    print(f"{'STEP':>12}  {'RANKS':>5}  {'SIZE':>10}  COMMITTED")
+    for step in steps:
+        c = mf.read_commit(store, args.namespace, args.job, step)
+        print(f"{step:>12}  {c.world_size:>5}  {_human(c.total_bytes):>10}  {_when(c.committed_at)}")
+    return 0
+
+
+def _pick_step(store: Store, args: argparse.Namespace) -> int:
+    if args.step is not None:
+        return int(args.step)
+    step = mf.newest_committed(store, args.namespace, args.job)
+    if step is None:
+        raise SystemExit(f"strata: no committed checkpoint for {args.namespace}/{args.job}")
+    return step
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    store = _open(args)
+    step = _pick_step(store, args)
+    commit = mf.read_commit(store, args.namespace, args.job, step)
+    m = mf.load_manifest(store, commit, args.rank)
+    if args.json:
+        print(m.to_json().decode())
+        return 0
+    print(f"job        {m.namespace}/{m.job}")
+    print(f"step       {m.step}  (rank {m.rank} of {m.world_size}, attempt {m.attempt}, save {m.save_id})")
+    print(f"committed  {_when(commit.committed_at)}")
+    print(f"format     v{m.format_version}; {len(m.objects)} objects, {_human(m.total_bytes)}")
+    print(f"\n{'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'SIZE':>10}  ENCODING")
+    for t in m.tensors:
+        print(f"{t.name:<48} {t.dtype:<10} {str(tuple(t.shape)):<20} {_human(t.nbytes):>10}  {t.encoding}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = _open(args)
+    steps = mf.committed_steps(store, args.namespace, args.job) if args.all else [_pick_step(store, args)]
+    bad = 0
+    for step in steps:
+        commit = mf.read_commit(store, args.namespace, args.job, step)
+        objects = []
+        for ref in commit.manifests:
+            try:
+                objects.extend(mf.load_manifest(store, commit, ref.rank).objects)
+            except (CorruptObject, StrataError) as exc:
+                print(f"step {step}: rank {ref.rank} MANIFEST: {exc}")
+                bad += 1
+        total = sum(o.size for o in objects)
+        done = 0
+        t0 = time.monotonic()
+        for i, obj in enumerate(objects, 1):
+            try:
+                mf.read_object(store, obj)
+            except StrataError as exc:
+                print(f"\nstep {step}: {exc}")
+                bad += 1
+            done += obj.size
+            rate = done / max(time.monotonic() - t0, 1e-6)
+            print(
+                f"\rstep {step}: {i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(file=sys.stderr)
+        print(f"step {step}: {'OK' if not bad else 'CORRUPT'} ({len(objects)} objects, {_human(total)})")
+    return 1 if bad else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata",
+        description="Strata: checkpointing for PyTorch training on Kubernetes.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"strata {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "sidecar",
+        help="serve trainers of this pod over gRPC and upload their checkpoints",
+        description="Run the sidecar: receive snapshots from trainers on a unix socket, "
+        "upload them and commit them.",
+        epilog=EPILOG_SIDECAR,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    config.add_arguments(p)
+    p.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
+    p.set_defaults(func=cmd_sidecar)
+
+    for name, func, text in (
+        ("ls", cmd_ls, "list the committed checkpoints of a job"),
+        ("show", cmd_show, "print one rank's manifest of a committed step"),
+        ("verify", cmd_verify, "re-read a committed step and check every checksum"),
+    ):
+        p = sub.add_parser(
+            name, help=text, description=text, epilog=EPILOG_STORE, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        _store_args(p)
+        if name in ("show", "verify"):
+            p.add_argument("--step", type=int, help="step to use (default: newest committed)")
+        if name == "show":
+            p.add_argument("--rank", type=int, default=0, help="rank whose manifest to show")
+            p.add_argument("--json", action="store_true", help="print the raw manifest JSON")
+        if name == "verify":
+            p.add_argument("--all", action="store_true", help="verify every committed step")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except StrataError as exc:
+        print(f"strata {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Sidecar settings: one object, filled from flags, then ``STRATA_*``
+environment variables, then defaults (torchsnapshot's knobs habit: every
+tunable in one place with an env override)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.api import default_socket_path
+
+
+def _opt(default: Any, help: str, env: str | None = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "env": env, "secret": secret})
+
+
+@dataclass
+class SidecarSettings:
+    storage: str = _opt("", "where checkpoints go: s3://bucket/prefix or file:///path (required)")
+    socket: str = _opt(
+        "", "unix socket to serve on (default: $XDG_RUNTIME_DIR/strata/sidecar.sock or /tmp/strata-$UID/...)"
+    )
+    socket_mode: int = _opt(0o600, "permission bits of the socket (0o660 to share with a group)")
+    tcp_port: int = _opt(0, "also serve on TCP 127.0.0.1:PORT (0: off); requires --token")
+    tcp_host: str = _opt("127.0.0.1", "address for --tcp-port")
+    token: str = _opt("", "shared secret clients must send on TCP", secret=True)
+    metrics_port: int = _opt(9464, "Prometheus /metrics HTTP port (0: off)")
+    metrics_host: str = _opt("0.0.0.0", "address for the metrics endpoint")
+    s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS)", env="STRATA_S3_ENDPOINT")
+    s3_region: str = _opt("us-east-1", "S3 region")
+    object_bytes: int = _opt(64 << 20, "largest storage object a snapshot is cut into")
+    upload_concurrency: int = _opt(4, "objects uploaded in parallel per snapshot")
+    max_message_bytes: int = _opt(64 << 20, "largest gRPC message accepted or sent")
+    max_snapshot_bytes: int = _opt(64 << 30, "largest snapshot one save may carry")
+    max_held_snapshots: int = _opt(2, "snapshots held in memory per rank (committed + in flight)")
+    commit_timeout_s: float = _opt(300.0, "how long rank 0 waits for every rank's MANIFEST")
+    storage_attempts: int = _opt(5, "attempts per storage request before a save fails")
+
+    def __post_init__(self) -> None:
+        if not self.socket:
+            self.socket = default_socket_path()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting that is wrong."""
+        if not self.storage:
+            raise ValueError("--storage (STRATA_STORAGE) is required, e.g. s3://bucket/prefix or file:///path")
+        if self.tcp_port and not self.token:
+            raise ValueError(
+                "--tcp-port needs --token (STRATA_TOKEN): on a host-network pod 127.0.0.1 is the node's"
+            )
+        for name in ("object_bytes", "upload_concurrency", "max_message_bytes", "max_snapshot_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_held_snapshots < 2:
+            raise ValueError("--max-held-snapshots must be >= 2 (the committed one plus one in flight)")
+        if len(self.socket.encode()) > 107:
+            raise ValueError(f"--socket path is {len(self.socket.encode())} bytes; unix sockets allow 107")
+
+    def redacted(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get("secret") and out[f.name]:
+                out[f.name] = "***"
+        return out
+
+
+def env_name(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("env") or "STRATA_" + f.name.upper()
+
+
+def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = type(f.default)
+    try:
+        if kind is int:
+            return int(raw, 0)
+        if kind is float:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{env_name(f)}={raw!r}: expected a {kind.__name__}") from None
+    return raw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(SidecarSettings):
+        kind = type(f.default)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=(lambda s, k=kind: int(s, 0)) if kind is int else kind,
+            default=None,
+            metavar=f.name.split("_")[-1].upper(),
+            help=f"{f.metadata['help']} [env {env_name(f)}; default {f.default!r}]",
+        )
+
+
+def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> SidecarSettings:
+    """Flags win over environment variables, which win over defaults."""
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(SidecarSettings):
+        flag = getattr(args, f.name, None) if args is not None else None
+        if flag is not None:
+            values[f.name] = flag
+        elif env_name(f) in env:
+            values[f.name] = _convert(f, env[env_name(f)])
+    return SidecarSettings(**values)

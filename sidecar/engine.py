@@ -1,0 +1,450 @@
+"""The sidecar's core: holds snapshots in memory, drives upload and commit,
+serves restores. The gRPC servicer only translates messages into these calls.
+
+Memory policy per rank (REFT's double buffering): the newest committed
+snapshot stays in memory for fast restore, plus at most
+``max_held_snapshots - 1`` in flight. A save beyond that is refused with
+RESOURCE_EXHAUSTED rather than queued: memory stays bounded and the trainer
+learns at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from sidecar import manifest as mf
+from sidecar.api import PROTOCOL_VERSION
+from sidecar.api.dtypes import expected_nbytes
+from sidecar.api.faults import fault_point
+from sidecar.config import SidecarSettings
+from sidecar.errors import (
+    Aborted,
+    AlreadyExists,
+    CorruptObject,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StorageError,
+    StrataError,
+)
+from sidecar.metrics import Metrics
+from sidecar.pipeline import upload_snapshot
+from sidecar.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Identity:
+    namespace: str
+    job: str
+    rank: int
+    world_size: int
+    attempt: int
+
+    def validate(self) -> None:
+        try:
+            mf.check_name("namespace", self.namespace)
+            mf.check_name("job", self.job)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if self.world_size < 1 or self.rank >= self.world_size:
+            raise InvalidArgument(f"rank {self.rank} is outside world size {self.world_size}")
+
+    @property
+    def slot(self) -> tuple[str, str, int]:
+        return (self.namespace, self.job, self.rank)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class Snapshot:
+    identity: Identity
+    step: int
+    save_id: str
+    tensors: list[mf.TensorEntry]
+    tree: object
+    total_bytes: int
+    buffer: bytearray
+    received: int = 0
+    state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
+    message: str = ""
+    commit_key: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class RestoreData:
+    step: int
+    tensors: list[mf.TensorEntry]
+    tree: object
+    total_bytes: int
+    source: str
+    fallback_reason: str
+    chunks: Iterator[memoryview]
+
+
+class Engine:
+    def __init__(self, settings: SidecarSettings, store: Store, metrics: Metrics) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.started = time.time()
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, str, int], list[Snapshot]] = {}
+        self._outcomes: OrderedDict[str, Snapshot] = OrderedDict()
+        self._uploads = ThreadPoolExecutor(settings.upload_concurrency, thread_name_prefix="strata-upload")
+        self._committer = ThreadPoolExecutor(4, thread_name_prefix="strata-commit")
+
+    def close(self) -> None:
+        self._committer.shutdown(wait=True, cancel_futures=False)
+        self._uploads.shutdown(wait=True)
+
+    # --- save -----------------------------------------------------------------------------
+
+    def begin_save(
+        self,
+        protocol_version: int,
+        identity: Identity,
+        step: int,
+        save_id: str,
+        tensors: list[TensorSpec],
+        tree: bytes,
+    ) -> Snapshot:
+        """Validate a header and reserve memory for the snapshot, or raise."""
+        check_protocol(protocol_version)
+        identity.validate()
+        if step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {step}")
+        if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
+            raise InvalidArgument(f"save_id {save_id!r} must be 1-64 letters, digits or '-'")
+        entries: list[mf.TensorEntry] = []
+        names: set[str] = set()
+        offset = 0
+        for t in tensors:
+            if t.name in names:
+                raise InvalidArgument(f"duplicate tensor name {t.name!r}")
+            names.add(t.name)
+            try:
+                expect = expected_nbytes(t.dtype, t.shape)
+            except ValueError as exc:
+                raise InvalidArgument(f"tensor {t.name!r}: {exc}") from None
+            if expect != t.nbytes:
+                raise InvalidArgument(
+                    f"tensor {t.name!r}: {t.nbytes} bytes declared, but {t.dtype}{list(t.shape)} is {expect}"
+                )
+            entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset))
+            offset += t.nbytes
+        if offset > self.settings.max_snapshot_bytes:
+            raise ResourceExhausted(
+                f"snapshot of {offset} bytes exceeds --max-snapshot-bytes {self.settings.max_snapshot_bytes}"
+            )
+        try:
+            tree_value = json.loads(tree) if tree else None
+        except ValueError as exc:
+            raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
+        self._check_not_committed(identity, step)
+        with self._lock:
+            held = self._slots.setdefault(identity.slot, [])
+            for snap in held:
+                if snap.step == step and snap.state in ("receiving", "uploading"):
+                    raise Aborted(f"a save of step {step} for rank {identity.rank} is still in progress")
+                if snap.step == step and snap.state == "committed":
+                    raise AlreadyExists(f"step {step} of {identity.namespace}/{identity.job} is committed")
+            if len(held) >= self.settings.max_held_snapshots:
+                self.metrics.checkpoints.labels(identity.job, "refused").inc()
+                busy = ", ".join(f"step {s.step} {s.state}" for s in held)
+                raise ResourceExhausted(
+                    f"rank {identity.rank} already holds {len(held)} snapshots ({busy}); "
+                    "save less often or wait for the previous upload"
+                )
+            snap = Snapshot(identity, step, save_id, entries, tree_value, offset, bytearray(offset))
+            held.append(snap)
+        self._update_held_gauge()
+        return snap
+
+    def _check_not_committed(self, identity: Identity, step: int) -> None:
+        try:
+            committed = mf.is_committed(self.store, identity.namespace, identity.job, step)
+        except StorageError as exc:
+            # Storage down: accept into memory; the upload will report the failure.
+            log.warning("could not check whether step %d is committed: %s", step, exc)
+            return
+        if committed:
+            raise AlreadyExists(
+                f"step {step} of {identity.namespace}/{identity.job} is already committed; "
+                "committed checkpoints are never overwritten"
+            )
+
+    def write_chunk(self, snap: Snapshot, data: bytes) -> None:
+        end = snap.received + len(data)
+        if end > snap.total_bytes:
+            raise InvalidArgument(
+                f"stream carries more than the {snap.total_bytes} bytes its header declared"
+            )
+        snap.buffer[snap.received : end] = data
+        snap.received = end
+        fault_point("sidecar.receive.chunk", snap.step)
+
+    def finish(self, snap: Snapshot, footer_total: int, stall_s: float, skipped: int) -> None:
+        """The stream is complete: from here the snapshot commits even if the trainer dies."""
+        if snap.received != snap.total_bytes or footer_total != snap.total_bytes:
+            raise InvalidArgument(
+                f"stream ended with {snap.received} bytes (footer says {footer_total}); "
+                f"header declared {snap.total_bytes}"
+            )
+        job = snap.identity.job
+        self.metrics.received_bytes.labels(job).inc(snap.total_bytes)
+        self.metrics.save_stall.labels(job).observe(max(stall_s, 0.0))
+        if skipped:
+            self.metrics.saves_skipped.labels(job).inc(skipped)
+        snap.state = "uploading"
+        self._remember(snap)
+        self._committer.submit(self._persist, snap)
+
+    def abort(self, snap: Snapshot, reason: str) -> None:
+        """Drop an incomplete stream; nothing of it was written."""
+        if snap.state != "receiving":
+            return
+        snap.state, snap.message = "aborted", reason
+        self.metrics.checkpoints.labels(snap.identity.job, "aborted").inc()
+        log.warning("save of step %d (rank %d) aborted: %s", snap.step, snap.identity.rank, reason)
+        self._release(snap)
+        snap.done.set()
+
+    def _persist(self, snap: Snapshot) -> None:
+        ident = snap.identity
+        job = ident.job
+        t0 = time.perf_counter()
+        try:
+            prefix = mf.rank_prefix(ident.namespace, ident.job, snap.step, ident.attempt, snap.save_id, ident.rank)
+
+            def make_manifest(objects: list[mf.ObjectEntry]) -> mf.Manifest:
+                return mf.Manifest(
+                    ident.namespace, ident.job, snap.step, ident.rank, ident.world_size, ident.attempt,
+                    snap.save_id, snap.total_bytes, snap.tree, snap.tensors, objects,
+                )
+
+            upload_snapshot(
+                self.store, self._uploads, prefix, memoryview(snap.buffer), self.settings.object_bytes,
+                make_manifest, self.metrics.uploaded_bytes.labels(job).inc, snap.step,
+            )
+            self.metrics.upload_duration.labels(job).observe(time.perf_counter() - t0)
+            fault_point("sidecar.commit.before", snap.step)
+            if ident.rank == 0:
+                self._commit_as_rank0(snap)
+            else:
+                self._await_commit(snap)
+        except (StrataError, OSError) as exc:
+            op = "put" if isinstance(exc, StorageError) else "commit"
+            if isinstance(exc, StorageError):
+                self.metrics.storage_errors.labels(job, op).inc()
+            self.metrics.checkpoints.labels(job, "failed").inc()
+            snap.state, snap.message = "failed", f"step {snap.step} not committed: {exc}"
+            log.error("rank %d: %s", ident.rank, snap.message)
+            self._release(snap)
+        except Exception as exc:  # never let a bug leave a waiter hanging
+            log.exception("rank %d: unexpected error persisting step %d", ident.rank, snap.step)
+            self.metrics.checkpoints.labels(job, "failed").inc()
+            snap.state, snap.message = "failed", f"internal error: {exc!r}"
+            self._release(snap)
+        else:
+            snap.state = "committed"
+            snap.commit_key = mf.commit_key(ident.namespace, ident.job, snap.step)
+            self.metrics.checkpoints.labels(job, "committed").inc()
+            self.metrics.last_commit.labels(job).set(time.time())
+            self.metrics.last_committed_step.labels(job).set(snap.step)
+            log.info("rank %d: step %d committed (%d bytes)", ident.rank, snap.step, snap.total_bytes)
+            self._keep_newest_committed(snap)
+        finally:
+            snap.done.set()
+
+    def _commit_as_rank0(self, snap: Snapshot) -> None:
+        ident = snap.identity
+        deadline = time.monotonic() + self.settings.commit_timeout_s
+        while True:
+            try:
+                mf.write_commit(self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt)
+                return
+            except FailedPrecondition as exc:
+                if time.monotonic() > deadline:
+                    raise FailedPrecondition(f"{exc} after {self.settings.commit_timeout_s:.0f} s") from None
+                time.sleep(0.05)
+
+    def _await_commit(self, snap: Snapshot) -> None:
+        ident = snap.identity
+        deadline = time.monotonic() + self.settings.commit_timeout_s
+        while not mf.is_committed(self.store, ident.namespace, ident.job, snap.step):
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(f"rank 0 did not commit step {snap.step} in time")
+            time.sleep(0.1)
+
+    def _remember(self, snap: Snapshot) -> None:
+        with self._lock:
+            self._outcomes[snap.save_id] = snap
+            while len(self._outcomes) > 1024:
+                self._outcomes.popitem(last=False)
+
+    def _release(self, snap: Snapshot) -> None:
+        with self._lock:
+            held = self._slots.get(snap.identity.slot, [])
+            if snap in held:
+                held.remove(snap)
+            snap.buffer = bytearray()
+        self._update_held_gauge()
+
+    def _keep_newest_committed(self, snap: Snapshot) -> None:
+        """A newly committed snapshot replaces older committed ones in memory."""
+        with self._lock:
+            held = self._slots.get(snap.identity.slot, [])
+            for old in [s for s in held if s.state == "committed" and s.step < snap.step]:
+                held.remove(old)
+                old.buffer = bytearray()
+        self._update_held_gauge()
+
+    def _update_held_gauge(self) -> None:
+        with self._lock:
+            total = sum(len(s.buffer) for held in self._slots.values() for s in held)
+        self.metrics.held_bytes.set(total)
+
+    def wait_committed(self, identity: Identity, step: int, save_id: str, timeout: float) -> Snapshot | None:
+        """The snapshot once it is final (or still pending at the timeout); None if unknown."""
+        with self._lock:
+            snap = self._outcomes.get(save_id)
+        if snap is None:
+            return None
+        snap.done.wait(timeout)
+        return snap
+
+    # --- restore --------------------------------------------------------------------------
+
+    def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
+        identity.validate()
+        ns, job = identity.namespace, identity.job
+        if step is None:
+            # A stream that completed before the trainer died is being committed right now;
+            # a restarted trainer must see it, so let it finish first.
+            self._settle(identity)
+            target = self._newest_step(identity)
+            if target is None:
+                raise NotFound(f"no committed checkpoint for {ns}/{job}")
+        else:
+            target = step
+        memory = self._from_memory(identity, target)
+        if memory is not None:
+            self.metrics.restores.labels(job, "memory").inc()
+            return memory
+        try:
+            data = self._from_storage(identity, target)
+            self.metrics.restores.labels(job, "storage").inc()
+            return data
+        except (CorruptObject, NotFound) as exc:
+            if step is not None:
+                raise
+            first_error = exc
+        # Loud fallback: the newest step is unusable; walk back through older committed ones.
+        self.metrics.restore_fallbacks.labels(job).inc()
+        log.error("%s/%s step %d is unusable (%s); falling back to an older committed step", ns, job, target,
+                  first_error)
+        for older in reversed([s for s in mf.committed_steps(self.store, ns, job) if s < target]):
+            try:
+                data = self._from_storage(identity, older)
+            except (CorruptObject, NotFound) as exc:
+                log.error("%s/%s step %d is unusable too: %s", ns, job, older, exc)
+                continue
+            data.fallback_reason = f"step {target} unusable ({first_error}); restored step {older}"
+            self.metrics.restores.labels(job, "storage").inc()
+            return data
+        raise CorruptObject(str(first_error), f"no restorable committed step at or before {target}")
+
+    def _settle(self, identity: Identity) -> None:
+        with self._lock:
+            pending = [s for s in self._slots.get(identity.slot, []) if s.state == "uploading"]
+        for snap in pending:
+            snap.done.wait(self.settings.commit_timeout_s)
+
+    def _newest_step(self, identity: Identity) -> int | None:
+        try:
+            return mf.newest_committed(self.store, identity.namespace, identity.job)
+        except StorageError as exc:
+            # Storage unreachable: the newest snapshot this sidecar committed is still good.
+            with self._lock:
+                held = [s for s in self._slots.get(identity.slot, []) if s.state == "committed"]
+            if held:
+                log.warning("storage unreachable (%s); restoring step %d from memory", exc, held[-1].step)
+                return held[-1].step
+            raise
+
+    def _from_memory(self, identity: Identity, step: int) -> RestoreData | None:
+        with self._lock:
+            for snap in self._slots.get(identity.slot, []):
+                if snap.step == step and snap.state == "committed" and snap.identity.world_size == identity.world_size:
+                    buf = memoryview(snap.buffer)
+                    return RestoreData(step, snap.tensors, snap.tree, snap.total_bytes, "memory", "",
+                                       iter([buf]))
+        return None
+
+    def _from_storage(self, identity: Identity, step: int) -> RestoreData:
+        ns, job = identity.namespace, identity.job
+        commit = mf.read_commit(self.store, ns, job, step)
+        if commit.world_size != identity.world_size:
+            raise FailedPrecondition(
+                f"step {step} was saved by {commit.world_size} ranks; this job runs {identity.world_size}. "
+                "Changing the world size needs resharding, which this version does not do"
+            )
+        manifest = mf.load_manifest(self.store, commit, identity.rank)
+        # Read and verify every object before handing out a byte: a restore is all or nothing.
+        futures = [self._uploads.submit(mf.read_object, self.store, o) for o in manifest.objects]
+        blobs = [f.result() for f in futures]
+        return RestoreData(step, manifest.tensors, manifest.tree, manifest.total_bytes, "storage", "",
+                           iter([memoryview(b) for b in blobs]))
+
+    # --- queries --------------------------------------------------------------------------
+
+    def list_checkpoints(self, namespace: str, job: str) -> list[tuple[mf.Commit, bool]]:
+        out = []
+        for step in mf.committed_steps(self.store, namespace, job):
+            commit = mf.read_commit(self.store, namespace, job, step)
+            out.append((commit, self.in_memory(namespace, job, step)))
+        return out
+
+    def in_memory(self, namespace: str, job: str, step: int) -> bool:
+        with self._lock:
+            return any(
+                s.step == step and s.state == "committed"
+                for (ns, jb, _), held in self._slots.items()
+                if ns == namespace and jb == job
+                for s in held
+            )
+
+    def describe(self, namespace: str, job: str, step: int, rank: int) -> tuple[mf.Commit, bytes]:
+        commit = mf.read_commit(self.store, namespace, job, step)
+        ref = commit.manifest_for(rank)
+        return commit, self.store.get(ref.key)
+
+    def snapshots(self) -> list[Snapshot]:
+        with self._lock:
+            return [s for held in self._slots.values() for s in held]
+
+
+def check_protocol(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise FailedPrecondition(
+            f"protocol version {version} is not supported; this sidecar speaks {PROTOCOL_VERSION}. "
+            "Upgrade the trainer client and the sidecar together"
+        )

@@ -1,0 +1,80 @@
+"""Prometheus metrics of one sidecar. Each instance owns its registry, so tests
+(and several sidecars in one process) never share counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.save_stall = Histogram(
+            "strata_save_stall_seconds",
+            "Time save() held the training thread (staging copy), as reported by the client.",
+            ["job"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.received_bytes = Counter(
+            "strata_received_bytes_total", "Snapshot bytes received from trainers.", ["job"], registry=r
+        )
+        self.uploaded_bytes = Counter(
+            "strata_uploaded_bytes_total", "Bytes written to storage (objects and metadata).", ["job"], registry=r
+        )
+        self.upload_duration = Histogram(
+            "strata_upload_duration_seconds",
+            "From a snapshot fully received to its rank MANIFEST durable.",
+            ["job"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.checkpoints = Counter(
+            "strata_checkpoints_total",
+            "Saves by outcome: committed, failed (storage), aborted (stream cut), refused (invalid or busy).",
+            ["job", "result"],
+            registry=r,
+        )
+        self.saves_skipped = Counter(
+            "strata_saves_skipped_total",
+            "Saves the client skipped because the previous one was still streaming.",
+            ["job"],
+            registry=r,
+        )
+        self.storage_errors = Counter(
+            "strata_storage_errors_total", "Failed storage operations after retries.", ["job", "op"], registry=r
+        )
+        self.restores = Counter(
+            "strata_restores_total", "Restores served, by source (memory, storage).", ["job", "source"], registry=r
+        )
+        self.restore_fallbacks = Counter(
+            "strata_restore_fallbacks_total",
+            "Restores that skipped an unusable newer step (corrupt or missing objects).",
+            ["job"],
+            registry=r,
+        )
+        self.last_commit = Gauge(
+            "strata_last_commit_timestamp_seconds",
+            "Unix time of the newest job-level COMMIT this sidecar wrote or saw.",
+            ["job"],
+            registry=r,
+        )
+        self.last_committed_step = Gauge(
+            "strata_last_committed_step", "Newest committed training step.", ["job"], registry=r
+        )
+        self.held_bytes = Gauge("strata_held_snapshot_bytes", "Snapshot bytes held in memory.", registry=r)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http_server = server
+        return int(server.server_address[1])
+
+    def shutdown(self) -> None:
+        server = getattr(self, "_http_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -1,0 +1,101 @@
+"""Assemble and run a sidecar: storage, engine, gRPC (unix socket, optional TCP), health, metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from sidecar.api import channel_options, pb_grpc
+from sidecar.config import SidecarSettings
+from sidecar.engine import Engine
+from sidecar.metrics import Metrics
+from sidecar.server.interceptor import ErrorInterceptor
+from sidecar.server.servicer import CheckpointerServicer
+from sidecar.store import open_store
+from sidecar.store.base import Store
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "strata.v1.Checkpointer"
+
+
+class SidecarServer:
+    """A running sidecar. ``stop()`` lets in-flight uploads finish first."""
+
+    def __init__(self, settings: SidecarSettings, store: Store | None = None, metrics: Metrics | None = None):
+        settings.validate()
+        self.settings = settings
+        self.store = store or open_settings_store(settings)
+        self.metrics = metrics or Metrics()
+        self.engine = Engine(settings, self.store, self.metrics)
+        self.health = health.HealthServicer()
+        self._grpc = grpc.server(
+            ThreadPoolExecutor(max_workers=16, thread_name_prefix="strata-grpc"),
+            interceptors=[ErrorInterceptor(settings.token)],
+            options=channel_options(settings.max_message_bytes),
+        )
+        pb_grpc.add_CheckpointerServicer_to_server(
+            CheckpointerServicer(self.engine, settings.storage, settings.max_message_bytes), self._grpc
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self.socket_path = settings.socket
+        self.tcp_port = 0
+        self.metrics_port = 0
+
+    def start(self) -> SidecarServer:
+        path = Path(self.socket_path)
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=0o700)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+            path.unlink()
+        self._grpc.add_insecure_port(f"unix:{path}")
+        if self.settings.tcp_port:
+            self.tcp_port = self._grpc.add_insecure_port(f"{self.settings.tcp_host}:{self.settings.tcp_port}")
+        self._grpc.start()
+        os.chmod(path, self.settings.socket_mode)
+        if self.settings.metrics_port:
+            self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "strata sidecar serving on unix:%s%s, storage %s, metrics %s",
+            path,
+            f" and tcp {self.settings.tcp_host}:{self.tcp_port}" if self.tcp_port else "",
+            self.settings.storage,
+            f":{self.metrics_port}/metrics" if self.metrics_port else "off",
+        )
+        return self
+
+    def wait(self) -> None:
+        self._grpc.wait_for_termination()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self._grpc.stop(grace).wait()
+        self.engine.close()
+        self.metrics.shutdown()
+        self.store.close()
+        Path(self.socket_path).unlink(missing_ok=True)
+
+
+def open_settings_store(settings: SidecarSettings) -> Store:
+    if not settings.storage.startswith("s3://"):
+        return open_store(settings.storage)
+    return open_store(
+        settings.storage,
+        endpoint_url=settings.s3_endpoint or None,
+        region=settings.s3_region,
+        concurrency=settings.upload_concurrency,
+        max_attempts=settings.storage_attempts,
+    )
+
+
+def serve(settings: SidecarSettings) -> SidecarServer:
+    return SidecarServer(settings).start()

@@ -1,0 +1,80 @@
+"""One place that turns domain errors into gRPC statuses and checks the token.
+
+Unix-socket peers are trusted (the socket's directory and mode are the access
+control); TCP peers must send the shared token, because on a host-network pod
+127.0.0.1 is reachable by everything on the node.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from sidecar.api import TOKEN_METADATA_KEY
+from sidecar.errors import StrataError
+
+log = logging.getLogger(__name__)
+
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str = "") -> None:
+        self._token = token
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method  # type: ignore[attr-defined]
+        open_method = method.startswith(_OPEN_METHODS)
+        metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        sent_token = str(metadata.get(TOKEN_METADATA_KEY, ""))
+
+        def authorize(context: grpc.ServicerContext) -> None:
+            if open_method or context.peer().startswith("unix:"):
+                return
+            if not self._token or not hmac.compare_digest(sent_token, self._token):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"TCP clients must send {TOKEN_METADATA_KEY}")
+
+        def unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+                authorize(context)
+                try:
+                    return behavior(request, context)
+                except StrataError as exc:
+                    context.abort(exc.code, str(exc))
+                except Exception as exc:
+                    log.exception("%s failed", method)
+                    context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error: {exc!r}")
+
+            return wrapped
+
+        def streaming(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+            def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                authorize(context)
+                try:
+                    yield from behavior(request, context)
+                except StrataError as exc:
+                    context.abort(exc.code, str(exc))
+                except Exception as exc:
+                    log.exception("%s failed", method)
+                    context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error: {exc!r}")
+
+            return wrapped
+
+        if handler.unary_unary:
+            return handler._replace(unary_unary=unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=streaming(handler.unary_stream))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=streaming(handler.stream_stream))
+        return handler

@@ -1,0 +1,156 @@
+"""Checkpointer servicer: translate protobuf messages to engine calls, nothing more."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from sidecar import __version__
+from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, pb, pb_grpc
+from sidecar.engine import Engine, Identity, TensorSpec, check_protocol
+from sidecar.errors import Aborted, InvalidArgument, NotFound
+from sidecar.manifest import Commit, TensorEntry
+
+CAPABILITIES = ["save.stream", "restore.stream", "restore.memory"]
+_COMMIT_STATES = {
+    "receiving": pb.COMMIT_STATE_PENDING,
+    "uploading": pb.COMMIT_STATE_PENDING,
+    "committed": pb.COMMIT_STATE_COMMITTED,
+    "failed": pb.COMMIT_STATE_FAILED,
+    "aborted": pb.COMMIT_STATE_FAILED,
+}
+
+
+def _identity(msg: pb.Identity) -> Identity:
+    return Identity(msg.namespace, msg.job, msg.rank, msg.world_size, msg.attempt)
+
+
+def _info(commit: Commit, in_memory: bool) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        step=commit.step,
+        world_size=commit.world_size,
+        total_bytes=commit.total_bytes,
+        committed_at=commit.committed_at,
+        commit_key=f"steps/{commit.step:012d}/COMMIT",
+        in_memory=in_memory,
+    )
+
+
+def _metas(tensors: list[TensorEntry]) -> list[pb.TensorMeta]:
+    return [pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes) for t in tensors]
+
+
+class CheckpointerServicer(pb_grpc.CheckpointerServicer):
+    def __init__(self, engine: Engine, storage_url: str, max_message_bytes: int) -> None:
+        self.engine = engine
+        self.storage_url = storage_url
+        self.max_message_bytes = max_message_bytes
+        self.chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
+
+    def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
+        check_protocol(request.protocol_version)
+        return pb.HandshakeResponse(
+            protocol_version=PROTOCOL_VERSION,
+            server_version=__version__,
+            capabilities=CAPABILITIES,
+            max_message_bytes=self.max_message_bytes,
+            max_snapshot_bytes=self.engine.settings.max_snapshot_bytes,
+            storage_url=self.storage_url,
+        )
+
+    def Save(self, request_iterator: Iterator[pb.SaveRequest], context: grpc.ServicerContext) -> pb.SaveAck:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise InvalidArgument("a save stream must start with a SaveHeader")
+        h = first.header
+        snap = self.engine.begin_save(
+            h.protocol_version,
+            _identity(h.identity),
+            h.step,
+            h.save_id,
+            [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in h.tensors],
+            h.tree,
+        )
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "chunk":
+                    self.engine.write_chunk(snap, msg.chunk)
+                elif kind == "footer":
+                    self.engine.finish(snap, msg.footer.total_bytes, h.stall_seconds, h.skipped_saves)
+                    return pb.SaveAck(step=snap.step, save_id=snap.save_id, bytes_received=snap.received)
+                else:
+                    raise InvalidArgument("a second SaveHeader inside one save stream")
+            raise Aborted(f"save stream of step {snap.step} ended before its footer")
+        except grpc.RpcError:
+            self.engine.abort(snap, "client cancelled the stream")
+            raise Aborted(f"save stream of step {snap.step} was cancelled") from None
+        except BaseException as exc:
+            self.engine.abort(snap, str(exc) or type(exc).__name__)
+            raise
+
+    def WaitCommitted(
+        self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext
+    ) -> pb.CommitStatus:
+        snap = self.engine.wait_committed(
+            _identity(request.identity), request.step, request.save_id, request.timeout_seconds
+        )
+        if snap is None:
+            raise NotFound(f"no save {request.save_id!r} of step {request.step} is known to this sidecar")
+        return pb.CommitStatus(
+            state=_COMMIT_STATES[snap.state], step=snap.step, message=snap.message, commit_key=snap.commit_key
+        )
+
+    def Restore(
+        self, request: pb.RestoreRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.RestoreResponse]:
+        check_protocol(request.protocol_version)
+        step = request.step if request.HasField("step") else None
+        data = self.engine.open_restore(_identity(request.identity), step)
+        yield pb.RestoreResponse(
+            header=pb.RestoreHeader(
+                step=data.step,
+                tensors=_metas(data.tensors),
+                tree=json.dumps(data.tree).encode(),
+                total_bytes=data.total_bytes,
+                source=data.source,
+                fallback_reason=data.fallback_reason,
+            )
+        )
+        for blob in data.chunks:
+            for start in range(0, len(blob), self.chunk_bytes):
+                yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))
+
+    def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: grpc.ServicerContext
+    ) -> pb.ListCheckpointsResponse:
+        found = self.engine.list_checkpoints(request.namespace, request.job)
+        return pb.ListCheckpointsResponse(checkpoints=[_info(c, mem) for c, mem in found])
+
+    def DescribeCheckpoint(
+        self, request: pb.DescribeCheckpointRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeCheckpointResponse:
+        commit, body = self.engine.describe(request.namespace, request.job, request.step, request.rank)
+        in_memory = self.engine.in_memory(request.namespace, request.job, request.step)
+        return pb.DescribeCheckpointResponse(info=_info(commit, in_memory), manifest_json=body.decode())
+
+    def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
+        return pb.StatusResponse(
+            server_version=__version__,
+            storage_url=self.storage_url,
+            uptime_seconds=time.time() - self.engine.started,
+            snapshots=[
+                pb.SnapshotStatus(
+                    namespace=s.identity.namespace,
+                    job=s.identity.job,
+                    rank=s.identity.rank,
+                    step=s.step,
+                    state=s.state,
+                    bytes=s.total_bytes,
+                )
+                for s in self.engine.snapshots()
+            ],
+        )

@@ -1,0 +1,28 @@
+"""Strata trainer client: save and restore training state through the sidecar.
+
+Public API::
+
+    from trainer_client import CheckpointClient
+"""
+
+from trainer_client.client import CheckpointClient, Committed, SaveHandle
+from trainer_client.config import ClientSettings
+from trainer_client.errors import (
+    CheckpointError,
+    RestoreError,
+    SaveFailed,
+    SaveSkipped,
+    SidecarUnavailable,
+)
+
+__all__ = [
+    "CheckpointClient",
+    "CheckpointError",
+    "ClientSettings",
+    "Committed",
+    "RestoreError",
+    "SaveFailed",
+    "SaveHandle",
+    "SaveSkipped",
+    "SidecarUnavailable",
+]

@@ -1,0 +1,156 @@
+"""Host staging buffers: allocated and pre-faulted once, reused by every save.
+
+The training thread's stall is the copy into these buffers and nothing else.
+One flat uint8 buffer holds every tensor at a 64-byte aligned offset (so dtype
+views are legal); it is pinned when any tensor lives on a GPU. The layout is
+rebuilt only when the set of tensors changes (e.g. an optimizer creating its
+state lazily after the first step).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_ALIGN = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"checkpoint holds dtype {name!r}, which this torch build does not know")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+
+
+class HostBuffers:
+    def __init__(self) -> None:
+        self._key: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] | None = None
+        self.slots: list[Slot] = []
+        self.views: list[torch.Tensor] = []
+        self.flat: torch.Tensor | None = None
+        self.allocations = 0
+
+    def ensure(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+        """Make the buffer fit these tensors; True when it had to (re)allocate."""
+        key = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
+        if key == self._key:
+            return False
+        slots, offset = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, offset))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        pin = torch.cuda.is_available() and any(t.is_cuda for _, t in tensors)
+        self.flat = None  # free the old buffer before allocating the new one
+        flat = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=pin)
+        flat.zero_()  # pre-fault every page now, not during the first timed copy
+        self.flat = flat
+        self.views = [flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots]
+        self.slots = slots
+        self._key = key
+        self.allocations += 1
+        return True
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
+        """The tensors' bytes packed back to back (no alignment padding), in chunks."""
+        assert self.flat is not None
+        raw = memoryview(self.flat.numpy())
+        pending: list[memoryview] = []
+        size = 0
+        for s in self.slots:
+            pos, end = s.offset, s.offset + s.nbytes
+            while pos < end:
+                take = min(end - pos, chunk_bytes - size)
+                pending.append(raw[pos : pos + take])
+                size += take
+                pos += take
+                if size == chunk_bytes:
+                    yield b"".join(pending)
+                    pending, size = [], 0
+        if pending:
+            yield b"".join(pending)
+
+
+class Stager:
+    """Copies live tensors into the host buffers.
+
+    ``copy(indices)`` runs in the caller's thread; on GPU it only enqueues
+    copies on a side stream and records an event, and makes the compute stream
+    wait for it, so later in-place updates cannot overtake the copy.
+    """
+
+    def __init__(self, buffers: HostBuffers) -> None:
+        self.buffers = buffers
+        self._stream: torch.cuda.Stream | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def copy(self, tensors: list[tuple[str, torch.Tensor]], indices: list[int]) -> None:
+        views = self.buffers.views
+        cuda = [i for i in indices if tensors[i][1].is_cuda]
+        with torch.no_grad():
+            for i in indices:
+                if not tensors[i][1].is_cuda:
+                    views[i].copy_(tensors[i][1])
+            if cuda:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                compute = torch.cuda.current_stream()
+                self._stream.wait_stream(compute)
+                with torch.cuda.stream(self._stream):
+                    for i in cuda:
+                        views[i].copy_(tensors[i][1], non_blocking=True)
+                    self.event = self._stream.record_event()
+                compute.wait_stream(self._stream)
+
+    def synchronize(self) -> None:
+        """Block until the GPU copies have landed in host memory."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+def as_numpy_bytes(t: torch.Tensor) -> np.ndarray:
+    """A writable uint8 view of a contiguous CPU tensor's memory."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Gate:
+    """A reusable "staging finished" flag the optimizer pre-hook waits on."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._event.set()
+
+    def close(self) -> None:
+        self._event.clear()
+
+    def open(self) -> None:
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
+    @property
+    def is_open(self) -> bool:
+        return self._event.is_set()
