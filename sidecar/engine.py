@@ -151,8 +151,9 @@ class Engine:
             entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset))
             offset += t.nbytes
         if offset > self.settings.max_snapshot_bytes:
-            raise ResourceExhausted(
-                f"snapshot of {offset} bytes exceeds --max-snapshot-bytes {self.settings.max_snapshot_bytes}"
+            raise InvalidArgument(
+                f"snapshot of {offset} bytes exceeds the sidecar's --max-snapshot-bytes "
+                f"{self.settings.max_snapshot_bytes}"
             )
         try:
             tree_value = json.loads(tree) if tree else None

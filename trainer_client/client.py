@@ -100,6 +100,8 @@ class CheckpointClient:
         self._overlap: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._skipped_unreported = 0
+        #: step, source ("memory"/"storage") and fallback reason of the newest restore
+        self.last_restore: dict[str, Any] | None = None
         self.stats = {"saves": 0, "skipped": 0, "failed": 0, "first_save_stall_s": 0.0, "last_stall_s": 0.0}
         for opt in optimizers:
             self.register_optimizer(opt)
@@ -183,7 +185,7 @@ class CheckpointClient:
             if busy and self.settings.when_busy == "skip":
                 return self._skip(step)
         if busy and self._inflight is not None:
-            self._inflight.wait()
+            self._inflight.result()  # _send never raises; it fails the handle instead
         handle = SaveHandle(step)
         full = dict(state)
         if self.settings.capture_rng:
@@ -242,11 +244,23 @@ class CheckpointClient:
                 handle.staged.set_result(None)
             self._stager.synchronize()
             save_id = uuid.uuid4().hex[:16]
-            ack = self._stub.Save(
-                self._requests(handle.step, save_id, tree, stall, skipped),
-                timeout=self.settings.rpc_timeout_s,
-                metadata=self._metadata,
-            )
+            delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
+            while True:
+                try:
+                    ack = self._stub.Save(
+                        self._requests(handle.step, save_id, tree, stall, skipped),
+                        timeout=self.settings.rpc_timeout_s,
+                        metadata=self._metadata,
+                    )
+                    break
+                except grpc.RpcError as exc:
+                    # The sidecar holds its limit of snapshots. Under "wait" the user chose to
+                    # block rather than lose a save: keep the buffers and retry with backoff.
+                    busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+                    if not (busy and self.settings.when_busy == "wait" and time.monotonic() < deadline):
+                        raise
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
         except grpc.RpcError as exc:
             self._fail(handle, exc)
             return
@@ -363,6 +377,12 @@ class CheckpointClient:
         rng_state = target.get(_RNG_KEY)
         if self.settings.capture_rng and rng_state:
             _rng.restore(rng_state)
+        self.last_restore = {
+            "step": int(header.step),
+            "source": header.source,
+            "fallback_reason": header.fallback_reason,
+            "bytes": int(header.total_bytes),
+        }
         log.info("restored step %d from %s (%d bytes)", header.step, header.source, header.total_bytes)
         return int(header.step)
 

@@ -1,0 +1,45 @@
+# Strata — every step a fresh machine needs lives here.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: help setup demo test test-fast bench chaos proto proto-check lint typecheck clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed  ## create .venv (torch 2.13.0 CPU first, then strata-ckpt[dev])
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+demo: setup  ## SeaweedFS + sidecar + trainer; kill the trainer mid-save, resume, compare bit for bit
+	$(PY) deploy/local/demo.py
+
+test: setup  ## unit + integration tests (real gRPC, real SeaweedFS)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup  ## benchmarks; writes bench-results.json and prints a table
+	$(PY) -m tests.bench.run
+
+chaos: setup  ## repeated kill -9 trials during saves
+	$(PY) -m pytest -m slow tests/chaos $(PYTEST_ARGS)
+
+proto: setup  ## regenerate sidecar/api from proto/
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc --proto_path=sidecar/api=proto \
+	  --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. sidecar/api/strata/v1/strata.proto
+
+lint: setup  ## ruff, mypy, import contracts
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+clean:  ## remove the venv and local state
+	rm -rf $(VENV) .strata bench-results.json

@@ -1,0 +1,127 @@
+"""Fixtures for tests that run a real sidecar over real gRPC sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.config import SidecarSettings
+from sidecar.metrics import Metrics
+from sidecar.server import SidecarServer
+from trainer_client import CheckpointClient
+
+
+@pytest.fixture
+def make_sidecar(short_tmp: Path) -> Iterator[Callable[..., SidecarServer]]:
+    """Start sidecars in this process, each with its own metrics registry."""
+    started: list[SidecarServer] = []
+
+    def make(storage: str | None = None, **options: Any) -> SidecarServer:
+        settings = SidecarSettings(
+            storage=storage or f"file://{short_tmp}/store",
+            socket=str(short_tmp / f"sc{len(started)}.sock"),
+            metrics_port=options.pop("metrics_port", 0),
+            commit_timeout_s=options.pop("commit_timeout_s", 30.0),
+            **options,
+        )
+        server = SidecarServer(settings, metrics=Metrics()).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop(grace=1)
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[..., CheckpointClient]]:
+    clients: list[CheckpointClient] = []
+
+    def make(server: SidecarServer, job: str = "job", **options: Any) -> CheckpointClient:
+        options.setdefault("connect_timeout_s", 10.0)
+        options.setdefault("commit_timeout_s", 60.0)
+        client = CheckpointClient(job=job, socket=server.socket_path, **options)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close(wait=False)
+
+
+@pytest.fixture
+def job_name() -> str:
+    return "job-" + uuid.uuid4().hex[:8]
+
+
+class TcpProxy:
+    """A loopback TCP forwarder that a test can cut, to make storage really unreachable."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self._target = (target_host, target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._cut = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._cut:
+                    client.close()
+                    continue
+                try:
+                    upstream = socket.create_connection(self._target)
+                except OSError:
+                    client.close()
+                    continue
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones."""
+        with self._lock:
+            self._cut = True
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
+        with self._lock:
+            for conn in self._conns:
+                conn.close()

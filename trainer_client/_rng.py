@@ -1,0 +1,93 @@
+"""Capture and restore the process-wide random number generators.
+
+A resumed run must draw the same random numbers (dropout masks, augmentations, sampling) as
+the run it continues, so the global Python, numpy and torch streams travel with the
+checkpoint. The captured dict holds only types ``_tree`` can encode without pickle: Python's
+state is a tuple of ints (plus None or a float), numpy's a tuple holding a uint32 array, and
+torch's are uint8 tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    import numpy as np
+except ModuleNotFoundError:  # torch runs without numpy; then there is no numpy stream to keep
+    np = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+_KEYS = ("python", "numpy", "torch", "cuda")
+
+
+def capture() -> dict[str, Any]:
+    """The current state of every global generator in this process.
+
+    CUDA generators are captured only once CUDA is initialized: querying them earlier would
+    initialize CUDA (a context per device) as a side effect of checkpointing.
+    """
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore(state: Mapping[str, Any]) -> None:
+    """Set the global generators back to ``state`` (from :func:`capture`, possibly after a
+    flatten/rebuild round trip). Streams the checkpoint lacks, or that this process cannot
+    hold (no numpy, no CUDA, fewer GPUs), are logged and left alone."""
+    unknown = set(state) - set(_KEYS)
+    if unknown:
+        raise ValueError(f"RNG state has unknown keys {sorted(unknown)}; expected some of {list(_KEYS)}")
+    if "python" in state:
+        random.setstate(state["python"])
+    else:
+        log.warning("checkpoint holds no Python RNG state; the random module is not restored")
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    else:
+        log.warning("checkpoint holds no torch RNG state; the torch CPU generator is not restored")
+    if "numpy" in state:
+        if np is None:
+            log.warning("checkpoint holds numpy RNG state but numpy is not installed; skipped")
+        else:
+            np.random.set_state(state["numpy"])
+    elif np is not None:
+        log.warning("checkpoint holds no numpy RNG state; numpy's global generator is not restored")
+    if "cuda" in state:
+        _restore_cuda(list(state["cuda"]))
+
+
+def _restore_cuda(states: list[torch.Tensor]) -> None:
+    if not torch.cuda.is_available():
+        log.warning("checkpoint holds CUDA RNG state for %d devices but CUDA is unavailable", len(states))
+        return
+    count = torch.cuda.device_count()
+    if count != len(states):
+        log.warning(
+            "checkpoint holds CUDA RNG state for %d devices, this process sees %d; restoring the first %d",
+            len(states),
+            count,
+            min(count, len(states)),
+        )
+    for index, s in enumerate(states[:count]):
+        torch.cuda.set_rng_state(s.cpu(), index)
+
+
+class RNGState:
+    """Stateful adapter, so the global generators can sit in a state dict like a model:
+    ``state["rng"] = RNGState()``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        restore(state)
