@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sidecar.api.dtypes import ITEMSIZE
+
 _ALIGN = 64
 
 
@@ -54,6 +56,8 @@ class HostBuffers:
             return False
         slots, offset = [], 0
         for name, t in tensors:
+            if dtype_name(t.dtype) not in ITEMSIZE:
+                raise TypeError(f"{name}: dtype {t.dtype} cannot be checkpointed; supported: {', '.join(ITEMSIZE)}")
             nbytes = t.numel() * t.element_size()
             slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, offset))
             offset += -(-nbytes // _ALIGN) * _ALIGN

@@ -270,6 +270,7 @@ class CheckpointClient:
         finally:
             if not handle.staged.done():
                 handle.staged.set_result(None)
+        fault_point("client.saved", handle.step)
         self._waiter.submit(self._await_durable, handle, ack.save_id)
 
     def _requests(self, step: int, save_id: str, tree: bytes, stall: float, skipped: int) -> Iterator[pb.SaveRequest]:
@@ -367,7 +368,9 @@ class CheckpointClient:
             log.error("restore fell back: %s", header.fallback_reason)
         skeleton = _tree.decode_skeleton(header.tree)
         target = dict(state)
-        target.setdefault(_RNG_KEY, None)
+        root = skeleton.get("root")
+        if isinstance(root, dict) and _RNG_KEY in root:
+            target[_RNG_KEY] = None
         try:
             _tree.load_into(target, skeleton, tensors)
         except (TypeError, ValueError) as exc:

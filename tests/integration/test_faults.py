@@ -1,0 +1,183 @@
+"""Faults: storage failing, corrupted objects, trainers killed at chosen points.
+
+Kill points come from the injection hook (STRATA_FAULTS), never from sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TcpProxy
+
+from sidecar import manifest as mf
+from trainer_client import SaveFailed
+
+TRAINER = textwrap.dedent(
+    """
+    import sys, torch
+    from trainer_client import CheckpointClient
+    client = CheckpointClient()
+    state = {"w": torch.zeros(64, 1024)}
+    start = client.resume(state)
+    print("RESUMED", start, flush=True)
+    for step in range(int(sys.argv[1]), int(sys.argv[2])):
+        state["w"].fill_(float(step))
+        client.save(step, state).durable.result(60)
+        print("COMMITTED", step, flush=True)
+    client.close()
+    """
+)
+
+
+def run_trainer(server, job: str, first: int, last: int, faults: str = "", attempt: int = 0):
+    env = dict(
+        os.environ,
+        STRATA_SOCKET=server.socket_path,
+        STRATA_JOB=job,
+        STRATA_ATTEMPT=str(attempt),
+        STRATA_FAULTS=faults,
+        STRATA_CHUNK_BYTES=str(64 * 1024),  # 256 KiB state -> 4 chunks, so "mid-stream" exists
+    )
+    return subprocess.run(
+        [sys.executable, "-c", TRAINER, str(first), str(last)], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_trainer_killed_mid_stream_never_commits_and_the_previous_step_restores(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    done = run_trainer(server, job_name, 0, 5, faults="client.stream.chunk@3#2=kill")
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert "COMMITTED 2" in done.stdout and "COMMITTED 3" not in done.stdout
+    assert mf.committed_steps(server.store, "default", job_name) == [0, 1, 2]
+    # The torn attempt left no MANIFEST and no COMMIT; a resumed trainer restores step 2 ...
+    state = {"w": torch.empty(64, 1024)}
+    assert make_client(server, job_name).restore(state) == 2
+    assert torch.equal(state["w"], torch.full((64, 1024), 2.0))
+    # ... and may save step 3 again over the torn attempt.
+    again = run_trainer(server, job_name, 3, 5, attempt=1)
+    assert again.returncode == 0, again.stderr
+    assert "RESUMED 2" in again.stdout
+    assert mf.committed_steps(server.store, "default", job_name) == [0, 1, 2, 3, 4]
+
+
+def test_a_completed_stream_commits_even_if_the_trainer_dies_right_after(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    done = run_trainer(server, job_name, 0, 3, faults="client.saved@1=kill")
+    assert done.returncode == -signal.SIGKILL
+    state = {"w": torch.empty(64, 1024)}
+    assert make_client(server, job_name).restore(state) == 1  # acked before the kill, so committed
+    assert torch.equal(state["w"], torch.full((64, 1024), 1.0))
+
+
+def test_sidecar_killed_before_commit_leaves_the_previous_step(tmp_path, short_tmp, job_name):
+    """A sidecar process dying between its MANIFEST and the COMMIT: the step never exists."""
+    store = tmp_path / "store"
+    sock = short_tmp / "k.sock"
+    env = dict(os.environ, STRATA_FAULTS="sidecar.commit.before@2=kill")
+    strata = str(Path(sys.executable).parent / "strata")
+    sidecar = subprocess.Popen(
+        [strata, "sidecar", "--storage", f"file://{store}", "--socket", str(sock), "--metrics-port", "0"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        from trainer_client import CheckpointClient
+
+        client = CheckpointClient(job=job_name, socket=str(sock), connect_timeout_s=30)
+        for step in (1, 2):
+            handle = client.save(step, {"w": torch.full((8,), float(step))})
+            if step == 1:
+                handle.durable.result(30)
+        with pytest.raises(SaveFailed):
+            handle.durable.result(30)
+        assert sidecar.wait(30) == -signal.SIGKILL
+        client.close(wait=False)
+    finally:
+        if sidecar.poll() is None:
+            sidecar.kill()
+            sidecar.wait()
+    from sidecar.store import open_store
+
+    files = open_store(f"file://{store}")
+    assert mf.committed_steps(files, "default", job_name) == [1]
+    assert mf.newest_committed(files, "default", job_name) == 1
+
+
+def test_storage_unreachable_fails_durable_counts_it_and_keeps_the_last_commit(
+    make_sidecar, make_client, job_name, s3_store_url, seaweed
+):
+    url, endpoint = s3_store_url
+    host, port = endpoint.removeprefix("http://").split(":")
+    proxy = TcpProxy(host, int(port))
+    try:
+        server = make_sidecar(url, s3_endpoint=proxy.endpoint, storage_attempts=2)
+        client = make_client(server, job_name)
+        client.save(1, {"w": torch.ones(1000)}).durable.result(30)
+        proxy.cut()
+        handle = client.save(2, {"w": torch.full((1000,), 2.0)})
+        assert handle.staged.done()  # the training thread was not held up
+        with pytest.raises(SaveFailed, match="step 2 not committed"):
+            handle.durable.result(60)
+        m = server.metrics.registry
+        assert m.get_sample_value("strata_storage_errors_total", {"job": job_name, "op": "put"}) >= 1
+        assert m.get_sample_value("strata_checkpoints_total", {"job": job_name, "result": "failed"}) == 1
+    finally:
+        proxy.close()
+    # Step 1 is intact and restorable from S3 by a sidecar that can reach it.
+    healthy = make_sidecar(url, s3_endpoint=endpoint)
+    out = {"w": torch.zeros(1000)}
+    assert make_client(healthy, job_name).restore(out) == 1
+    assert torch.equal(out["w"], torch.ones(1000))
+
+
+def test_storage_unreachable_still_restores_from_memory(make_sidecar, make_client, job_name, s3_store_url):
+    url, endpoint = s3_store_url
+    host, port = endpoint.removeprefix("http://").split(":")
+    proxy = TcpProxy(host, int(port))
+    try:
+        server = make_sidecar(url, s3_endpoint=proxy.endpoint, storage_attempts=1)
+        client = make_client(server, job_name)
+        client.save(1, {"w": torch.ones(10)}).durable.result(30)
+        proxy.cut()
+        out = {"w": torch.zeros(10)}
+        assert client.restore(out) == 1
+        assert client.last_restore["source"] == "memory"
+    finally:
+        proxy.close()
+
+
+def test_corrupt_object_is_named_and_restore_falls_back(make_sidecar, make_client, job_name, tmp_path, caplog):
+    server = make_sidecar(f"file://{tmp_path}/store")
+    client = make_client(server, job_name)
+    for step in (1, 2):
+        client.save(step, {"w": torch.full((4096,), float(step))}).durable.result(30)
+    client.close()
+    server.stop(grace=1)
+    commit = mf.read_commit(server.store, "default", job_name, 2)
+    obj = mf.load_manifest(server.store, commit, 0).objects[0]
+    path = tmp_path / "store" / obj.key
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    fresh = make_sidecar(f"file://{tmp_path}/store")  # nothing in memory
+    caplog.set_level(logging.ERROR)
+    out = {"w": torch.zeros(4096)}
+    client2 = make_client(fresh, job_name)
+    assert client2.restore(out) == 1
+    assert torch.equal(out["w"], torch.full((4096,), 1.0))
+    assert obj.key in client2.last_restore["fallback_reason"]
+    assert any(obj.key in r.getMessage() for r in caplog.records), "the fallback must be loud"
+    assert fresh.metrics.registry.get_sample_value("strata_restore_fallbacks_total", {"job": job_name}) == 1
+    # Asking for the corrupt step explicitly is an error naming the object, not a silent fallback.
+    from trainer_client import RestoreError
+
+    with pytest.raises(RestoreError, match=obj.key):
+        client2.restore(out, step=2)
