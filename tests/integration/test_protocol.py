@@ -135,6 +135,11 @@ def test_stream_cut_midway_commits_nothing(stub, job_name):
 
     future = s.Save.future(cut_after_one_chunk(), timeout=30)
     assert sent.wait(10)
+    for _ in range(200):  # until the sidecar holds the partial snapshot
+        held = server.engine.snapshots()
+        if held and held[0].received == 1024:
+            break
+        threading.Event().wait(0.05)
     future.cancel()
     with pytest.raises(grpc.FutureCancelledError):
         future.result()
