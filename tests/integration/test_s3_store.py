@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from sidecar import errors
-from sidecar.local.seaweed import SeaweedServer
+from sidecar.local.seaweed import SeaweedError, SeaweedServer
 from sidecar.store import Listing, ObjectInfo, open_store
 from sidecar.store.s3 import MiB, S3Store
 
@@ -306,3 +306,14 @@ def test_seaweed_cli_start_and_stop(short_tmp: Path) -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_seaweed_start_failure_shows_the_log(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = short_tmp / "weed"
+    fake.write_text("#!/bin/sh\necho 'boom: cannot start' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr("sidecar.local.seaweed.find_weed", lambda: str(fake))
+    server = SeaweedServer(short_tmp / "data")
+    with pytest.raises(SeaweedError, match=r"(?s)exited early with status 3.*boom: cannot start"):
+        server.start(timeout=10)
+    server.stop()  # nothing left to stop; still fine

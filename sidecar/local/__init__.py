@@ -1,0 +1,1 @@
+"""Local stand-ins for cluster services (an S3 server), for tests, demos and `strata launch`."""

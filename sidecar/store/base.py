@@ -1,0 +1,190 @@
+"""The storage contract every backend implements, plus the helpers they share."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+@dataclass
+class Listing:
+    objects: list[ObjectInfo] = field(default_factory=list)
+    #: "Common prefixes" (each ending with the delimiter) when list() is given a delimiter.
+    prefixes: list[str] = field(default_factory=list)
+
+
+class Store(ABC):
+    """A flat namespace of immutable byte objects: S3, a local directory, or memory.
+
+    Contract, identical across backends (tests/unit/test_store.py and
+    tests/integration/test_s3_store.py run the same cases on each):
+
+    - Keys are '/'-separated and relative to the store root (the prefix in the
+      URL). A valid key is non-empty, has no leading '/', no empty, '.' or '..'
+      segment and no NUL; anything else raises ValueError before any request.
+    - put() makes an object visible whole or not at all, never partially, to
+      every reader of the same store. put() on an existing key replaces it: the
+      store never refuses an overwrite. The caller enforces never-overwrite
+      (object keys are unique per save attempt; only LATEST is rewritten).
+    - get()/get_range() raise errors.ObjectNotFound for a missing key; every
+      other backend failure raises errors.StorageError (after the backend's
+      own retries).
+    - list() returns keys in byte-lexicographic order, all pages unless
+      `limit` is given; `limit` counts objects plus common prefixes, like S3's
+      MaxKeys. `start_after` is exclusive. With a delimiter, keys sharing the
+      next segment after `prefix` roll up into one common prefix.
+    - delete() ignores missing keys.
+    - requests counts backend requests by kind ("put", "get", "head", "list",
+      "delete"), for metrics and for tests that bound request counts.
+
+    Call order: open (open_store), then any operations from any number of
+    threads, then close() once. Backends are thread-safe.
+
+    Backend differences worth knowing: the file backend cannot hold both
+    "a/b" and "a/b/c" (a path is a file or a directory), and raises
+    StorageError on such a put; S3 and memory allow it. SeaweedFS orders
+    listings as a tree rather than byte-lexicographically when a key segment
+    contains a byte below '/' (such as '-' or '.') and is compared with a
+    sibling directory; see sidecar/store/s3.py.
+    """
+
+    url: str
+    requests: Counter[str]
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.requests = Counter()
+        self._requests_lock = threading.Lock()
+
+    def _count(self, op: str, n: int = 1) -> None:
+        with self._requests_lock:
+            self.requests[op] += n
+
+    @abstractmethod
+    def put(self, key: str, data: Buffer) -> None:
+        """Store `data` under `key`, atomically; replaces an existing object."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object; errors.ObjectNotFound when missing."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Up to `length` bytes from offset `start`; shorter (possibly empty) past the end."""
+
+    @abstractmethod
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size of the object, or None when missing."""
+
+    @abstractmethod
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        delimiter: str | None = None,
+        start_after: str | None = None,
+        limit: int | None = None,
+    ) -> Listing:
+        """Objects (and common prefixes) whose keys start with `prefix`."""
+
+    @abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Remove the objects; missing keys are fine."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook; most backends hold nothing
+        """Release connections and threads. The store is unusable afterwards."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it is a valid object key, else raise ValueError (see Store)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid object key {key!r}: must be a non-empty string")
+    if key.startswith("/"):
+        raise ValueError(f"invalid object key {key!r}: must be relative (no leading '/')")
+    if "\x00" in key:
+        raise ValueError(f"invalid object key {key!r}: contains NUL")
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise ValueError(f"invalid object key {key!r}: empty, '.' or '..' segment")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Like validate_key, but "" and a trailing '/' are allowed (a prefix need not be a key)."""
+    if prefix == "":
+        return prefix
+    validate_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
+def validate_range(start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise ValueError(f"invalid byte range: start={start} length={length} (both must be >= 0)")
+
+
+def build_listing(
+    keys: Iterable[tuple[str, int]],
+    prefix: str,
+    delimiter: str | None,
+    start_after: str | None,
+    limit: int | None,
+) -> Listing:
+    """S3 ListObjectsV2 semantics over `keys`, which must come in lexicographic order.
+
+    The local backends use this so their listings match S3 exactly; `keys` may
+    be a lazy iterator, and it is consumed only as far as `limit` needs.
+    """
+    check_list_args(prefix, delimiter, limit)
+    listing = Listing()
+    count = 0
+    last_prefix: str | None = None
+    for key, size in keys:
+        if not key.startswith(prefix) or (start_after is not None and key <= start_after):
+            continue
+        if delimiter:
+            cut = key.find(delimiter, len(prefix))
+            if cut >= 0:
+                common = key[: cut + len(delimiter)]
+                if common != last_prefix:
+                    if limit is not None and count >= limit:
+                        break
+                    listing.prefixes.append(common)
+                    last_prefix = common
+                    count += 1
+                continue
+        if limit is not None and count >= limit:
+            break
+        listing.objects.append(ObjectInfo(key, size))
+        count += 1
+    return listing
+
+
+def check_list_args(prefix: str, delimiter: str | None, limit: int | None) -> None:
+    validate_prefix(prefix)
+    if delimiter == "":
+        raise ValueError("delimiter must be None or a non-empty string")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be None or >= 1, got {limit}")

@@ -1,0 +1,241 @@
+"""A directory as a store: one file per key, written the way DCP's filesystem
+writer does (temporary file in the same directory, fsync, rename, fsync the
+directory), so a crash leaves either the old object or the new one."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from sidecar import errors
+from sidecar.store.base import (
+    Buffer,
+    Listing,
+    ObjectInfo,
+    Store,
+    build_listing,
+    check_list_args,
+    validate_key,
+    validate_prefix,
+    validate_range,
+)
+
+#: Temporary files start with this; keys may not, so list() can skip them safely.
+TMP_MARK = ".strata-tmp-"
+
+
+def _check_segments(key: str) -> str:
+    if any(seg.startswith(TMP_MARK) for seg in key.split("/")):
+        raise ValueError(f"invalid object key {key!r}: segments may not start with {TMP_MARK!r}")
+    return key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileStore(Store):
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        path = Path(root)
+        if not path.is_absolute():
+            raise ValueError(f"file store root must be an absolute path, got {str(root)!r}")
+        self.root = path
+        super().__init__(path.as_uri())
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not path.is_dir():
+            raise errors.StorageError(f"file store root {path} is not a directory")
+
+    @classmethod
+    def from_url(cls, url: str, **options: bool) -> FileStore:
+        parts = urlsplit(url)
+        if parts.scheme != "file" or parts.netloc not in ("", "localhost") or not parts.path:
+            raise ValueError(f"bad file store url {url!r}: expected file:///absolute/path")
+        if parts.query or parts.fragment:
+            raise ValueError(f"bad file store url {url!r}: no query or fragment allowed")
+        return cls(unquote(parts.path), **options)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_segments(validate_key(key))
+
+    def _fail(self, op: str, key: str, exc: OSError) -> errors.StorageError:
+        return errors.StorageError(f"file store {op} {self.root}/{key} failed: {exc}")
+
+    # -- writes -----------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> None:
+        path = self._path(key)
+        self._count("put")
+        # A concurrent delete() may prune the (then empty) parent directory
+        # between our mkdir and our open; one retry recreates it.
+        for attempt in range(3):
+            try:
+                self._makedirs(path.parent)
+                self._write_atomically(path, data)
+                return
+            except FileNotFoundError as exc:
+                if attempt == 2:
+                    raise self._fail("put", key, exc) from exc
+            except IsADirectoryError as exc:
+                raise errors.StorageError(
+                    f"file store cannot put {key!r}: other keys exist under {key}/ "
+                    "(a path cannot be both a file and a directory)"
+                ) from exc
+            except NotADirectoryError as exc:
+                raise errors.StorageError(
+                    f"file store cannot put {key!r}: a parent of it is itself an object"
+                ) from exc
+            except OSError as exc:
+                raise self._fail("put", key, exc) from exc
+
+    def _makedirs(self, directory: Path) -> None:
+        """mkdir -p, fsyncing each new directory's parent so the new entries survive a crash."""
+        missing: list[Path] = []
+        d = directory
+        while d != self.root and not d.is_dir():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir()
+            _fsync_dir(d.parent)
+
+    def _write_atomically(self, path: Path, data: Buffer) -> None:
+        tmp = path.with_name(f"{TMP_MARK}{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_dir(path.parent)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        paths = [(k, self._path(k)) for k in keys]
+        if not paths:
+            return
+        self._count("delete")
+        for key, path in paths:
+            try:
+                path.unlink()
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                continue  # missing (a directory is a prefix, not an object)
+            except OSError as exc:
+                raise self._fail("delete", key, exc) from exc
+            self._prune(path.parent)
+
+    def _prune(self, directory: Path) -> None:
+        """Remove now-empty parents, so they neither pile up nor block a later put of that key."""
+        d = directory
+        while d != self.root:
+            try:
+                d.rmdir()
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    return
+                raise
+            d = d.parent
+
+    # -- reads ------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        self._count("get")
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
+        except OSError as exc:
+            raise self._fail("get", key, exc) from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        validate_range(start, length)
+        path = self._path(key)
+        self._count("get")
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
+        except OSError as exc:
+            raise self._fail("get", key, exc) from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        self._count("head")
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise self._fail("head", key, exc) from exc
+        return ObjectInfo(key, st.st_size) if stat.S_ISREG(st.st_mode) else None
+
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        delimiter: str | None = None,
+        start_after: str | None = None,
+        limit: int | None = None,
+    ) -> Listing:
+        check_list_args(validate_prefix(prefix), delimiter, limit)
+        self._count("list")
+        # Start the walk at the deepest directory the prefix names.
+        base = prefix[: prefix.rfind("/") + 1]
+        try:
+            items = self._walk(self.root / base if base else self.root, base, prefix, start_after)
+            return build_listing(items, prefix, delimiter, start_after, limit)
+        except OSError as exc:
+            raise self._fail("list", prefix, exc) from exc
+
+    def _walk(
+        self, directory: Path, base: str, prefix: str, start_after: str | None
+    ) -> Iterator[tuple[str, int]]:
+        """Yield (key, size) under `directory` in byte-lexicographic key order, lazily.
+
+        Sorting a directory's entries by name, with '/' appended to
+        subdirectories, gives global key order: all keys below directory "x"
+        start with "x/", and no sibling's sort key is a prefix of another's.
+        """
+        try:
+            with os.scandir(directory) as it:
+                entries = [(e.name + "/" if e.is_dir(follow_symlinks=False) else e.name, e) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        entries.sort(key=lambda pair: pair[0])
+        for name, entry in entries:
+            if name.startswith(TMP_MARK):
+                continue
+            key = base + name
+            if name.endswith("/"):
+                # Skip subtrees that cannot match the prefix or lie wholly at/before start_after.
+                if not (key.startswith(prefix) or prefix.startswith(key)):
+                    continue
+                if start_after is not None and key < start_after and not start_after.startswith(key):
+                    continue
+                yield from self._walk(Path(entry.path), key, prefix, start_after)
+            elif (
+                entry.is_file(follow_symlinks=False)
+                and key.startswith(prefix)
+                and (start_after is None or key > start_after)
+            ):
+                try:
+                    yield key, entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue  # deleted while we walked

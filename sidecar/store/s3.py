@@ -1,0 +1,349 @@
+"""S3 (or any S3-compatible endpoint, SeaweedFS in tests) through boto3.
+
+Large objects go up with multipart upload, parts in parallel from slices of
+the caller's buffer; S3 makes a multipart object visible only at
+CompleteMultipartUpload, which keeps put() all-or-nothing.
+
+SeaweedFS quirks (4.x, measured): listings come in tree order, which differs
+from S3's byte order only when a key segment holds a byte below '/' (e.g. "a-c"
+sorts after "a/b" there); and StartAfter="a/c" skips every key under "a/c/"
+although they sort after it. start_after values that are full object keys or
+end with '/' behave as on S3. This module sorts each listing it returns but
+cannot repair a `limit` cut made in tree order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions
+from botocore.config import Config
+
+from sidecar import errors
+from sidecar.store.base import (
+    Buffer,
+    Listing,
+    ObjectInfo,
+    Store,
+    check_list_args,
+    validate_key,
+    validate_prefix,
+    validate_range,
+)
+
+MiB = 1 << 20
+_MAX_PARTS = 10_000  # S3's limit per multipart upload
+_DELETE_BATCH = 1000  # S3's limit per DeleteObjects
+_MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+
+#: Operation name -> request kind. Every write-class request counts as "put",
+#: matching how S3 bills them (PUT, COPY, POST and LIST share a price tier).
+_KINDS = {
+    "PutObject": "put",
+    "CreateMultipartUpload": "put",
+    "UploadPart": "put",
+    "CompleteMultipartUpload": "put",
+    "AbortMultipartUpload": "put",
+    "GetObject": "get",
+    "HeadObject": "head",
+    "HeadBucket": "head",
+    "ListObjectsV2": "list",
+    "DeleteObjects": "delete",
+    "DeleteObject": "delete",
+    "CreateBucket": "create_bucket",
+}
+
+_T = TypeVar("_T")
+
+
+class S3Store(Store):
+    """s3://bucket[/prefix]. Options: endpoint_url (any S3-compatible server;
+    implies path-style addressing), region, access_key/secret_key (default:
+    boto3's chain), part_bytes/multipart_threshold/concurrency for multipart
+    (AWS rejects parts under 5 MiB except the last; the part size grows to stay
+    within 10,000 parts), max_attempts (total, including the first),
+    retry_mode ("standard" or "adaptive"), connect/read timeouts in seconds,
+    page_size (keys per LIST request, at most 1000)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str = "us-east-1",
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        part_bytes: int = 16 * MiB,
+        multipart_threshold: int = 32 * MiB,
+        concurrency: int = 4,
+        max_attempts: int = 5,
+        retry_mode: str = "standard",
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        page_size: int = 1000,
+    ) -> None:
+        if len(bucket) < 3:
+            raise ValueError(f"bad S3 bucket name {bucket!r}: at least 3 characters")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        if min(part_bytes, multipart_threshold, concurrency, max_attempts, page_size) < 1:
+            raise ValueError(
+                "part_bytes, multipart_threshold, concurrency, max_attempts and page_size must be >= 1"
+            )
+        super().__init__(f"s3://{bucket}" + (f"/{prefix}" if prefix else ""))
+        self.bucket = bucket
+        self._root = f"{prefix}/" if prefix else ""
+        self.part_bytes = part_bytes
+        self.multipart_threshold = multipart_threshold
+        self.concurrency = concurrency
+        self.page_size = min(page_size, 1000)  # S3 never returns more than 1000 per page
+
+        session = boto3.session.Session()
+        if access_key is None and secret_key is None and endpoint_url and session.get_credentials() is None:
+            # An S3-compatible server without IAM (SeaweedFS as started by
+            # sidecar.local) accepts any signature, but boto3 must sign with something.
+            access_key = secret_key = "strata"
+        config = Config(
+            region_name=region,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"mode": retry_mode, "total_max_attempts": max_attempts},  # attempts, not retries
+            max_pool_connections=max(10, concurrency + 4),
+            s3={"addressing_style": "path"} if endpoint_url else None,
+            # boto3 >= 1.36 sends CRC trailers by default; they have corrupted
+            # objects on SeaweedFS. Sign the payload the classic way instead.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._client: Any = session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            config=config,
+        )
+        # before-send fires once per HTTP attempt, so retries and LIST pages all count.
+        self._client.meta.events.register("before-send.s3", self._on_send)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> S3Store:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ValueError(f"bad S3 store url {url!r}: expected s3://<bucket>[/<prefix>]")
+        if parts.query or parts.fragment:
+            raise ValueError(f"bad S3 store url {url!r}: no query or fragment allowed")
+        return cls(parts.netloc, parts.path, **options)
+
+    def _on_send(self, event_name: str, **_: Any) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        self._count(_KINDS.get(op, op))
+        # Returning None lets botocore send the request.
+
+    def _call(self, op: str, key: str, fn: Callable[[], _T]) -> _T:
+        """Run one client call, mapping botocore failures onto domain errors."""
+        try:
+            return fn()
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _MISSING:
+                raise errors.ObjectNotFound(f"no such object: s3://{self.bucket}/{key}") from exc
+            raise errors.StorageError(f"S3 {op} s3://{self.bucket}/{key} failed: {exc}") from exc
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            raise errors.StorageError(f"S3 {op} s3://{self.bucket}/{key} failed: {exc}") from exc
+
+    # -- writes -----------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> None:
+        full = self._root + validate_key(key)
+        view = memoryview(data).cast("B")
+        if view.nbytes < self.multipart_threshold:
+            body = data if isinstance(data, bytes) else view.tobytes()
+            self._call("put", full, lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=body))
+        else:
+            self._put_multipart(full, view)
+
+    def _put_multipart(self, full: str, view: memoryview) -> None:
+        size = view.nbytes
+        part = max(self.part_bytes, math.ceil(size / _MAX_PARTS))
+        created = self._call(
+            "create_multipart_upload",
+            full,
+            lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=full),
+        )
+        upload_id: str = created["UploadId"]
+
+        def upload(number: int, offset: int) -> dict[str, Any]:
+            # One copy per part, made in the worker, so at most `concurrency` parts exist at once.
+            body = view[offset : offset + part].tobytes()
+            resp = self._call(
+                f"upload_part {number}",
+                full,
+                lambda: self._client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=body
+                ),
+            )
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        pool = self._executor()
+        futures: list[Future[dict[str, Any]]] = [
+            pool.submit(upload, i + 1, off) for i, off in enumerate(range(0, size, part))
+        ]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in done:
+                f.result()  # re-raises the first failure, if any
+            parts = [f.result() for f in futures]
+            self._call(
+                "complete_multipart_upload",
+                full,
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+            )
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)  # running parts finish (or fail) before we abort under them
+            # Best effort; on real S3 a lifecycle rule reaps whatever an abort leaves.
+            with contextlib.suppress(
+                botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError
+            ):
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            raise
+
+    def _executor(self) -> ThreadPoolExecutor:
+        # Shared by all puts of this store: `concurrency` bounds parts in flight store-wide.
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="strata-s3-part")
+            return self._pool
+
+    def delete(self, keys: Iterable[str]) -> None:
+        full = [self._root + validate_key(k) for k in keys]
+        for i in range(0, len(full), _DELETE_BATCH):
+            batch = full[i : i + _DELETE_BATCH]
+            resp = self._call(
+                "delete",
+                batch[0],
+                lambda batch=batch: self._client.delete_objects(  # type: ignore[misc]
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                ),
+            )
+            failed = [e for e in resp.get("Errors", []) if e.get("Code") not in _MISSING]
+            if failed:
+                first = failed[0]
+                raise errors.StorageError(
+                    f"S3 delete s3://{self.bucket}/{first.get('Key')} failed: "
+                    f"{first.get('Code')}: {first.get('Message')} ({len(failed)} keys failed)"
+                )
+
+    def create_bucket_if_missing(self) -> None:
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+            return
+        except botocore.exceptions.ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) not in ("404", "NoSuchBucket", "NotFound"):
+                raise errors.StorageError(f"S3 head_bucket s3://{self.bucket} failed: {exc}") from exc
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            raise errors.StorageError(f"S3 head_bucket s3://{self.bucket} failed: {exc}") from exc
+        try:
+            self._client.create_bucket(Bucket=self.bucket)
+        except botocore.exceptions.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise errors.StorageError(f"S3 create_bucket s3://{self.bucket} failed: {exc}") from exc
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            raise errors.StorageError(f"S3 create_bucket s3://{self.bucket} failed: {exc}") from exc
+
+    # -- reads ------------------------------------------------------------------
+
+    def _read_body(self, full: str, **kwargs: Any) -> bytes:
+        def fetch() -> bytes:
+            body = self._client.get_object(Bucket=self.bucket, Key=full, **kwargs)["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+
+        return self._call("get", full, fetch)
+
+    def get(self, key: str) -> bytes:
+        return self._read_body(self._root + validate_key(key))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        validate_range(start, length)
+        full = self._root + validate_key(key)
+        if length == 0:
+            # "bytes=5-4" is not a range S3 honours (it would send the whole
+            # object); only existence matters here.
+            if self.head(key) is None:
+                raise errors.ObjectNotFound(f"no such object: s3://{self.bucket}/{full}")
+            return b""
+        try:
+            return self._read_body(full, Range=f"bytes={start}-{start + length - 1}")
+        except errors.StorageError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, botocore.exceptions.ClientError) and (
+                cause.response.get("Error", {}).get("Code") == "InvalidRange"
+            ):
+                return b""  # start at or past the end of an existing object
+            raise
+
+    def head(self, key: str) -> ObjectInfo | None:
+        full = self._root + validate_key(key)
+        try:
+            resp = self._call("head", full, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
+        except errors.ObjectNotFound:
+            return None
+        return ObjectInfo(key, int(resp["ContentLength"]))
+
+    def list(
+        self,
+        prefix: str = "",
+        *,
+        delimiter: str | None = None,
+        start_after: str | None = None,
+        limit: int | None = None,
+    ) -> Listing:
+        check_list_args(validate_prefix(prefix), delimiter, limit)
+        n = len(self._root)
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._root + prefix}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        if start_after is not None:
+            kwargs["StartAfter"] = self._root + start_after
+        listing = Listing()
+        remaining = limit
+        while True:
+            kwargs["MaxKeys"] = self.page_size if remaining is None else min(remaining, self.page_size)
+            page = self._call("list", kwargs["Prefix"], lambda: self._client.list_objects_v2(**kwargs))
+            contents = page.get("Contents", [])
+            common = page.get("CommonPrefixes", [])
+            listing.objects.extend(ObjectInfo(o["Key"][n:], int(o["Size"])) for o in contents)
+            listing.prefixes.extend(p["Prefix"][n:] for p in common)
+            if remaining is not None:
+                remaining -= len(contents) + len(common)
+            if not page.get("IsTruncated") or (remaining is not None and remaining <= 0):
+                break
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        listing.objects.sort(key=lambda o: o.key)
+        listing.prefixes.sort()
+        return listing
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._client.close()

@@ -1,0 +1,353 @@
+"""The storage contract (sidecar/store/base.py), on the file and memory backends.
+
+tests/integration/test_s3_store.py checks the same behaviour against SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar import errors
+from sidecar.store import Listing, ObjectInfo, Store, open_store
+from sidecar.store.file import TMP_MARK, FileStore
+from sidecar.store.memory import MemoryStore
+
+# Includes keys whose segments hold bytes below '/' ('-'), where byte order and
+# tree order differ: "a-c" < "a/b" byte-wise.
+KEYS = ["a/b", "a-c", "a0", "a/c/d", "a/c/e", "a/c0", "a/c-1/x", "b"]
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "memory":
+        s = open_store(f"memory://{uuid.uuid4().hex}/root")
+    else:
+        s = open_store((tmp_path / "store").as_uri())
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def filled(store: Store) -> Store:
+    for i, key in enumerate(KEYS):
+        store.put(key, b"x" * (i + 1))
+    store.requests.clear()
+    return store
+
+
+def keys(listing: Listing) -> list[str]:
+    return [o.key for o in listing.objects]
+
+
+# -- objects ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"hello", bytearray(b"hello"), memoryview(b"xhellox")[1:-1], b""],
+    ids=["bytes", "bytearray", "memoryview", "empty"],
+)
+def test_put_then_get_returns_the_same_bytes(store: Store, data: bytes | bytearray | memoryview) -> None:
+    store.put("dir/obj", data)
+    assert store.get("dir/obj") == bytes(data)
+    assert store.head("dir/obj") == ObjectInfo("dir/obj", len(bytes(data)))
+
+
+def test_put_accepts_a_typed_memoryview(store: Store) -> None:
+    floats = array.array("f", [1.0, 2.0, 3.0])
+    store.put("f32", memoryview(floats))
+    assert store.get("f32") == floats.tobytes()
+
+
+def test_put_replaces_an_existing_object(store: Store) -> None:
+    store.put("k", b"old")
+    store.put("k", b"new!")
+    assert store.get("k") == b"new!"
+
+
+def test_put_keeps_no_reference_to_the_callers_buffer(store: Store) -> None:
+    buf = bytearray(b"abc")
+    store.put("k", buf)
+    buf[:] = b"zzz"
+    assert store.get("k") == b"abc"
+
+
+def test_missing_object(store: Store) -> None:
+    with pytest.raises(errors.ObjectNotFound, match="nope/x"):
+        store.get("nope/x")
+    with pytest.raises(errors.ObjectNotFound):
+        store.get_range("nope/x", 0, 1)
+    assert store.head("nope/x") is None
+
+
+def test_a_prefix_is_not_an_object(filled: Store) -> None:
+    assert filled.head("a/c") is None
+    with pytest.raises(errors.ObjectNotFound):
+        filled.get("a/c")
+
+
+def test_get_range(store: Store) -> None:
+    store.put("r", b"0123456789")
+    assert store.get_range("r", 0, 3) == b"012"
+    assert store.get_range("r", 4, 2) == b"45"
+    assert store.get_range("r", 8, 100) == b"89"  # clipped at the end
+    assert store.get_range("r", 10, 5) == b""  # starts at the end
+    assert store.get_range("r", 3, 0) == b""
+    with pytest.raises(ValueError):
+        store.get_range("r", -1, 2)
+    with pytest.raises(ValueError):
+        store.get_range("r", 0, -2)
+
+
+def test_delete(filled: Store) -> None:
+    filled.delete(["a/b", "a/c/d", "missing", "a/c"])  # missing keys and prefixes are fine
+    assert keys(filled.list("")) == sorted(set(KEYS) - {"a/b", "a/c/d"})
+    filled.requests.clear()
+    filled.delete([])
+    assert filled.requests["delete"] == 0
+
+
+# -- listing ---------------------------------------------------------------------
+
+
+def test_list_is_byte_ordered(filled: Store) -> None:
+    listing = filled.list("")
+    assert keys(listing) == sorted(KEYS)
+    assert listing.prefixes == []
+    assert {o.key: o.size for o in listing.objects} == {k: i + 1 for i, k in enumerate(KEYS)}
+
+
+def test_list_prefix_need_not_end_at_a_segment(filled: Store) -> None:
+    assert keys(filled.list("a/c")) == ["a/c-1/x", "a/c/d", "a/c/e", "a/c0"]
+    assert keys(filled.list("a/c/")) == ["a/c/d", "a/c/e"]
+    assert keys(filled.list("zzz")) == []
+
+
+def test_list_with_delimiter_rolls_up_common_prefixes(filled: Store) -> None:
+    top = filled.list("", delimiter="/")
+    assert keys(top) == ["a-c", "a0", "b"]
+    assert top.prefixes == ["a/"]
+    below = filled.list("a/", delimiter="/")
+    assert keys(below) == ["a/b", "a/c0"]
+    assert below.prefixes == ["a/c-1/", "a/c/"]
+    partial = filled.list("a/c", delimiter="/")
+    assert keys(partial) == ["a/c0"]
+    assert partial.prefixes == ["a/c-1/", "a/c/"]
+
+
+def test_list_start_after_is_exclusive_and_byte_ordered(filled: Store) -> None:
+    assert keys(filled.list("", start_after="a/c/d")) == ["a/c/e", "a/c0", "a0", "b"]
+    # A prefix as start_after: keys below it sort after it, so they are included.
+    assert keys(filled.list("", start_after="a/c")) == ["a/c-1/x", "a/c/d", "a/c/e", "a/c0", "a0", "b"]
+    assert keys(filled.list("a/", start_after="a")) == ["a/b", "a/c-1/x", "a/c/d", "a/c/e", "a/c0"]
+    assert keys(filled.list("", start_after="zzz")) == []
+
+
+def test_list_limit_counts_objects_and_prefixes(filled: Store) -> None:
+    assert keys(filled.list("", limit=3)) == sorted(KEYS)[:3]
+    listing = filled.list("", delimiter="/", limit=2)
+    assert (keys(listing), listing.prefixes) == (["a-c"], ["a/"])
+    with pytest.raises(ValueError):
+        filled.list("", limit=0)
+
+
+def test_list_pages_with_start_after_and_limit(filled: Store) -> None:
+    seen: list[str] = []
+    after: str | None = None
+    while page := keys(filled.list("", start_after=after, limit=3)):
+        seen += page
+        after = page[-1]
+    assert seen == sorted(KEYS)
+
+
+def test_list_rejects_bad_arguments(store: Store) -> None:
+    with pytest.raises(ValueError):
+        store.list("/abs")
+    with pytest.raises(ValueError):
+        store.list("a/../b")
+    with pytest.raises(ValueError):
+        store.list("", delimiter="")
+
+
+def test_requests_are_counted(store: Store) -> None:
+    store.put("k", b"1")
+    store.get("k")
+    store.get_range("k", 0, 1)
+    store.head("k")
+    store.list("")
+    store.delete(["k"])
+    assert dict(store.requests) == {"put": 1, "get": 2, "head": 1, "list": 1, "delete": 1}
+
+
+# -- keys ------------------------------------------------------------------------
+
+BAD_KEYS = ["", "/abs", "a//b", "a/", "a/../b", "..", "./a", "a/./b", "nul\x00"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_invalid_keys_are_rejected_before_any_request(store: Store, key: str) -> None:
+    for call in (
+        lambda: store.put(key, b"x"),
+        lambda: store.get(key),
+        lambda: store.get_range(key, 0, 1),
+        lambda: store.head(key),
+        lambda: store.delete([key]),
+    ):
+        with pytest.raises(ValueError, match="invalid object key"):
+            call()
+    assert sum(store.requests.values()) == 0
+
+
+def test_concurrent_puts_all_land(store: Store) -> None:
+    def writer(t: int) -> None:
+        for i in range(20):
+            store.put(f"t{t}/k{i:02d}", f"{t}-{i}".encode())
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store.list("").objects) == 160
+    assert store.get("t7/k19") == b"7-19"
+    assert store.requests["put"] == 160
+
+
+# -- file backend ----------------------------------------------------------------
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_file_put_leaves_no_temporary_files(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    store.put("x/y", b"1" * 1000)
+    store.put("x/y", b"2")
+    assert files_under(tmp_path) == ["x/y"]
+    assert keys(store.list("")) == ["x/y"]
+
+
+def test_file_crash_between_write_and_rename_leaves_the_old_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileStore(tmp_path)
+    store.put("keep", b"old")
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(errors.StorageError, match="simulated crash"):
+        store.put("new", b"data")
+    with pytest.raises(errors.StorageError):
+        store.put("keep", b"newer")
+    monkeypatch.undo()
+    assert store.head("new") is None
+    assert store.get("keep") == b"old"
+    assert files_under(tmp_path) == ["keep"]
+
+
+def test_file_list_skips_in_flight_temporary_files(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    store.put("d/k", b"1")
+    (tmp_path / "d" / f"{TMP_MARK}abc").write_bytes(b"partial")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / f"{TMP_MARK}abc").write_bytes(b"partial")  # a directory holding only a tmp file
+    listing = store.list("", delimiter="/")
+    assert (keys(listing), listing.prefixes) == ([], ["d/"])
+    assert keys(store.list("")) == ["d/k"]
+    with pytest.raises(ValueError):
+        store.put(f"d/{TMP_MARK}x", b"1")
+
+
+def test_file_delete_prunes_empty_directories(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "root")
+    store.put("a/b/c", b"1")
+    store.put("a/d", b"1")
+    store.delete(["a/b/c"])
+    assert sorted(p.name for p in (tmp_path / "root").rglob("*")) == ["a", "d"]
+    store.put("a/b", b"now a file")  # the emptied directory no longer blocks this key
+    assert store.get("a/b") == b"now a file"
+    store.delete(["a/b", "a/d"])
+    assert list((tmp_path / "root").iterdir()) == []
+
+
+def test_file_cannot_hold_a_key_and_keys_below_it(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    store.put("a/b/c", b"1")
+    with pytest.raises(errors.StorageError, match="a path cannot be both"):
+        store.put("a/b", b"2")
+    store.put("x", b"1")
+    with pytest.raises(errors.StorageError, match="parent of it is itself an object"):
+        store.put("x/y", b"2")
+
+
+def test_file_store_url_round_trips(tmp_path: Path) -> None:
+    store = open_store(f"file://{tmp_path}/with%20space")
+    assert isinstance(store, FileStore)
+    assert store.root == tmp_path / "with space"
+    assert store.url == (tmp_path / "with space").as_uri()
+    store.put("k", b"1")
+    assert (tmp_path / "with space" / "k").read_bytes() == b"1"
+
+
+# -- memory backend --------------------------------------------------------------
+
+
+def test_memory_stores_with_the_same_name_share_objects() -> None:
+    name = uuid.uuid4().hex
+    one, two, other = (
+        open_store(f"memory://{name}"),
+        open_store(f"memory://{name}"),
+        open_store("memory://x" + name),
+    )
+    one.put("k", b"shared")
+    assert two.get("k") == b"shared"
+    assert other.head("k") is None
+
+
+def test_memory_prefix_scopes_keys() -> None:
+    name = uuid.uuid4().hex
+    whole, scoped = MemoryStore(name), MemoryStore.from_url(f"memory://{name}/jobs/j1")
+    scoped.put("k", b"1")
+    assert keys(whole.list("")) == ["jobs/j1/k"]
+    assert keys(scoped.list("")) == ["k"]
+    assert scoped.url == f"memory://{name}/jobs/j1"
+
+
+# -- open_store ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "gs://bucket/x",
+        "bucket/prefix",
+        "/abs/path",
+        "s3://",
+        "s3:///prefix",
+        "s3://ab/x",
+        "s3://bucket/a/../b",
+        "file://relative/path",
+        "file://",
+        "memory://",
+        "memory://name?x=1",
+    ],
+)
+def test_open_store_rejects_bad_urls(url: str) -> None:
+    with pytest.raises(ValueError) as info:
+        open_store(url)
+    assert repr(url) in str(info.value)
+
+
+def test_open_store_names_the_url_for_unknown_schemes() -> None:
+    with pytest.raises(ValueError, match=r"gs://b/x.*s3://, file:// or memory://"):
+        open_store("gs://b/x")
