@@ -109,10 +109,23 @@ class Engine:
         self._slots: dict[tuple[str, str, int], list[Snapshot]] = {}
         self._outcomes: OrderedDict[str, Snapshot] = OrderedDict()
         self._uploads = ThreadPoolExecutor(settings.upload_concurrency, thread_name_prefix="strata-upload")
-        self._committer = ThreadPoolExecutor(4, thread_name_prefix="strata-commit")
+        # One committer thread per rank: a rank's snapshots persist in the order they arrived,
+        # so a newer step never commits before an older one.
+        self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
+
+    def _committer_for(self, identity: Identity) -> ThreadPoolExecutor:
+        with self._lock:
+            pool = self._committers.get(identity.slot)
+            if pool is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix=f"strata-commit-r{identity.rank}")
+                self._committers[identity.slot] = pool
+            return pool
 
     def close(self) -> None:
-        self._committer.shutdown(wait=True, cancel_futures=False)
+        with self._lock:
+            pools = list(self._committers.values())
+        for pool in pools:
+            pool.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
 
     # --- save -----------------------------------------------------------------------------
@@ -216,7 +229,7 @@ class Engine:
             self.metrics.saves_skipped.labels(job).inc(skipped)
         snap.state = "uploading"
         self._remember(snap)
-        self._committer.submit(self._persist, snap)
+        self._committer_for(snap.identity).submit(self._persist, snap)
 
     def abort(self, snap: Snapshot, reason: str) -> None:
         """Drop an incomplete stream; nothing of it was written."""
@@ -310,12 +323,15 @@ class Engine:
         self._update_held_gauge()
 
     def _keep_newest_committed(self, snap: Snapshot) -> None:
-        """A newly committed snapshot replaces older committed ones in memory."""
+        """Only the newest committed snapshot of a rank stays in memory."""
         with self._lock:
             held = self._slots.get(snap.identity.slot, [])
-            for old in [s for s in held if s.state == "committed" and s.step < snap.step]:
-                held.remove(old)
-                old.buffer = bytearray()
+            committed = [s for s in held if s.state == "committed"]
+            newest = max(committed, key=lambda s: s.step)
+            for old in committed:
+                if old is not newest:
+                    held.remove(old)
+                    old.buffer = bytearray()
         self._update_held_gauge()
 
     def _update_held_gauge(self) -> None:

@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--tables", type=int, default=4)
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--no-checkpoint", action="store_true", help="train without Strata (reference run)")
     parser.add_argument("--wait-durable", action="store_true", help="wait for each save to commit")
     parser.add_argument("--out", help="write {'digest', 'resumed_from', 'steps'} as JSON here")

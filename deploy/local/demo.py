@@ -51,9 +51,9 @@ def run_trainer(env: dict[str, str], args: list[str], log: Path) -> tuple[int, s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--save-every", type=int, default=5)
-    parser.add_argument("--kill-step", type=int, default=39, help="SIGKILL the trainer while streaming this step")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--kill-step", type=int, default=49, help="SIGKILL the trainer while streaming this step")
     parser.add_argument("--workdir", default=str(ROOT / ".strata" / "demo"))
     args = parser.parse_args()
 

@@ -173,6 +173,9 @@ def test_wait_policy_blocks_instead_of_skipping(make_sidecar, make_client, job_n
     handles = [client.save(s, {"w": torch.full((1000,), float(s))}) for s in range(5)]
     assert not any(h.skipped for h in handles)
     assert [h.durable.result(30).step for h in handles] == list(range(5))
+    # Snapshots of a rank commit in order, and only the newest stays in memory.
+    held = server.engine.snapshots()
+    assert [(s.step, s.state) for s in held] == [(4, "committed")]
 
 
 def test_resume_policies(make_sidecar, make_client, job_name):
