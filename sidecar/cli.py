@@ -52,7 +52,9 @@ def _when(ts: float) -> str:
 
 
 def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage", default=os.environ.get("STRATA_STORAGE"), help="s3://bucket/prefix or file:///path")
+    p.add_argument(
+        "--storage", default=os.environ.get("STRATA_STORAGE"), help="s3://bucket/prefix or file:///path"
+    )
     p.add_argument("--s3-endpoint", default=os.environ.get("STRATA_S3_ENDPOINT"), help="S3 endpoint URL")
     p.add_argument("--namespace", default=os.environ.get("STRATA_NAMESPACE", "default"), help="job namespace")
     p.add_argument("--job", default=os.environ.get("STRATA_JOB"), help="job name")
@@ -129,7 +131,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"format     v{m.format_version}; {len(m.objects)} objects, {_human(m.total_bytes)}")
     print(f"\n{'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'SIZE':>10}  ENCODING")
     for t in m.tensors:
-        print(f"{t.name:<48} {t.dtype:<10} {str(tuple(t.shape)):<20} {_human(t.nbytes):>10}  {t.encoding}")
+        print(f"{t.name:<48} {t.dtype:<10} {tuple(t.shape)!s:<20} {_human(t.nbytes):>10}  {t.encoding}")
     return 0
 
 
@@ -157,8 +159,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 bad += 1
             done += obj.size
             rate = done / max(time.monotonic() - t0, 1e-6)
+            progress = f"{i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)"
             print(
-                f"\rstep {step}: {i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)",
+                f"\rstep {step}: {progress}",
                 end="",
                 file=sys.stderr,
                 flush=True,
@@ -196,7 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", cmd_verify, "re-read a committed step and check every checksum"),
     ):
         p = sub.add_parser(
-            name, help=text, description=text, epilog=EPILOG_STORE, formatter_class=argparse.RawDescriptionHelpFormatter
+            name,
+            help=text,
+            description=text,
+            epilog=EPILOG_STORE,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         _store_args(p)
         if name in ("show", "verify"):

@@ -46,7 +46,9 @@ class SidecarSettings:
     def validate(self) -> None:
         """Raise ValueError naming the setting that is wrong."""
         if not self.storage:
-            raise ValueError("--storage (STRATA_STORAGE) is required, e.g. s3://bucket/prefix or file:///path")
+            raise ValueError(
+                "--storage (STRATA_STORAGE) is required, e.g. s3://bucket/prefix or file:///path"
+            )
         if self.tcp_port and not self.token:
             raise ValueError(
                 "--tcp-port needs --token (STRATA_TOKEN): on a host-network pod 127.0.0.1 is the node's"
@@ -83,20 +85,27 @@ def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
     return raw
 
 
+def _int(text: str) -> int:
+    """Integers in any base Python reads (0o660 for a socket mode, 0x...)."""
+    return int(text, 0)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SidecarSettings):
         kind = type(f.default)
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
-            type=(lambda s, k=kind: int(s, 0)) if kind is int else kind,
+            type=_int if kind is int else kind,
             default=None,
             metavar=f.name.split("_")[-1].upper(),
             help=f"{f.metadata['help']} [env {env_name(f)}; default {f.default!r}]",
         )
 
 
-def from_sources(args: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> SidecarSettings:
+def from_sources(
+    args: argparse.Namespace | None = None, env: dict[str, str] | None = None
+) -> SidecarSettings:
     """Flags win over environment variables, which win over defaults."""
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = {}

@@ -246,17 +246,34 @@ class Engine:
         job = ident.job
         t0 = time.perf_counter()
         try:
-            prefix = mf.rank_prefix(ident.namespace, ident.job, snap.step, ident.attempt, snap.save_id, ident.rank)
+            prefix = mf.rank_prefix(
+                ident.namespace, ident.job, snap.step, ident.attempt, snap.save_id, ident.rank
+            )
 
             def make_manifest(objects: list[mf.ObjectEntry]) -> mf.Manifest:
                 return mf.Manifest(
-                    ident.namespace, ident.job, snap.step, ident.rank, ident.world_size, ident.attempt,
-                    snap.save_id, snap.total_bytes, snap.tree, snap.tensors, objects,
+                    ident.namespace,
+                    ident.job,
+                    snap.step,
+                    ident.rank,
+                    ident.world_size,
+                    ident.attempt,
+                    snap.save_id,
+                    snap.total_bytes,
+                    snap.tree,
+                    snap.tensors,
+                    objects,
                 )
 
             upload_snapshot(
-                self.store, self._uploads, prefix, memoryview(snap.buffer), self.settings.object_bytes,
-                make_manifest, self.metrics.uploaded_bytes.labels(job).inc, snap.step,
+                self.store,
+                self._uploads,
+                prefix,
+                memoryview(snap.buffer),
+                self.settings.object_bytes,
+                make_manifest,
+                self.metrics.uploaded_bytes.labels(job).inc,
+                snap.step,
             )
             self.metrics.upload_duration.labels(job).observe(time.perf_counter() - t0)
             fault_point("sidecar.commit.before", snap.step)
@@ -293,7 +310,9 @@ class Engine:
         deadline = time.monotonic() + self.settings.commit_timeout_s
         while True:
             try:
-                mf.write_commit(self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt)
+                mf.write_commit(
+                    self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt
+                )
                 return
             except FailedPrecondition as exc:
                 if time.monotonic() > deadline:
@@ -376,8 +395,13 @@ class Engine:
             first_error = exc
         # Loud fallback: the newest step is unusable; walk back through older committed ones.
         self.metrics.restore_fallbacks.labels(job).inc()
-        log.error("%s/%s step %d is unusable (%s); falling back to an older committed step", ns, job, target,
-                  first_error)
+        log.error(
+            "%s/%s step %d is unusable (%s); falling back to an older committed step",
+            ns,
+            job,
+            target,
+            first_error,
+        )
         for older in reversed([s for s in mf.committed_steps(self.store, ns, job) if s < target]):
             try:
                 data = self._from_storage(identity, older)
@@ -410,10 +434,15 @@ class Engine:
     def _from_memory(self, identity: Identity, step: int) -> RestoreData | None:
         with self._lock:
             for snap in self._slots.get(identity.slot, []):
-                if snap.step == step and snap.state == "committed" and snap.identity.world_size == identity.world_size:
+                if (
+                    snap.step == step
+                    and snap.state == "committed"
+                    and snap.identity.world_size == identity.world_size
+                ):
                     buf = memoryview(snap.buffer)
-                    return RestoreData(step, snap.tensors, snap.tree, snap.total_bytes, "memory", "",
-                                       iter([buf]))
+                    return RestoreData(
+                        step, snap.tensors, snap.tree, snap.total_bytes, "memory", "", iter([buf])
+                    )
         return None
 
     def _from_storage(self, identity: Identity, step: int) -> RestoreData:
@@ -428,8 +457,15 @@ class Engine:
         # Read and verify every object before handing out a byte: a restore is all or nothing.
         futures = [self._uploads.submit(mf.read_object, self.store, o) for o in manifest.objects]
         blobs = [f.result() for f in futures]
-        return RestoreData(step, manifest.tensors, manifest.tree, manifest.total_bytes, "storage", "",
-                           iter([memoryview(b) for b in blobs]))
+        return RestoreData(
+            step,
+            manifest.tensors,
+            manifest.tree,
+            manifest.total_bytes,
+            "storage",
+            "",
+            iter([memoryview(b) for b in blobs]),
+        )
 
     # --- queries --------------------------------------------------------------------------
 

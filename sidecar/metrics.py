@@ -23,7 +23,10 @@ class Metrics:
             "strata_received_bytes_total", "Snapshot bytes received from trainers.", ["job"], registry=r
         )
         self.uploaded_bytes = Counter(
-            "strata_uploaded_bytes_total", "Bytes written to storage (objects and metadata).", ["job"], registry=r
+            "strata_uploaded_bytes_total",
+            "Bytes written to storage (objects and metadata).",
+            ["job"],
+            registry=r,
         )
         self.upload_duration = Histogram(
             "strata_upload_duration_seconds",
@@ -45,10 +48,16 @@ class Metrics:
             registry=r,
         )
         self.storage_errors = Counter(
-            "strata_storage_errors_total", "Failed storage operations after retries.", ["job", "op"], registry=r
+            "strata_storage_errors_total",
+            "Failed storage operations after retries.",
+            ["job", "op"],
+            registry=r,
         )
         self.restores = Counter(
-            "strata_restores_total", "Restores served, by source (memory, storage).", ["job", "source"], registry=r
+            "strata_restores_total",
+            "Restores served, by source (memory, storage).",
+            ["job", "source"],
+            registry=r,
         )
         self.restore_fallbacks = Counter(
             "strata_restore_fallbacks_total",

@@ -57,7 +57,9 @@ class HostBuffers:
         slots, offset = [], 0
         for name, t in tensors:
             if dtype_name(t.dtype) not in ITEMSIZE:
-                raise TypeError(f"{name}: dtype {t.dtype} cannot be checkpointed; supported: {', '.join(ITEMSIZE)}")
+                raise TypeError(
+                    f"{name}: dtype {t.dtype} cannot be checkpointed; supported: {', '.join(ITEMSIZE)}"
+                )
             nbytes = t.numel() * t.element_size()
             slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, offset))
             offset += -(-nbytes // _ALIGN) * _ALIGN
@@ -79,7 +81,7 @@ class HostBuffers:
     def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
         """The tensors' bytes packed back to back (no alignment padding), in chunks."""
         assert self.flat is not None
-        raw = memoryview(self.flat.numpy())
+        raw = memoryview(self.flat.numpy().data)
         pending: list[memoryview] = []
         size = 0
         for s in self.slots:

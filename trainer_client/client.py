@@ -120,13 +120,14 @@ class CheckpointClient:
                 req, timeout=self.settings.connect_timeout_s, wait_for_ready=True, metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
+            code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise SidecarUnavailable(
                     f"cannot reach the Strata sidecar at {self.settings.target} within "
-                    f"{self.settings.connect_timeout_s:.0f} s: is it running? (STRATA_SOCKET / STRATA_ADDRESS)"
+                    f"{self.settings.connect_timeout_s:.0f} s: is it running? "
+                    "(set STRATA_SOCKET or STRATA_ADDRESS)"
                 ) from None
-            raise SidecarUnavailable(f"sidecar refused the handshake: {exc.details()}") from None  # type: ignore[attr-defined]
+            raise SidecarUnavailable(f"sidecar refused the handshake: {exc.details()}") from None
 
     def close(self, wait: bool = True) -> None:
         """Finish (or drop) outstanding saves and close the connection."""
@@ -169,10 +170,9 @@ class CheckpointClient:
         for module in _modules(state):
             for sub in module.modules():
                 # Embedding(max_norm=...) renormalises its weight in place during forward.
-                if getattr(sub, "max_norm", None) is not None and isinstance(
-                    getattr(sub, "weight", None), torch.Tensor
-                ):
-                    keys.discard(_tensor_key(sub.weight))
+                weight = getattr(sub, "weight", None)
+                if getattr(sub, "max_norm", None) is not None and isinstance(weight, torch.Tensor):
+                    keys.discard(_tensor_key(weight))
         return keys
 
     # --- save -----------------------------------------------------------------------------
@@ -223,7 +223,9 @@ class CheckpointClient:
         self._skipped_unreported += 1
         log.info("step %d: save skipped, the previous one is still streaming", step)
         handle.staged.set_result(None)
-        handle.durable.set_exception(SaveSkipped(f"step {step} skipped: the previous save was still streaming"))
+        handle.durable.set_exception(
+            SaveSkipped(f"step {step} skipped: the previous save was still streaming")
+        )
         return handle
 
     def _send(
@@ -256,7 +258,7 @@ class CheckpointClient:
                 except grpc.RpcError as exc:
                     # The sidecar holds its limit of snapshots. Under "wait" the user chose to
                     # block rather than lose a save: keep the buffers and retry with backoff.
-                    busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+                    busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                     if not (busy and self.settings.when_busy == "wait" and time.monotonic() < deadline):
                         raise
                     time.sleep(delay)
@@ -273,7 +275,9 @@ class CheckpointClient:
         fault_point("client.saved", handle.step)
         self._waiter.submit(self._await_durable, handle, ack.save_id)
 
-    def _requests(self, step: int, save_id: str, tree: bytes, stall: float, skipped: int) -> Iterator[pb.SaveRequest]:
+    def _requests(
+        self, step: int, save_id: str, tree: bytes, stall: float, skipped: int
+    ) -> Iterator[pb.SaveRequest]:
         bufs = self._buffers
         yield pb.SaveRequest(
             header=pb.SaveHeader(
@@ -282,7 +286,9 @@ class CheckpointClient:
                 step=step,
                 save_id=save_id,
                 tensors=[
-                    pb.TensorMeta(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), nbytes=s.nbytes)
+                    pb.TensorMeta(
+                        name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), nbytes=s.nbytes
+                    )
                     for s in bufs.slots
                 ],
                 tree=tree,
@@ -302,21 +308,25 @@ class CheckpointClient:
         try:
             while True:
                 req.timeout_seconds = max(0.0, min(30.0, deadline - time.monotonic()))
-                status = self._stub.WaitCommitted(req, timeout=req.timeout_seconds + 30, metadata=self._metadata)
+                status = self._stub.WaitCommitted(
+                    req, timeout=req.timeout_seconds + 30, metadata=self._metadata
+                )
                 if status.state == pb.COMMIT_STATE_COMMITTED:
                     handle.durable.set_result(Committed(handle.step, status.commit_key))
                     return
                 if status.state == pb.COMMIT_STATE_FAILED:
                     raise SaveFailed(status.message)
                 if time.monotonic() >= deadline:
-                    raise SaveFailed(f"step {handle.step} not committed within {self.settings.commit_timeout_s} s")
+                    raise SaveFailed(
+                        f"step {handle.step} not committed within {self.settings.commit_timeout_s} s"
+                    )
         except Exception as exc:
             self._fail(handle, exc)
 
     def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
         if isinstance(exc, grpc.RpcError):
-            code = exc.code()  # type: ignore[attr-defined]
-            exc = SaveFailed(f"step {handle.step}: {code.name}: {exc.details()}")  # type: ignore[attr-defined]
+            code = exc.code()
+            exc = SaveFailed(f"step {handle.step}: {code.name}: {exc.details()}")
         elif not isinstance(exc, SaveFailed):
             exc = SaveFailed(f"step {handle.step}: {exc!r}")
         self.stats["failed"] += 1
@@ -345,7 +355,11 @@ class CheckpointClient:
         except RestoreError as exc:
             if policy == "require" or not isinstance(exc.__cause__, _NothingToRestore):
                 raise
-            log.info("no committed checkpoint for %s/%s; starting fresh", self.settings.namespace, self.settings.job)
+            log.info(
+                "no committed checkpoint for %s/%s; starting fresh",
+                self.settings.namespace,
+                self.settings.job,
+            )
             return None
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int:
@@ -357,8 +371,8 @@ class CheckpointClient:
             stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
             header, tensors = _receive(stream)
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            msg = f"restore of {self.settings.namespace}/{self.settings.job}: {exc.details()}"  # type: ignore[attr-defined]
+            code = exc.code()
+            msg = f"restore of {self.settings.namespace}/{self.settings.job}: {exc.details()}"
             if code == grpc.StatusCode.NOT_FOUND:
                 raise RestoreError(msg) from _NothingToRestore()
             if code == grpc.StatusCode.UNAVAILABLE:

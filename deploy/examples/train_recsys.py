@@ -85,7 +85,9 @@ def digest(*parts: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=60, help="train until this many steps are done")
     parser.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps")
     parser.add_argument("--seed", type=int, default=1234)

@@ -37,9 +37,16 @@ def banner(text: str) -> None:
 def run_trainer(env: dict[str, str], args: list[str], log: Path) -> tuple[int, str]:
     """Run one trainer process, echoing its output; returns (exit code, output)."""
     lines = []
-    with subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc, log.open("a") as out:
+    with (
+        subprocess.Popen(
+            [sys.executable, str(EXAMPLE), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ) as proc,
+        log.open("a") as out,
+    ):
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
@@ -50,10 +57,14 @@ def run_trainer(env: dict[str, str], args: list[str], log: Path) -> tuple[int, s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--kill-step", type=int, default=49, help="SIGKILL the trainer while streaming this step")
+    parser.add_argument(
+        "--kill-step", type=int, default=49, help="SIGKILL the trainer while streaming this step"
+    )
     parser.add_argument("--workdir", default=str(ROOT / ".strata" / "demo"))
     args = parser.parse_args()
 
@@ -75,7 +86,9 @@ def main() -> int:
         sidecar_log = (work / "sidecar.log").open("w")
         sidecar = subprocess.Popen(
             [strata, "sidecar", "--socket", str(socket), "--metrics-port", "0"],
-            env=env, stdout=sidecar_log, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=sidecar_log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         while not socket.exists():
@@ -87,7 +100,11 @@ def main() -> int:
         # when_busy=wait: a save waits for the previous stream instead of being skipped, so the
         # save of --kill-step (where the kill is armed) is certain to happen.
         trainer_env = dict(
-            env, STRATA_SOCKET=str(socket), STRATA_JOB="recsys-demo", STRATA_NAMESPACE="demo", STRATA_WHEN_BUSY="wait"
+            env,
+            STRATA_SOCKET=str(socket),
+            STRATA_JOB="recsys-demo",
+            STRATA_NAMESPACE="demo",
+            STRATA_WHEN_BUSY="wait",
         )
         common = ["--steps", str(args.steps), "--save-every", str(args.save_every)]
         log = work / "trainer.log"
@@ -120,8 +137,10 @@ def main() -> int:
 
         banner("result")
         expected = (args.kill_step // args.save_every) * args.save_every - 1
-        print(f"    killed while saving step {args.kill_step}; resumed from step {resumed['resumed_from']}"
-              f" (newest committed before the kill: {expected})")
+        print(
+            f"    killed while saving step {args.kill_step}; resumed from step {resumed['resumed_from']}"
+            f" (newest committed before the kill: {expected})"
+        )
         same = resumed["digest"] == reference["digest"]
         print(f"    final state after kill + resume : {resumed['digest']}")
         print(f"    final state, uninterrupted run  : {reference['digest']}")

@@ -32,9 +32,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        method = details.method  # type: ignore[attr-defined]
+        method = details.method
         open_method = method.startswith(_OPEN_METHODS)
-        metadata = dict(details.invocation_metadata or ())  # type: ignore[attr-defined]
+        metadata = dict(details.invocation_metadata or ())
         sent_token = str(metadata.get(TOKEN_METADATA_KEY, ""))
 
         def authorize(context: grpc.ServicerContext) -> None:

@@ -17,13 +17,24 @@ def store():
     return open_store(f"memory://commit-{uuid.uuid4().hex}")
 
 
-def put_rank(store, step: int, rank: int, world: int, attempt: int = 0, save_id: str = "abc") -> mf.ManifestRef:
+def put_rank(
+    store, step: int, rank: int, world: int, attempt: int = 0, save_id: str = "abc"
+) -> mf.ManifestRef:
     prefix = mf.rank_prefix("ns", "job", step, attempt, save_id, rank)
     data = bytes([rank]) * 10
     store.put(prefix + "obj-00000", data)
     m = mf.Manifest(
-        "ns", "job", step, rank, world, attempt, save_id, 10, {"w": 1},
-        [mf.TensorEntry("w", "uint8", [10], 10, 0)], [mf.ObjectEntry(prefix + "obj-00000", 10, mf.crc32(data))],
+        "ns",
+        "job",
+        step,
+        rank,
+        world,
+        attempt,
+        save_id,
+        10,
+        {"w": 1},
+        [mf.TensorEntry("w", "uint8", [10], 10, 0)],
+        [mf.ObjectEntry(prefix + "obj-00000", 10, mf.crc32(data))],
     )
     return mf.write_manifest(store, prefix, m)
 

@@ -17,7 +17,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_sidecar_flags_beat_env_beat_defaults():
-    env = {"STRATA_STORAGE": "file:///env", "STRATA_UPLOAD_CONCURRENCY": "8", "STRATA_S3_ENDPOINT": "http://e"}
+    env = {
+        "STRATA_STORAGE": "file:///env",
+        "STRATA_UPLOAD_CONCURRENCY": "8",
+        "STRATA_S3_ENDPOINT": "http://e",
+    }
     s = config.from_sources(parse(["--storage", "file:///flag"]), env)
     assert s.storage == "file:///flag"  # flag
     assert s.upload_concurrency == 8  # env

@@ -16,11 +16,20 @@ def test_generated_api_matches_the_proto(tmp_path):
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
     subprocess.run(
         [
-            sys.executable, "-m", "grpc_tools.protoc", f"--proto_path=sidecar/api={ROOT / 'proto'}",
-            f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}",
-            f"--mypy_grpc_out={tmp_path}", "sidecar/api/strata/v1/strata.proto",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"--proto_path=sidecar/api={ROOT / 'proto'}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--mypy_out={tmp_path}",
+            f"--mypy_grpc_out={tmp_path}",
+            "sidecar/api/strata/v1/strata.proto",
         ],
-        cwd=ROOT, env=env, check=True, capture_output=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
     )
     generated = tmp_path / "sidecar/api/strata/v1"
     names = sorted(p.name for p in generated.iterdir())
@@ -42,7 +51,10 @@ def test_the_sidecar_never_imports_torch():
 
 def test_import_contracts_hold():
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "lint-imports"), "--no-cache"], capture_output=True, text=True, cwd=ROOT
+        [str(Path(sys.executable).parent / "lint-imports"), "--no-cache"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Contracts: 2 kept, 0 broken" in out.stdout
