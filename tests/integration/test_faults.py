@@ -47,11 +47,17 @@ def run_trainer(server, job: str, first: int, last: int, faults: str = "", attem
         STRATA_CHUNK_BYTES=str(64 * 1024),  # 256 KiB state -> 4 chunks, so "mid-stream" exists
     )
     return subprocess.run(
-        [sys.executable, "-c", TRAINER, str(first), str(last)], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", TRAINER, str(first), str(last)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
-def test_trainer_killed_mid_stream_never_commits_and_the_previous_step_restores(make_sidecar, make_client, job_name):
+def test_trainer_killed_mid_stream_never_commits_and_the_previous_step_restores(
+    make_sidecar, make_client, job_name
+):
     server = make_sidecar()
     done = run_trainer(server, job_name, 0, 5, faults="client.stream.chunk@3#2=kill")
     assert done.returncode == -signal.SIGKILL, done.stderr
@@ -85,7 +91,9 @@ def test_sidecar_killed_before_commit_leaves_the_previous_step(tmp_path, short_t
     strata = str(Path(sys.executable).parent / "strata")
     sidecar = subprocess.Popen(
         [strata, "sidecar", "--storage", f"file://{store}", "--socket", str(sock), "--metrics-port", "0"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         from trainer_client import CheckpointClient
@@ -153,7 +161,9 @@ def test_storage_unreachable_still_restores_from_memory(make_sidecar, make_clien
         proxy.close()
 
 
-def test_corrupt_object_is_named_and_restore_falls_back(make_sidecar, make_client, job_name, tmp_path, caplog):
+def test_corrupt_object_is_named_and_restore_falls_back(
+    make_sidecar, make_client, job_name, tmp_path, caplog
+):
     server = make_sidecar(f"file://{tmp_path}/store")
     client = make_client(server, job_name)
     for step in (1, 2):

@@ -67,8 +67,18 @@ def committed(server, job: str) -> list[int]:
 @pytest.mark.parametrize(
     ("tensors", "payload", "code", "match"),
     [
-        ([pb.TensorMeta(name="w", dtype="float13", shape=[4], nbytes=16)], 16, "INVALID_ARGUMENT", "unknown dtype"),
-        ([pb.TensorMeta(name="w", dtype="float32", shape=[4], nbytes=12)], 12, "INVALID_ARGUMENT", "12 bytes declared"),
+        (
+            [pb.TensorMeta(name="w", dtype="float13", shape=[4], nbytes=16)],
+            16,
+            "INVALID_ARGUMENT",
+            "unknown dtype",
+        ),
+        (
+            [pb.TensorMeta(name="w", dtype="float32", shape=[4], nbytes=12)],
+            12,
+            "INVALID_ARGUMENT",
+            "12 bytes declared",
+        ),
         ([f32("w", 4), f32("w", 4)], 32, "INVALID_ARGUMENT", "duplicate tensor name 'w'"),
         ([f32("w", 4)], 20, "INVALID_ARGUMENT", "more than the 16 bytes"),
         ([f32("w", 4)], 8, "INVALID_ARGUMENT", "stream ended with 8 bytes"),
@@ -82,14 +92,18 @@ def test_malformed_headers_and_payloads(stub, job_name, tensors, payload, code, 
     expect_status(getattr(grpc.StatusCode, code), match, lambda: s.Save(iter(msgs), timeout=10))
     # Still serving, and nothing of the bad stream was committed.
     s.Save(iter(valid_stream(job_name, 2)), timeout=10)
-    s.WaitCommitted(pb.WaitCommittedRequest(identity=identity(job_name), step=2, save_id="s2", timeout_seconds=10))
+    s.WaitCommitted(
+        pb.WaitCommittedRequest(identity=identity(job_name), step=2, save_id="s2", timeout_seconds=10)
+    )
     assert committed(server, job_name) == [2]
 
 
 def test_stream_must_start_with_a_header(stub, job_name):
     s, _ = stub
     expect_status(
-        grpc.StatusCode.INVALID_ARGUMENT, "must start with a SaveHeader", lambda: s.Save(iter([pb.SaveRequest(chunk=b"x")]))
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "must start with a SaveHeader",
+        lambda: s.Save(iter([pb.SaveRequest(chunk=b"x")])),
     )
 
 
@@ -108,7 +122,9 @@ def test_unknown_protocol_version(stub, job_name):
 def test_a_committed_step_is_never_overwritten(stub, job_name):
     s, server = stub
     s.Save(iter(valid_stream(job_name, 5)), timeout=10)
-    s.WaitCommitted(pb.WaitCommittedRequest(identity=identity(job_name), step=5, save_id="s5", timeout_seconds=10))
+    s.WaitCommitted(
+        pb.WaitCommittedRequest(identity=identity(job_name), step=5, save_id="s5", timeout_seconds=10)
+    )
     again = valid_stream(job_name, 5)
     again[0].header.save_id = "other"
     expect_status(grpc.StatusCode.ALREADY_EXISTS, "step 5", lambda: s.Save(iter(again), timeout=10))
@@ -149,18 +165,25 @@ def test_stream_cut_midway_commits_nothing(stub, job_name):
             break
         threading.Event().wait(0.05)
     assert server.engine.snapshots() == []
-    assert server.metrics.registry.get_sample_value(
-        "strata_checkpoints_total", {"job": job_name, "result": "aborted"}
-    ) == 1
+    assert (
+        server.metrics.registry.get_sample_value(
+            "strata_checkpoints_total", {"job": job_name, "result": "aborted"}
+        )
+        == 1
+    )
     s.Save(iter(valid_stream(job_name, 1)), timeout=10)  # same step again: allowed, it never committed
-    s.WaitCommitted(pb.WaitCommittedRequest(identity=identity(job_name), step=1, save_id="s1", timeout_seconds=10))
+    s.WaitCommitted(
+        pb.WaitCommittedRequest(identity=identity(job_name), step=1, save_id="s1", timeout_seconds=10)
+    )
     assert committed(server, job_name) == [1]
 
 
 def test_a_third_snapshot_is_refused_while_two_are_held(stub, job_name):
     s, server = stub
     s.Save(iter(valid_stream(job_name, 1)), timeout=10)
-    s.WaitCommitted(pb.WaitCommittedRequest(identity=identity(job_name), step=1, save_id="s1", timeout_seconds=10))
+    s.WaitCommitted(
+        pb.WaitCommittedRequest(identity=identity(job_name), step=1, save_id="s1", timeout_seconds=10)
+    )
     release = threading.Event()
     started = threading.Event()
 
@@ -177,7 +200,11 @@ def test_a_third_snapshot_is_refused_while_two_are_held(stub, job_name):
         if len(server.engine.snapshots()) == 2:
             break
         threading.Event().wait(0.05)
-    expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "already holds 2 snapshots", lambda: s.Save(iter(valid_stream(job_name, 3)), timeout=10))
+    expect_status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "already holds 2 snapshots",
+        lambda: s.Save(iter(valid_stream(job_name, 3)), timeout=10),
+    )
     release.set()
     assert pending.result().step == 2
 
@@ -189,7 +216,9 @@ def test_invalid_identity_is_named(stub):
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, "job 'Bad_Job'", lambda: s.Save(iter(bad)))
     worse = valid_stream("ok", 1)
     worse[0].header.identity.CopyFrom(identity("ok", rank=3, world=2))
-    expect_status(grpc.StatusCode.INVALID_ARGUMENT, "rank 3 is outside world size 2", lambda: s.Save(iter(worse)))
+    expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT, "rank 3 is outside world size 2", lambda: s.Save(iter(worse))
+    )
 
 
 def test_tcp_needs_the_token(make_sidecar, make_client, job_name):

@@ -144,7 +144,9 @@ def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_cli
         assert torch.equal(got[k], expected[k]), k
 
 
-def test_a_save_while_the_previous_streams_is_skipped_and_counted(make_sidecar, make_client, job_name, monkeypatch):
+def test_a_save_while_the_previous_streams_is_skipped_and_counted(
+    make_sidecar, make_client, job_name, monkeypatch
+):
     server = make_sidecar()
     client = make_client(server, job_name)
     gate = __import__("threading").Event()
