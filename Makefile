@@ -28,8 +28,10 @@ test: setup  ## unit + integration tests (real gRPC, real SeaweedFS)
 bench: setup  ## benchmarks; writes bench-results.json and prints a table
 	$(PY) -m tests.bench.run
 
-chaos: setup  ## repeated kill -9 trials during saves
-	$(PY) -m pytest -m slow tests/chaos $(PYTEST_ARGS)
+CHAOS_TRIALS ?= 100
+chaos: setup  ## kill -9 trainers/sidecars at random save points, CHAOS_TRIALS times; counts to bench-results.json
+	STRATA_CHAOS_TRIALS=$(CHAOS_TRIALS) STRATA_CHAOS_RESULTS=$(CURDIR)/bench-results.json \
+	  $(PY) -m pytest -s -q tests/chaos $(PYTEST_ARGS)
 
 proto: setup  ## regenerate sidecar/api from proto/
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc --proto_path=sidecar/api=proto \
