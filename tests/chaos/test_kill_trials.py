@@ -119,7 +119,8 @@ def reference_digest(tmp: Path) -> str:
 def one_trial(rng: random.Random, tmp: Path, url: str, endpoint: str, reference: str) -> dict[str, int]:
     side, point = rng.choice(POINTS)
     step = rng.choice(SAVED_STEPS[1:])
-    nth = rng.randint(1, 2)
+    # Streams carry several chunks; every other point is reached once per save.
+    nth = rng.randint(1, 3) if point.endswith("chunk") else 1
     spec = f"{point}@{step}#{nth}=kill"
     job = "chaos-" + uuid.uuid4().hex[:8]
     sock = Path(f"/tmp/strata-chaos-{uuid.uuid4().hex[:8]}.sock")
@@ -186,4 +187,4 @@ def test_kill_trials(tmp_path, s3_store_url, seaweed):
         data.update(summary)
         path.write_text(json.dumps(data, indent=1, sort_keys=True))
     assert totals["torn"] == 0 and totals["lost"] == 0 and totals["mismatch"] == 0, (seed, summary)
-    assert totals["fired"] >= 1 or trials < 3, "no injected kill ever fired"
+    assert totals["fired"] == trials, "an injected kill did not fire: the trial tested nothing"
