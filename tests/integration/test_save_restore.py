@@ -198,3 +198,25 @@ def test_restore_refuses_a_state_that_does_not_match(make_sidecar, make_client, 
     client.save(1, {"a": torch.ones(2)}).durable.result(30)
     with pytest.raises(RestoreError, match="b"):
         client.restore({"a": torch.zeros(2), "b": torch.zeros(2)})
+
+
+def test_host_buffers_are_allocated_once_and_reused(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    client = make_client(server, job_name)
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "opt": opt}
+    client.save(0, state).durable.result(30)  # Adam has no state yet
+    train_steps(model, opt, 1)
+    for step in range(1, 4):  # the layout grew once (lazy Adam state), then stays
+        client.save(step, state).durable.result(30)
+        train_steps(model, opt, 1)
+    assert client._buffers.allocations == 2
+    assert client.stats["first_save_stall_s"] > 0
+
+
+def test_unsupported_dtype_is_refused_in_save_naming_the_tensor(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    client = make_client(server, job_name)
+    with pytest.raises(TypeError, match=r"weird: dtype torch.uint1"):
+        client.save(1, {"weird": torch.zeros(8, dtype=torch.uint1)})
