@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast bench chaos proto proto-check lint typecheck clean
+.PHONY: help setup setup-prometheus demo test bench chaos proto lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -19,10 +19,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
+setup-prometheus:  ## install Debian's prometheus for the real scrape test (needs root; idempotent)
+	deploy/local/install-prometheus.sh
+
 demo: setup  ## SeaweedFS + sidecar + trainer; kill the trainer mid-save, resume, compare bit for bit
 	$(PY) deploy/local/demo.py
 
-test: setup  ## unit + integration tests (real gRPC, real SeaweedFS)
+test: setup setup-prometheus  ## unit + integration tests (real gRPC, real SeaweedFS, real Prometheus scrape)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup  ## benchmarks; writes bench-results.json and prints a table

@@ -67,6 +67,8 @@ def _open(args: argparse.Namespace) -> Store:
         raise SystemExit("strata: --job (or STRATA_JOB) is required")
     if args.storage.startswith("s3://"):
         return open_store(args.storage, endpoint_url=args.s3_endpoint or None)
+    if args.storage.startswith("file://"):
+        return open_store(args.storage, create=False)  # a mistyped path must not become an empty store
     return open_store(args.storage)
 
 
@@ -138,8 +140,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args)
     steps = mf.committed_steps(store, args.namespace, args.job) if args.all else [_pick_step(store, args)]
-    bad = 0
+    corrupt_steps = 0
+    show_progress = sys.stderr.isatty()
     for step in steps:
+        bad = 0
         commit = mf.read_commit(store, args.namespace, args.job, step)
         objects = []
         for ref in commit.manifests:
@@ -155,20 +159,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
             try:
                 mf.read_object(store, obj)
             except StrataError as exc:
-                print(f"\nstep {step}: {exc}")
+                if show_progress:
+                    print(file=sys.stderr)  # end the progress line
+                print(f"step {step}: {exc}")
                 bad += 1
             done += obj.size
-            rate = done / max(time.monotonic() - t0, 1e-6)
-            progress = f"{i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)"
-            print(
-                f"\rstep {step}: {progress}",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-        print(file=sys.stderr)
+            if show_progress:
+                rate = done / max(time.monotonic() - t0, 1e-6)
+                progress = f"{i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)"
+                print(f"\rstep {step}: {progress}", end="", file=sys.stderr, flush=True)
+        if show_progress:
+            print(file=sys.stderr)
         print(f"step {step}: {'OK' if not bad else 'CORRUPT'} ({len(objects)} objects, {_human(total)})")
-    return 1 if bad else 0
+        corrupt_steps += bool(bad)
+    return 1 if corrupt_steps else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,13 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The server logs its progress; the read-only commands print their own and log only problems.
+    quiet = logging.INFO if args.command == "sidecar" else logging.WARNING
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else quiet,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.func(args))
-    except StrataError as exc:
+    except (StrataError, ValueError) as exc:
         print(f"strata {args.command}: {exc}", file=sys.stderr)
         return 2
 

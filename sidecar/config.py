@@ -63,6 +63,7 @@ class SidecarSettings:
 
     def redacted(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["socket_mode"] = oct(self.socket_mode)
         for f in dataclasses.fields(self):
             if f.metadata.get("secret") and out[f.name]:
                 out[f.name] = "***"
@@ -81,7 +82,8 @@ def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
         if kind is float:
             return float(raw)
     except ValueError:
-        raise ValueError(f"{env_name(f)}={raw!r}: expected a {kind.__name__}") from None
+        article = "an" if kind is int else "a"
+        raise ValueError(f"{env_name(f)}={raw!r}: expected {article} {kind.__name__}") from None
     return raw
 
 

@@ -139,7 +139,22 @@ class Engine:
         tensors: list[TensorSpec],
         tree: bytes,
     ) -> Snapshot:
-        """Validate a header and reserve memory for the snapshot, or raise."""
+        """Validate a header and reserve memory for the snapshot, or raise (counted as refused)."""
+        try:
+            return self._admit(protocol_version, identity, step, save_id, tensors, tree)
+        except StrataError:
+            self.metrics.checkpoints.labels(identity.job, "refused").inc()
+            raise
+
+    def _admit(
+        self,
+        protocol_version: int,
+        identity: Identity,
+        step: int,
+        save_id: str,
+        tensors: list[TensorSpec],
+        tree: bytes,
+    ) -> Snapshot:
         check_protocol(protocol_version)
         identity.validate()
         if step < 0:
@@ -181,7 +196,6 @@ class Engine:
                 if snap.step == step and snap.state == "committed":
                     raise AlreadyExists(f"step {step} of {identity.namespace}/{identity.job} is committed")
             if len(held) >= self.settings.max_held_snapshots:
-                self.metrics.checkpoints.labels(identity.job, "refused").inc()
                 busy = ", ".join(f"step {s.step} {s.state}" for s in held)
                 raise ResourceExhausted(
                     f"rank {identity.rank} already holds {len(held)} snapshots ({busy}); "

@@ -15,64 +15,67 @@ class Metrics:
         self.save_stall = Histogram(
             "strata_save_stall_seconds",
             "Time save() held the training thread (staging copy), as reported by the client.",
-            ["job"],
+            ["training_job"],
             buckets=_SECONDS,
             registry=r,
         )
         self.received_bytes = Counter(
-            "strata_received_bytes_total", "Snapshot bytes received from trainers.", ["job"], registry=r
+            "strata_received_bytes_total",
+            "Snapshot bytes received from trainers.",
+            ["training_job"],
+            registry=r,
         )
         self.uploaded_bytes = Counter(
             "strata_uploaded_bytes_total",
             "Bytes written to storage (objects and metadata).",
-            ["job"],
+            ["training_job"],
             registry=r,
         )
         self.upload_duration = Histogram(
             "strata_upload_duration_seconds",
             "From a snapshot fully received to its rank MANIFEST durable.",
-            ["job"],
+            ["training_job"],
             buckets=_SECONDS,
             registry=r,
         )
         self.checkpoints = Counter(
             "strata_checkpoints_total",
             "Saves by outcome: committed, failed (storage), aborted (stream cut), refused (invalid or busy).",
-            ["job", "result"],
+            ["training_job", "result"],
             registry=r,
         )
         self.saves_skipped = Counter(
             "strata_saves_skipped_total",
             "Saves the client skipped because the previous one was still streaming.",
-            ["job"],
+            ["training_job"],
             registry=r,
         )
         self.storage_errors = Counter(
             "strata_storage_errors_total",
             "Failed storage operations after retries.",
-            ["job", "op"],
+            ["training_job", "op"],
             registry=r,
         )
         self.restores = Counter(
             "strata_restores_total",
             "Restores served, by source (memory, storage).",
-            ["job", "source"],
+            ["training_job", "source"],
             registry=r,
         )
         self.restore_fallbacks = Counter(
             "strata_restore_fallbacks_total",
             "Restores that skipped an unusable newer step (corrupt or missing objects).",
-            ["job"],
+            ["training_job"],
             registry=r,
         )
         self.last_commit = Gauge(
             "strata_last_commit_timestamp_seconds",
             "Unix time of the newest job-level COMMIT this sidecar wrote or saw.",
-            ["job"],
+            ["training_job"],
             registry=r,
         )
         self.last_committed_step = Gauge(
-            "strata_last_committed_step", "Newest committed training step.", ["job"], registry=r
+            "strata_last_committed_step", "Newest committed training step.", ["training_job"], registry=r
         )
         self.held_bytes = Gauge("strata_held_snapshot_bytes", "Snapshot bytes held in memory.", registry=r)
 

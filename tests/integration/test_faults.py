@@ -134,8 +134,11 @@ def test_storage_unreachable_fails_durable_counts_it_and_keeps_the_last_commit(
         with pytest.raises(SaveFailed, match="step 2 not committed"):
             handle.durable.result(60)
         m = server.metrics.registry
-        assert m.get_sample_value("strata_storage_errors_total", {"job": job_name, "op": "put"}) >= 1
-        assert m.get_sample_value("strata_checkpoints_total", {"job": job_name, "result": "failed"}) == 1
+        assert m.get_sample_value("strata_storage_errors_total", {"training_job": job_name, "op": "put"}) >= 1
+        assert (
+            m.get_sample_value("strata_checkpoints_total", {"training_job": job_name, "result": "failed"})
+            == 1
+        )
     finally:
         proxy.close()
     # Step 1 is intact and restorable from S3 by a sidecar that can reach it.
@@ -185,7 +188,10 @@ def test_corrupt_object_is_named_and_restore_falls_back(
     assert torch.equal(out["w"], torch.full((4096,), 1.0))
     assert obj.key in client2.last_restore["fallback_reason"]
     assert any(obj.key in r.getMessage() for r in caplog.records), "the fallback must be loud"
-    assert fresh.metrics.registry.get_sample_value("strata_restore_fallbacks_total", {"job": job_name}) == 1
+    assert (
+        fresh.metrics.registry.get_sample_value("strata_restore_fallbacks_total", {"training_job": job_name})
+        == 1
+    )
     # Asking for the corrupt step explicitly is an error naming the object, not a silent fallback.
     from trainer_client import RestoreError
 

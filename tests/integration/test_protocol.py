@@ -167,7 +167,7 @@ def test_stream_cut_midway_commits_nothing(stub, job_name):
     assert server.engine.snapshots() == []
     assert (
         server.metrics.registry.get_sample_value(
-            "strata_checkpoints_total", {"job": job_name, "result": "aborted"}
+            "strata_checkpoints_total", {"training_job": job_name, "result": "aborted"}
         )
         == 1
     )

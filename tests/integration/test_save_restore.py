@@ -165,7 +165,9 @@ def test_a_save_while_the_previous_streams_is_skipped_and_counted(
     gate.set()
     assert first.durable.result(30).step == 1
     client.save(3, {"w": torch.ones(4) * 3}).durable.result(30)  # reports the skip to the sidecar
-    skipped = server.metrics.registry.get_sample_value("strata_saves_skipped_total", {"job": job_name})
+    skipped = server.metrics.registry.get_sample_value(
+        "strata_saves_skipped_total", {"training_job": job_name}
+    )
     assert skipped == 1
 
 
