@@ -16,6 +16,7 @@ from typing import Any
 from sidecar import __version__, config
 from sidecar import manifest as mf
 from sidecar.errors import CorruptObject, StrataError
+from sidecar.local import launch
 from sidecar.store import open_store
 from sidecar.store.base import Store
 
@@ -197,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
     p.set_defaults(func=cmd_sidecar)
 
+    p = sub.add_parser(
+        "launch",
+        help="run a distributed job locally with automatic gang restart",
+        description="Run --nproc ranks as local processes with a sidecar and (by default) an embedded "
+        "SeaweedFS. When a rank fails, all ranks are stopped and restarted from the newest committed step.",
+        epilog=launch.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_arguments(p)
+    p.set_defaults(func=launch.main)
+
     for name, func, text in (
         ("ls", cmd_ls, "list the committed checkpoints of a job"),
         ("show", cmd_show, "print one rank's manifest of a committed step"),
@@ -224,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The server logs its progress; the read-only commands print their own and log only problems.
-    quiet = logging.INFO if args.command == "sidecar" else logging.WARNING
+    quiet = logging.INFO if args.command in ("sidecar", "launch") else logging.WARNING
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else quiet,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -112,6 +112,7 @@ class Engine:
         # One committer thread per rank: a rank's snapshots persist in the order they arrived,
         # so a newer step never commits before an older one.
         self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
+        self._attempts: dict[tuple[str, str], int] = {}
 
     def _committer_for(self, identity: Identity) -> ThreadPoolExecutor:
         with self._lock:
@@ -157,6 +158,7 @@ class Engine:
     ) -> Snapshot:
         check_protocol(protocol_version)
         identity.validate()
+        self.note_attempt(identity)
         if step < 0:
             raise InvalidArgument(f"step must be >= 0, got {step}")
         if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
@@ -296,13 +298,17 @@ class Engine:
             else:
                 self._await_commit(snap)
         except (StrataError, OSError) as exc:
-            op = "put" if isinstance(exc, StorageError) else "commit"
             if isinstance(exc, StorageError):
-                self.metrics.storage_errors.labels(job, op).inc()
+                self.metrics.storage_errors.labels(job, "put").inc()
             self.metrics.checkpoints.labels(job, "failed").inc()
             snap.state, snap.message = "failed", f"step {snap.step} not committed: {exc}"
             log.error("rank %d: %s", ident.rank, snap.message)
             self._release(snap)
+            if not isinstance(exc, Aborted):  # tell the other ranks' commit not to wait for this one
+                try:
+                    self.report_skip(ident, snap.step, snap.message)
+                except (StrataError, OSError) as marker_exc:
+                    log.debug("could not leave the skip marker: %s", marker_exc)
         except Exception as exc:  # never let a bug leave a waiter hanging
             log.exception("rank %d: unexpected error persisting step %d", ident.rank, snap.step)
             self.metrics.checkpoints.labels(job, "failed").inc()
@@ -323,6 +329,7 @@ class Engine:
         ident = snap.identity
         deadline = time.monotonic() + self.settings.commit_timeout_s
         while True:
+            self._check_current(snap)
             try:
                 mf.write_commit(
                     self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt
@@ -336,10 +343,41 @@ class Engine:
     def _await_commit(self, snap: Snapshot) -> None:
         ident = snap.identity
         deadline = time.monotonic() + self.settings.commit_timeout_s
-        while not mf.is_committed(self.store, ident.namespace, ident.job, snap.step):
+        while True:
+            self._check_current(snap)
+            state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, ident.attempt)
+            if state.committed:
+                return
+            if state.skipped:
+                raise Aborted(
+                    f"step {snap.step} cannot commit: rank(s) {sorted(state.skipped)} did not save it"
+                )
             if time.monotonic() > deadline:
                 raise FailedPrecondition(f"rank 0 did not commit step {snap.step} in time")
             time.sleep(0.1)
+
+    def _check_current(self, snap: Snapshot) -> None:
+        """A restarted gang (a newer attempt) means the other ranks of this one are gone."""
+        ident = snap.identity
+        with self._lock:
+            newest = self._attempts.get((ident.namespace, ident.job), ident.attempt)
+        if newest > ident.attempt:
+            raise Aborted(f"step {snap.step} of attempt {ident.attempt} superseded by attempt {newest}")
+
+    def note_attempt(self, identity: Identity) -> None:
+        """Remember the newest attempt of each job (any call carrying an identity)."""
+        key = (identity.namespace, identity.job)
+        with self._lock:
+            if identity.attempt > self._attempts.get(key, -1):
+                self._attempts[key] = identity.attempt
+
+    def report_skip(self, identity: Identity, step: int, reason: str) -> None:
+        """Leave the marker that makes the job-level commit of ``step`` fail at once."""
+        identity.validate()
+        self.note_attempt(identity)
+        key = mf.skip_key(identity.namespace, identity.job, step, identity.attempt, identity.rank)
+        self.store.put(key, reason.encode()[:4096])
+        log.info("rank %d will not save step %d: %s", identity.rank, step, reason)
 
     def _remember(self, snap: Snapshot) -> None:
         with self._lock:
@@ -385,6 +423,7 @@ class Engine:
 
     def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
         identity.validate()
+        self.note_attempt(identity)
         ns, job = identity.namespace, identity.job
         if step is None:
             # A stream that completed before the trainer died is being committed right now;
@@ -428,8 +467,15 @@ class Engine:
         raise CorruptObject(str(first_error), f"no restorable committed step at or before {target}")
 
     def _settle(self, identity: Identity) -> None:
+        # Every rank of the job, not just this one: all local ranks must see the same newest step.
         with self._lock:
-            pending = [s for s in self._slots.get(identity.slot, []) if s.state == "uploading"]
+            pending = [
+                s
+                for (ns, job, _), held in self._slots.items()
+                if (ns, job) == (identity.namespace, identity.job)
+                for s in held
+                if s.state == "uploading"
+            ]
         for snap in pending:
             snap.done.wait(self.settings.commit_timeout_s)
 

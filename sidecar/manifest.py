@@ -24,7 +24,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sidecar.errors import CorruptObject, FailedPrecondition, NotFound, ObjectNotFound
+from sidecar.errors import Aborted, CorruptObject, FailedPrecondition, NotFound, ObjectNotFound
 from sidecar.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -177,22 +177,51 @@ def write_manifest(store: Store, prefix: str, manifest: Manifest) -> ManifestRef
     return ManifestRef(manifest.rank, key, hashlib.sha256(body).hexdigest(), len(body))
 
 
-def find_manifests(store: Store, namespace: str, job: str, step: int, attempt: int) -> dict[int, str]:
-    """rank -> MANIFEST key of this job attempt at this step (one LIST)."""
+def skip_key(namespace: str, job: str, step: int, attempt: int, rank: int) -> str:
+    """Marker a rank leaves when it will not save this step, so the commit fails at once."""
+    return f"{step_prefix(namespace, job, step)}a{attempt:04d}-skip/rank-{rank}/SKIPPED"
+
+
+@dataclass
+class StepState:
+    committed: bool
+    manifests: dict[int, str]  # rank -> MANIFEST key of the attempt
+    skipped: list[int]  # ranks that reported they will not save the step
+
+
+def step_state(store: Store, namespace: str, job: str, step: int, attempt: int) -> StepState:
+    """Everything the commit protocol needs about one step, in one LIST."""
     prefix = step_prefix(namespace, job, step)
-    found: dict[int, str] = {}
+    state = StepState(False, {}, [])
     for obj in store.list(prefix).objects:
         rest = obj.key[len(prefix) :].split("/")
-        if len(rest) == 3 and rest[2] == "MANIFEST" and rest[0].startswith(f"a{attempt:04d}-"):
+        if rest == ["COMMIT"]:
+            state.committed = True
+        elif len(rest) == 3 and rest[0].startswith(f"a{attempt:04d}-") and rest[1].startswith("rank-"):
             rank = int(rest[1].removeprefix("rank-"))
-            # Several saves of one step in one attempt: the newest key wins (keys are unique per save).
-            found[rank] = max(found.get(rank, ""), obj.key)
-    return found
+            if rest[2] == "MANIFEST":
+                # Several saves of one step in one attempt: the newest key wins (keys are unique per save).
+                state.manifests[rank] = max(state.manifests.get(rank, ""), obj.key)
+            elif rest[2] == "SKIPPED":
+                state.skipped.append(rank)
+    return state
+
+
+def find_manifests(store: Store, namespace: str, job: str, step: int, attempt: int) -> dict[int, str]:
+    """rank -> MANIFEST key of this job attempt at this step (one LIST)."""
+    return step_state(store, namespace, job, step, attempt).manifests
 
 
 def write_commit(store: Store, namespace: str, job: str, step: int, world_size: int, attempt: int) -> Commit:
-    """Write the job-level COMMIT once every rank's MANIFEST exists; raise otherwise."""
-    keys = find_manifests(store, namespace, job, step, attempt)
+    """Write the job-level COMMIT once every rank's MANIFEST exists.
+
+    Raises FailedPrecondition while ranks are missing (the caller polls) and
+    Aborted when a rank reported it will not save the step (no point waiting).
+    """
+    state = step_state(store, namespace, job, step, attempt)
+    if state.skipped:
+        raise Aborted(f"step {step} cannot commit: rank(s) {sorted(state.skipped)} did not save it")
+    keys = state.manifests
     missing = sorted(set(range(world_size)) - set(keys))
     if missing:
         raise FailedPrecondition(f"step {step}: no MANIFEST yet for ranks {missing}")

@@ -7,6 +7,7 @@ Public API::
 
 from trainer_client.client import CheckpointClient, Committed, SaveHandle
 from trainer_client.config import ClientSettings
+from trainer_client.dist import init_process_group
 from trainer_client.errors import (
     CheckpointError,
     RestoreError,
@@ -25,4 +26,5 @@ __all__ = [
     "SaveHandle",
     "SaveSkipped",
     "SidecarUnavailable",
+    "init_process_group",
 ]

@@ -16,12 +16,14 @@ the job-level COMMIT exists (or with the error that prevented it).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -100,6 +102,8 @@ class CheckpointClient:
         self._overlap: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._skipped_unreported = 0
+        beat = os.environ.get("STRATA_HEARTBEAT_FILE")
+        self._heartbeat = Path(beat) if beat else None
         #: step, source ("memory"/"storage") and fallback reason of the newest restore
         self.last_restore: dict[str, Any] | None = None
         self.stats = {"saves": 0, "skipped": 0, "failed": 0, "first_save_stall_s": 0.0, "last_stall_s": 0.0}
@@ -187,6 +191,8 @@ class CheckpointClient:
         if busy and self._inflight is not None:
             self._inflight.result()  # _send never raises; it fails the handle instead
         handle = SaveHandle(step)
+        if self._heartbeat is not None:
+            self._heartbeat.touch()  # progress, for the launcher's hang detection
         full = dict(state)
         if self.settings.capture_rng:
             full[_RNG_KEY] = _rng.capture()
@@ -226,7 +232,16 @@ class CheckpointClient:
         handle.durable.set_exception(
             SaveSkipped(f"step {step} skipped: the previous save was still streaming")
         )
+        self._waiter.submit(self._report_skip, step, "skipped: the previous save was still streaming")
         return handle
+
+    def _report_skip(self, step: int, reason: str) -> None:
+        """Skips are collective: other ranks' saves of this step must not wait for this rank."""
+        req = pb.ReportSkipRequest(identity=self._identity, step=step, reason=reason)
+        try:
+            self._stub.ReportSkip(req, timeout=30, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            log.debug("could not report the skip of step %d: %s", step, exc)
 
     def _send(
         self,
@@ -263,11 +278,9 @@ class CheckpointClient:
                         raise
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
-        except grpc.RpcError as exc:
-            self._fail(handle, exc)
-            return
         except Exception as exc:
             self._fail(handle, exc)
+            self._waiter.submit(self._report_skip, handle.step, f"save failed: {exc}")
             return
         finally:
             if not handle.staged.done():

@@ -52,6 +52,8 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
         check_protocol(request.protocol_version)
+        if request.HasField("identity") and request.identity.job:
+            self.engine.note_attempt(_identity(request.identity))
         return pb.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,
             server_version=__version__,
@@ -136,6 +138,12 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         commit, body = self.engine.describe(request.namespace, request.job, request.step, request.rank)
         in_memory = self.engine.in_memory(request.namespace, request.job, request.step)
         return pb.DescribeCheckpointResponse(info=_info(commit, in_memory), manifest_json=body.decode())
+
+    def ReportSkip(
+        self, request: pb.ReportSkipRequest, context: grpc.ServicerContext
+    ) -> pb.ReportSkipResponse:
+        self.engine.report_skip(_identity(request.identity), request.step, request.reason)
+        return pb.ReportSkipResponse()
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return pb.StatusResponse(

@@ -607,6 +607,52 @@ class SnapshotStatus(_message.Message):
 Global___SnapshotStatus: _TypeAlias = SnapshotStatus  # noqa: Y015
 
 @_typing.final
+class ReportSkipRequest(_message.Message):
+    """A rank tells its sidecar it will not save this step (it skipped, or its save
+    failed before the stream completed), so the job-level commit of the step
+    fails at once instead of waiting for a MANIFEST that never comes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    reason: _builtins.str
+    @_builtins.property
+    def identity(self) -> Global___Identity: ...
+    def __init__(
+        self,
+        *,
+        identity: Global___Identity | None = ...,
+        step: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "reason", b"reason", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportSkipRequest: _TypeAlias = ReportSkipRequest  # noqa: Y015
+
+@_typing.final
+class ReportSkipResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportSkipResponse: _TypeAlias = ReportSkipResponse  # noqa: Y015
+
+@_typing.final
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -69,6 +69,11 @@ class CheckpointerStub:
                 request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.StatusRequest.SerializeToString,
                 response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ReportSkip = channel.unary_unary(
+                '/strata.v1.Checkpointer/ReportSkip',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointerServicer:
@@ -120,6 +125,12 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportSkip(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +168,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.StatusRequest.FromString,
                     response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.StatusResponse.SerializeToString,
+            ),
+            'ReportSkip': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSkip,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +364,33 @@ class Checkpointer:
             '/strata.v1.Checkpointer/GetStatus',
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.StatusRequest.SerializeToString,
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSkip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Checkpointer/ReportSkip',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,7 @@ class CheckpointerStub:
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_strata_pb2.ListCheckpointsRequest, _strata_pb2.ListCheckpointsResponse]
     DescribeCheckpoint: _grpc.UnaryUnaryMultiCallable[_strata_pb2.DescribeCheckpointRequest, _strata_pb2.DescribeCheckpointResponse]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_strata_pb2.StatusRequest, _strata_pb2.StatusResponse]
+    ReportSkip: _grpc.UnaryUnaryMultiCallable[_strata_pb2.ReportSkipRequest, _strata_pb2.ReportSkipResponse]
 
 @_typing.type_check_only
 class CheckpointerAsyncStub(CheckpointerStub):
@@ -66,6 +67,7 @@ class CheckpointerAsyncStub(CheckpointerStub):
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_strata_pb2.ListCheckpointsRequest, _strata_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     DescribeCheckpoint: _aio.UnaryUnaryMultiCallable[_strata_pb2.DescribeCheckpointRequest, _strata_pb2.DescribeCheckpointResponse]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_strata_pb2.StatusRequest, _strata_pb2.StatusResponse]  # type: ignore[assignment]
+    ReportSkip: _aio.UnaryUnaryMultiCallable[_strata_pb2.ReportSkipRequest, _strata_pb2.ReportSkipResponse]  # type: ignore[assignment]
 
 class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -121,5 +123,12 @@ class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
         request: _strata_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_strata_pb2.StatusResponse, _abc.Awaitable[_strata_pb2.StatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportSkip(
+        self,
+        request: _strata_pb2.ReportSkipRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_strata_pb2.ReportSkipResponse, _abc.Awaitable[_strata_pb2.ReportSkipResponse]]: ...
 
 def add_CheckpointerServicer_to_server(servicer: CheckpointerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,320 @@
+"""`strata launch`: run a distributed job as local processes with automatic gang restart.
+
+    strata launch --nproc 4 -- python train.py --epochs 3
+
+Starts SeaweedFS (unless --storage is given) and one sidecar for all ranks,
+then the ranks with torchrun-style environment. When any rank fails, every
+other rank is killed at once (surviving gloo/NCCL ranks would otherwise block
+until their timeout), the decision core (sidecar.coordinator) decides, and
+all ranks start again with a fresh rendezvous port; they resume from the
+newest step every rank committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from sidecar import manifest as mf
+from sidecar.coordinator import Failure, FailureKind, RestartPolicy, RestartTracker, classify_exit
+from sidecar.local.seaweed import SeaweedServer
+from sidecar.store import open_store
+
+log = logging.getLogger("strata.launch")
+
+EPILOG = """\
+examples:
+  strata launch --nproc 4 -- python deploy/examples/train_ddp.py --steps 200
+  strata launch --nproc 2 --storage s3://ckpt/jobs --s3-endpoint http://minio:9000 \\
+      --job exp7 -- python train.py
+  strata launch --nproc 2 --max-restarts 5 --hang-timeout-s 600 -- python train.py
+
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
+STRATA_SOCKET, STRATA_ATTEMPT and STRATA_PG_TIMEOUT_S (use trainer_client.init_process_group()).
+Testing hook: STRATA_FAULTS is passed only to rank $STRATA_FAULTS_RANK of the first attempt.
+"""
+
+
+@dataclass
+class LaunchSettings:
+    nproc: int
+    command: list[str]
+    job: str
+    namespace: str
+    storage: str | None
+    s3_endpoint: str | None
+    workdir: Path
+    policy: RestartPolicy
+    hang_timeout_s: float
+    pg_timeout_s: float
+    metrics_port: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pump(stream: object, prefix: str) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        sys.stdout.write(f"{prefix}{line}")
+        sys.stdout.flush()
+
+
+class Gang:
+    """The ranks of one attempt."""
+
+    def __init__(self, settings: LaunchSettings, attempt: int, socket_path: str, heartbeat_dir: Path) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.heartbeats = [heartbeat_dir / f"rank-{r}" for r in range(settings.nproc)]
+        self.started = time.monotonic()
+        port = _free_port()  # a fresh rendezvous port: the old one may linger in TIME_WAIT
+        fault_rank = os.environ.get("STRATA_FAULTS_RANK")
+        for rank in range(settings.nproc):
+            env = dict(os.environ)
+            env.pop("STRATA_FAULTS", None)
+            if attempt == 0 and fault_rank is not None and int(fault_rank) == rank:
+                env["STRATA_FAULTS"] = os.environ.get("STRATA_FAULTS", "")
+            self.heartbeats[rank].unlink(missing_ok=True)
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(settings.nproc),
+                LOCAL_WORLD_SIZE=str(settings.nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                STRATA_JOB=settings.job,
+                STRATA_NAMESPACE=settings.namespace,
+                STRATA_SOCKET=socket_path,
+                STRATA_ATTEMPT=str(attempt),
+                STRATA_PG_TIMEOUT_S=str(settings.pg_timeout_s),
+                STRATA_HEARTBEAT_FILE=str(self.heartbeats[rank]),
+                PYTHONUNBUFFERED="1",
+            )
+            proc = subprocess.Popen(
+                settings.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # its own process group: kill takes its children too
+            )
+            threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] "), daemon=True).start()
+            self.procs.append(proc)
+
+    def poll(self, hang_timeout_s: float) -> Failure | bool | None:
+        """A Failure, True when every rank exited 0, or None while running."""
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code not in (None, 0):
+                return classify_exit(code, rank=rank)
+        if all(p.poll() == 0 for p in self.procs):
+            return True
+        if hang_timeout_s > 0:
+            now = time.time()
+            for rank, beat in enumerate(self.heartbeats):
+                last = beat.stat().st_mtime if beat.exists() else now - (time.monotonic() - self.started)
+                if now - last > hang_timeout_s and self.procs[rank].poll() is None:
+                    return Failure(FailureKind.HANG, rank, detail=f"no save for {hang_timeout_s:.0f} s")
+        return None
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+
+
+class Launcher:
+    def __init__(self, settings: LaunchSettings) -> None:
+        self.s = settings
+        self.registry = CollectorRegistry()
+        self.restarts = Counter(
+            "strata_restarts_total",
+            "Gang restarts decided, by failure kind.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.tracker = RestartTracker(settings.policy, settings.nproc, on_decision=self._record)
+        self.seaweed: SeaweedServer | None = None
+        self.sidecar: subprocess.Popen[bytes] | None = None
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="strata-launch-", dir="/tmp"))
+        self.socket_path = str(self.sock_dir / "sidecar.sock")
+        self.storage = settings.storage
+        self.endpoint = settings.s3_endpoint
+
+    def _record(self, decision: object) -> None:
+        from sidecar.coordinator import Decision
+
+        assert isinstance(decision, Decision)
+        if decision.restart:
+            self.restarts.labels(decision.reason).inc()
+        (log.warning if decision.restart else log.error)("%s", decision.message)
+
+    def start_services(self) -> None:
+        self.s.workdir.mkdir(parents=True, exist_ok=True)
+        if self.storage is None:
+            seaweed = SeaweedServer(self.s.workdir / "seaweed", log_path=self.s.workdir / "seaweed.log")
+            self.seaweed = seaweed
+            seaweed.start()
+            seaweed.create_bucket("strata")
+            self.storage, self.endpoint = "s3://strata/checkpoints", seaweed.endpoint
+            log.info("embedded SeaweedFS S3 at %s (pid %d)", self.endpoint, seaweed.pid)
+        self.start_sidecar()
+        if self.s.metrics_port:
+            start_http_server(self.s.metrics_port, addr="127.0.0.1", registry=self.registry)
+
+    def start_sidecar(self) -> None:
+        strata = str(Path(sys.executable).parent / "strata")
+        env = dict(os.environ)
+        env.pop("STRATA_FAULTS", None)
+        if self.endpoint:
+            env["STRATA_S3_ENDPOINT"] = self.endpoint
+        assert self.storage is not None
+        with (self.s.workdir / "sidecar.log").open("a") as out:
+            self.sidecar = subprocess.Popen(
+                [
+                    strata,
+                    "sidecar",
+                    "--storage",
+                    self.storage,
+                    "--socket",
+                    self.socket_path,
+                    "--metrics-port",
+                    "0",
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while not Path(self.socket_path).exists():
+            if self.sidecar.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the sidecar did not start; see {self.s.workdir / 'sidecar.log'}")
+            time.sleep(0.05)
+        log.info("sidecar on unix:%s (pid %d), storage %s", self.socket_path, self.sidecar.pid, self.storage)
+
+    def checkpoint_world_size(self) -> int | None:
+        assert self.storage is not None
+        options = {"endpoint_url": self.endpoint} if self.storage.startswith("s3://") else {}
+        store = open_store(self.storage, **options)
+        try:
+            step = mf.newest_committed(store, self.s.namespace, self.s.job)
+            return (
+                None if step is None else mf.read_commit(store, self.s.namespace, self.s.job, step).world_size
+            )
+        finally:
+            store.close()
+
+    def run(self) -> int:
+        self.start_services()
+        heartbeat_dir = self.s.workdir / "heartbeats"
+        heartbeat_dir.mkdir(parents=True, exist_ok=True)
+        attempt = 0
+        while True:
+            config = self.tracker.check_world_size(self.s.nproc, self.checkpoint_world_size())
+            if config is not None:
+                self.tracker.decide(config)
+                return 2
+            log.info(
+                "attempt %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
+            )
+            gang = Gang(self.s, attempt, self.socket_path, heartbeat_dir)
+            outcome: Failure | bool | None = None
+            while outcome is None:
+                time.sleep(0.05)
+                outcome = gang.poll(self.s.hang_timeout_s)
+                if outcome is None and self.sidecar is not None and self.sidecar.poll() is not None:
+                    outcome = Failure(
+                        FailureKind.LOST, detail=f"the sidecar died (exit {self.sidecar.returncode})"
+                    )
+            if outcome is True:
+                log.info("all %d ranks finished", self.s.nproc)
+                return 0
+            assert isinstance(outcome, Failure)
+            failed_at = time.monotonic()
+            gang.kill()
+            log.warning("%s; stopped all ranks in %.2f s", outcome.describe(), time.monotonic() - failed_at)
+            decision = self.tracker.decide(outcome)
+            if not decision.restart:
+                return outcome.exit_code or 1
+            if self.sidecar is not None and self.sidecar.poll() is not None:
+                self.start_sidecar()
+            time.sleep(decision.delay_s)
+            attempt = decision.attempt
+
+    def stop(self) -> None:
+        if self.sidecar is not None and self.sidecar.poll() is None:
+            self.sidecar.send_signal(signal.SIGTERM)  # finishes in-flight uploads first
+            try:
+                self.sidecar.wait(60)
+            except subprocess.TimeoutExpired:
+                self.sidecar.kill()
+                self.sidecar.wait()
+        if self.seaweed is not None:
+            self.seaweed.stop()
+        Path(self.socket_path).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.sock_dir.rmdir()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, required=True, help="number of ranks (processes) to run")
+    p.add_argument("--job", default=os.environ.get("STRATA_JOB", "local-job"), help="job name [STRATA_JOB]")
+    p.add_argument("--namespace", default=os.environ.get("STRATA_NAMESPACE", "default"), help="namespace")
+    p.add_argument(
+        "--storage", default=os.environ.get("STRATA_STORAGE"), help="default: an embedded SeaweedFS"
+    )
+    p.add_argument("--s3-endpoint", default=os.environ.get("STRATA_S3_ENDPOINT"), help="S3 endpoint URL")
+    p.add_argument("--max-restarts", type=int, default=3, help="gang restarts before giving up (default 3)")
+    p.add_argument("--backoff-s", type=float, default=1.0, help="first restart delay; doubles each time")
+    p.add_argument(
+        "--hang-timeout-s", type=float, default=0.0, help="restart when a rank saves nothing this long"
+    )
+    p.add_argument("--pg-timeout-s", type=float, default=60.0, help="process-group timeout handed to ranks")
+    p.add_argument("--workdir", default=".strata/launch", help="logs and the embedded S3's data")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve strata_restarts_total here (0: off)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+
+
+def main(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("strata launch: give the training command after --, e.g. -- python train.py")
+    if args.nproc < 1:
+        raise SystemExit(f"strata launch: --nproc must be >= 1, got {args.nproc}")
+    mf.check_name("job", args.job)
+    settings = LaunchSettings(
+        nproc=args.nproc,
+        command=command,
+        job=args.job,
+        namespace=args.namespace,
+        storage=args.storage,
+        s3_endpoint=args.s3_endpoint,
+        workdir=Path(args.workdir),
+        policy=RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.backoff_s),
+        hang_timeout_s=args.hang_timeout_s,
+        pg_timeout_s=args.pg_timeout_s,
+        metrics_port=args.metrics_port,
+    )
+    launcher = Launcher(settings)
+    try:
+        return launcher.run()
+    finally:
+        launcher.stop()
