@@ -113,6 +113,10 @@ class Engine:
         # so a newer step never commits before an older one.
         self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
         self._attempts: dict[tuple[str, str], int] = {}
+        # Restores read ahead by prefetch(): slot -> (step, ready event, data or None)
+        self._prefetched: dict[
+            tuple[str, str, int], tuple[int | None, threading.Event, RestoreData | None]
+        ] = {}
 
     def _committer_for(self, identity: Identity) -> ThreadPoolExecutor:
         with self._lock:
@@ -295,6 +299,7 @@ class Engine:
             fault_point("sidecar.commit.before", snap.step)
             if ident.rank == 0:
                 self._commit_as_rank0(snap)
+                self._collect_garbage(ident)
             else:
                 self._await_commit(snap)
         except (StrataError, OSError) as exc:
@@ -339,6 +344,18 @@ class Engine:
                 if time.monotonic() > deadline:
                     raise FailedPrecondition(f"{exc} after {self.settings.commit_timeout_s:.0f} s") from None
                 time.sleep(0.05)
+
+    def _collect_garbage(self, ident: Identity) -> None:
+        """Retention runs after rank 0's commit; a failure here never fails the save."""
+        try:
+            mf.collect_garbage(self.store, ident.namespace, ident.job, self.settings.keep)
+        except (StrataError, OSError) as exc:
+            log.warning(
+                "retention of %s/%s failed (will retry after the next commit): %s",
+                ident.namespace,
+                ident.job,
+                exc,
+            )
 
     def _await_commit(self, snap: Snapshot) -> None:
         ident = snap.identity
@@ -434,6 +451,10 @@ class Engine:
                 raise NotFound(f"no committed checkpoint for {ns}/{job}")
         else:
             target = step
+        ahead = self._take_prefetched(identity, target)
+        if ahead is not None:
+            self.metrics.restores.labels(job, ahead.source).inc()
+            return ahead
         memory = self._from_memory(identity, target)
         if memory is not None:
             self.metrics.restores.labels(job, "memory").inc()
@@ -465,6 +486,44 @@ class Engine:
             self.metrics.restores.labels(job, "storage").inc()
             return data
         raise CorruptObject(str(first_error), f"no restorable committed step at or before {target}")
+
+    def prefetch(self, identity: Identity) -> None:
+        """Read the newest committed step into memory in the background (asynchronous
+        discovery: the restore that follows finds it ready)."""
+        identity.validate()
+        self.note_attempt(identity)
+        ready = threading.Event()
+        with self._lock:
+            if identity.slot in self._prefetched:
+                return
+            self._prefetched[identity.slot] = (None, ready, None)
+
+        def load() -> None:
+            step, data = None, None
+            try:
+                self._settle(identity)
+                step = self._newest_step(identity)
+                if step is not None and self._from_memory(identity, step) is None:
+                    data = self._from_storage(identity, step)
+                    log.info("rank %d: prefetched step %d (%d bytes)", identity.rank, step, data.total_bytes)
+            except (StrataError, OSError) as exc:
+                log.warning("rank %d: prefetch failed, restore will retry: %s", identity.rank, exc)
+            finally:
+                with self._lock:
+                    self._prefetched[identity.slot] = (step, ready, data)
+                ready.set()
+
+        threading.Thread(target=load, name=f"strata-prefetch-r{identity.rank}", daemon=True).start()
+
+    def _take_prefetched(self, identity: Identity, step: int) -> RestoreData | None:
+        with self._lock:
+            entry = self._prefetched.get(identity.slot)
+        if entry is None:
+            return None
+        entry[1].wait(self.settings.commit_timeout_s)
+        with self._lock:
+            got_step, _, data = self._prefetched.pop(identity.slot, (None, entry[1], None))
+        return data if got_step == step else None
 
     def _settle(self, identity: Identity) -> None:
         # Every rank of the job, not just this one: all local ranks must see the same newest step.

@@ -134,6 +134,8 @@ class Commit:
     total_bytes: int
     manifests: list[ManifestRef]
     committed_at: float = field(default_factory=time.time)
+    #: Older steps whose objects this one needs (bases of differential checkpoints); GC keeps them.
+    requires: list[int] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     kind: str = "strata.commit"
 
@@ -317,6 +319,47 @@ def read_object(store: Store, entry: ObjectEntry) -> bytes:
     if crc32(data) != entry.crc32:
         raise CorruptObject(entry.key, f"crc32 {crc32(data)} != {entry.crc32} in the manifest")
     return data
+
+
+def collect_garbage(store: Store, namespace: str, job: str, keep: int) -> list[int]:
+    """Delete every step older than the ``keep`` newest committed ones (and than the bases
+    they require). Returns the deleted steps.
+
+    Safe against concurrent saves: only steps strictly older than the oldest kept
+    committed step are touched, and every new save is newer than the newest
+    committed step. A step's COMMIT goes first, so readers never see a COMMIT
+    whose objects are half deleted.
+    """
+    if keep < 1:
+        return []
+    steps = _step_dirs(store, namespace, job)
+    committed = [s for s in steps if is_committed(store, namespace, job, s)]
+    if len(committed) <= keep:
+        return []
+    kept = committed[-keep:]
+    needed = set(kept)
+    for step in kept:
+        needed.update(read_commit(store, namespace, job, step).requires)
+    horizon = min(needed)
+    deleted = []
+    for step in steps:
+        if step >= horizon or step in needed:
+            continue
+        store.delete([commit_key(namespace, job, step)])
+        keys = [o.key for o in store.list(step_prefix(namespace, job, step)).objects]
+        store.delete(keys)
+        deleted.append(step)
+    if deleted:
+        log.info(
+            "%s/%s: deleted %d old steps (%d..%d), keeping %s",
+            namespace,
+            job,
+            len(deleted),
+            deleted[0],
+            deleted[-1],
+            kept,
+        )
+    return deleted
 
 
 def summary(manifest: Manifest) -> dict[str, Any]:

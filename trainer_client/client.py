@@ -109,6 +109,12 @@ class CheckpointClient:
         self.stats = {"saves": 0, "skipped": 0, "failed": 0, "first_save_stall_s": 0.0, "last_stall_s": 0.0}
         for opt in optimizers:
             self.register_optimizer(opt)
+        if self.settings.resume != "never":
+            # Asynchronous discovery: the sidecar starts reading the newest step while the
+            # trainer builds its model; resume() then finds it in memory.
+            self._prefetch = self._stub.Prefetch.future(  # keep a reference: a dropped call is cancelled
+                pb.PrefetchRequest(identity=self._identity), timeout=30, metadata=self._metadata
+            )
 
     # --- connection -----------------------------------------------------------------------
 

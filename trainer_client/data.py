@@ -11,8 +11,9 @@ Which object to put in the checkpointed ``state``:
   sampler's state_dict when it draws each batch's indices and hands out that snapshot once the
   batch reaches the loop, so it is exact with any ``num_workers``.
 
-Checkpointing the sampler alone is exact only when nothing reads ahead (``num_workers=0``): the
-sampler counts the indices it has yielded. The state is plain ints and JSON-encodes::
+Checkpointing a bare sampler is exact only when nothing reads ahead (``num_workers=0``): it counts
+the indices it has yielded (once wrapped in a ResumableLoader it reports the wrapper's count, so
+either may be checkpointed). The state is plain ints and JSON-encodes::
 
     {"epoch": 3, "seed": 0, "consumed_samples": 4096, "num_replicas": 8, "dataset_len": 100000}
 
@@ -36,11 +37,13 @@ Usage with a plain DataLoader::
             if step % 100 == 0:
                 client.save(step, state)
 
-Epochs: ``set_epoch`` to another epoch starts it at its first sample; a checkpoint taken after an
-epoch's last batch resumes with an empty pass of that epoch. ``load_state_dict`` adopts the
-checkpoint's epoch unless ``set_epoch`` was called after the last pass began (StatefulDataLoader
-applies its state lazily, inside ``iter()``, after your ``set_epoch``: your epoch wins there, and
-the saved position applies only if it is the same epoch).
+Epochs: ``set_epoch`` to another epoch starts it at its first sample. A checkpoint taken after an
+epoch's last batch (inside the loop or after it) makes passes over that epoch empty until
+``set_epoch`` selects another, so resuming with either that epoch or the next one is right.
+``load_state_dict`` adopts the checkpoint's epoch unless ``set_epoch`` was called after the last
+pass began (StatefulDataLoader applies its state lazily, inside ``iter()``, after your
+``set_epoch``: your epoch wins there, and the saved position applies only to the same epoch, so
+keep your own epoch counter in the state, e.g. ``{"epoch": epoch, "data": stateful_loader}``).
 """
 
 from __future__ import annotations
@@ -148,7 +151,8 @@ class ResumableDistributedSampler(Sampler[int]):
         # A generator: the pass (and the loaded position it uses up) begins at the first next(),
         # so iterators that a DataLoader creates and drops unused change nothing.
         start = self._next_start()
-        self._resume = None
+        if start < self.num_samples:  # a checkpoint at an epoch's end keeps that epoch empty
+            self._resume = None
         self._epoch_announced = False
         self._pass_epoch = self.epoch
         self._yielded = start

@@ -25,13 +25,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_recsys import ClickStream, RecModel, digest  # noqa: E402
+from train_recsys import ClickStream, RecModel, digest
 
-from trainer_client import CheckpointClient, init_process_group  # noqa: E402
+from trainer_client import CheckpointClient, init_process_group
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1234)
@@ -61,7 +63,9 @@ def main() -> int:
     resumed = client.resume(state) if client is not None else None
     start = 0 if resumed is None else resumed + 1
     if rank == 0:
-        print(f"{'resumed from step ' + str(resumed) if resumed is not None else 'starting fresh'}", flush=True)
+        print(
+            f"{'resumed from step ' + str(resumed) if resumed is not None else 'starting fresh'}", flush=True
+        )
 
     loss_fn = nn.BCEWithLogitsLoss()
     t0 = time.perf_counter()

@@ -145,6 +145,10 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self.engine.report_skip(_identity(request.identity), request.step, request.reason)
         return pb.ReportSkipResponse()
 
+    def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        self.engine.prefetch(_identity(request.identity))
+        return pb.PrefetchResponse()
+
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return pb.StatusResponse(
             server_version=__version__,

@@ -55,6 +55,8 @@ def start_sidecar(storage: str, endpoint: str, sock: Path, faults: str, log: Pat
                 "0",
                 "--commit-timeout-s",
                 "30",
+                "--keep",
+                "0",  # keep every step: the checks read the whole history
             ],
             env=env,
             stdout=out,

@@ -161,3 +161,27 @@ def test_keys_are_unique_per_save_attempt():
     c = mf.rank_prefix("ns", "job", 10, 1, "aaaa", 0)
     assert len({a, b, c}) == 3
     assert a == "ns/job/steps/000000000010/a0000-aaaa/rank-0/"
+
+
+def test_retention_keeps_the_newest_committed_steps_and_what_they_require(store):
+    for step in range(1, 7):
+        put_rank(store, step, 0, world=1)
+        mf.write_commit(store, "ns", "job", step, 1, 0)
+    put_rank(store, 2, 0, world=1, attempt=1, save_id="torn")  # a torn attempt of an old step
+    put_rank(store, 7, 0, world=1)  # in flight: newer than every commit, never touched
+    assert mf.collect_garbage(store, "ns", "job", keep=2) == [1, 2, 3, 4]
+    assert mf.committed_steps(store, "ns", "job") == [5, 6]
+    assert store.list("ns/job/steps/000000000001/").objects == []
+    assert store.list("ns/job/steps/000000000007/").objects  # the in-flight save is intact
+    assert mf.newest_committed(store, "ns", "job") == 6
+
+
+def test_retention_never_deletes_a_required_base(store):
+    for step in range(1, 5):
+        put_rank(store, step, 0, world=1)
+        commit = mf.write_commit(store, "ns", "job", step, 1, 0)
+    commit.requires = [1]  # step 4 is a diff on top of step 1
+    store.put(mf.commit_key("ns", "job", 4), commit.to_json())
+    assert mf.collect_garbage(store, "ns", "job", keep=1) == []  # 1 is needed; nothing is older
+    assert mf.committed_steps(store, "ns", "job") == [1, 2, 3, 4]
+    assert mf.collect_garbage(store, "ns", "job", keep=0) == []  # 0 keeps everything

@@ -653,6 +653,45 @@ class ReportSkipResponse(_message.Message):
 Global___ReportSkipResponse: _TypeAlias = ReportSkipResponse  # noqa: Y015
 
 @_typing.final
+class PrefetchRequest(_message.Message):
+    """Start loading the newest committed step into sidecar memory now, while the
+    trainer is still initialising; the Restore that follows is served from it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def identity(self) -> Global___Identity: ...
+    def __init__(
+        self,
+        *,
+        identity: Global___Identity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchRequest: _TypeAlias = PrefetchRequest  # noqa: Y015
+
+@_typing.final
+class PrefetchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefetchResponse: _TypeAlias = PrefetchResponse  # noqa: Y015
+
+@_typing.final
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -74,6 +74,11 @@ class CheckpointerStub:
                 request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipRequest.SerializeToString,
                 response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/strata.v1.Checkpointer/Prefetch',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointerServicer:
@@ -131,6 +136,12 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +184,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.ReportSkip,
                     request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipRequest.FromString,
                     response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +407,33 @@ class Checkpointer:
             '/strata.v1.Checkpointer/ReportSkip',
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipRequest.SerializeToString,
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ReportSkipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Checkpointer/Prefetch',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,7 @@ class CheckpointerStub:
     DescribeCheckpoint: _grpc.UnaryUnaryMultiCallable[_strata_pb2.DescribeCheckpointRequest, _strata_pb2.DescribeCheckpointResponse]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_strata_pb2.StatusRequest, _strata_pb2.StatusResponse]
     ReportSkip: _grpc.UnaryUnaryMultiCallable[_strata_pb2.ReportSkipRequest, _strata_pb2.ReportSkipResponse]
+    Prefetch: _grpc.UnaryUnaryMultiCallable[_strata_pb2.PrefetchRequest, _strata_pb2.PrefetchResponse]
 
 @_typing.type_check_only
 class CheckpointerAsyncStub(CheckpointerStub):
@@ -68,6 +69,7 @@ class CheckpointerAsyncStub(CheckpointerStub):
     DescribeCheckpoint: _aio.UnaryUnaryMultiCallable[_strata_pb2.DescribeCheckpointRequest, _strata_pb2.DescribeCheckpointResponse]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_strata_pb2.StatusRequest, _strata_pb2.StatusResponse]  # type: ignore[assignment]
     ReportSkip: _aio.UnaryUnaryMultiCallable[_strata_pb2.ReportSkipRequest, _strata_pb2.ReportSkipResponse]  # type: ignore[assignment]
+    Prefetch: _aio.UnaryUnaryMultiCallable[_strata_pb2.PrefetchRequest, _strata_pb2.PrefetchResponse]  # type: ignore[assignment]
 
 class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -130,5 +132,12 @@ class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
         request: _strata_pb2.ReportSkipRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_strata_pb2.ReportSkipResponse, _abc.Awaitable[_strata_pb2.ReportSkipResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Prefetch(
+        self,
+        request: _strata_pb2.PrefetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_strata_pb2.PrefetchResponse, _abc.Awaitable[_strata_pb2.PrefetchResponse]]: ...
 
 def add_CheckpointerServicer_to_server(servicer: CheckpointerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
