@@ -29,6 +29,7 @@ def make_sidecar(short_tmp: Path) -> Iterator[Callable[..., SidecarServer]]:
             socket=str(short_tmp / f"sc{len(started)}.sock"),
             metrics_port=options.pop("metrics_port", 0),
             commit_timeout_s=options.pop("commit_timeout_s", 30.0),
+            keep=options.pop("keep", 0),  # tests inspect the whole history unless they test retention
             **options,
         )
         server = SidecarServer(settings, metrics=Metrics()).start()
