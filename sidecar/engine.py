@@ -334,16 +334,27 @@ class Engine:
         ident = snap.identity
         deadline = time.monotonic() + self.settings.commit_timeout_s
         while True:
-            self._check_current(snap)
-            try:
+            state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, ident.attempt)
+            if state.skipped:
+                raise Aborted(
+                    f"step {snap.step} cannot commit: rank(s) {sorted(state.skipped)} did not save it"
+                )
+            missing = sorted(set(range(ident.world_size)) - set(state.manifests))
+            if not missing:
                 mf.write_commit(
-                    self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt
+                    self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt, state
                 )
                 return
-            except FailedPrecondition as exc:
-                if time.monotonic() > deadline:
-                    raise FailedPrecondition(f"{exc} after {self.settings.commit_timeout_s:.0f} s") from None
-                time.sleep(0.05)
+            # A restarted gang means missing ranks will never save this step, unless their
+            # complete streams are being uploaded right here.
+            if self._superseded(ident) and not self._uploading_here(ident, snap.step, missing):
+                raise Aborted(f"step {snap.step} of attempt {ident.attempt} superseded by a restarted gang")
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"step {snap.step}: no MANIFEST from ranks {missing} "
+                    f"after {self.settings.commit_timeout_s:.0f} s"
+                )
+            time.sleep(0.05)
 
     def _collect_garbage(self, ident: Identity) -> None:
         """Retention runs after rank 0's commit; a failure here never fails the save."""
@@ -361,7 +372,8 @@ class Engine:
         ident = snap.identity
         deadline = time.monotonic() + self.settings.commit_timeout_s
         while True:
-            self._check_current(snap)
+            if self._superseded(ident) and not self._uploading_here(ident, snap.step, [0]):
+                raise Aborted(f"step {snap.step} of attempt {ident.attempt} superseded by a restarted gang")
             state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, ident.attempt)
             if state.committed:
                 return
@@ -373,13 +385,20 @@ class Engine:
                 raise FailedPrecondition(f"rank 0 did not commit step {snap.step} in time")
             time.sleep(0.1)
 
-    def _check_current(self, snap: Snapshot) -> None:
-        """A restarted gang (a newer attempt) means the other ranks of this one are gone."""
-        ident = snap.identity
+    def _superseded(self, ident: Identity) -> bool:
         with self._lock:
-            newest = self._attempts.get((ident.namespace, ident.job), ident.attempt)
-        if newest > ident.attempt:
-            raise Aborted(f"step {snap.step} of attempt {ident.attempt} superseded by attempt {newest}")
+            return self._attempts.get((ident.namespace, ident.job), ident.attempt) > ident.attempt
+
+    def _uploading_here(self, ident: Identity, step: int, ranks: list[int]) -> bool:
+        with self._lock:
+            for rank in ranks:
+                held = self._slots.get((ident.namespace, ident.job, rank), [])
+                if not any(
+                    s.step == step and s.state == "uploading" and s.identity.attempt == ident.attempt
+                    for s in held
+                ):
+                    return False
+        return True
 
     def note_attempt(self, identity: Identity) -> None:
         """Remember the newest attempt of each job (any call carrying an identity)."""

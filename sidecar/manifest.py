@@ -214,13 +214,21 @@ def find_manifests(store: Store, namespace: str, job: str, step: int, attempt: i
     return step_state(store, namespace, job, step, attempt).manifests
 
 
-def write_commit(store: Store, namespace: str, job: str, step: int, world_size: int, attempt: int) -> Commit:
+def write_commit(
+    store: Store,
+    namespace: str,
+    job: str,
+    step: int,
+    world_size: int,
+    attempt: int,
+    state: StepState | None = None,
+) -> Commit:
     """Write the job-level COMMIT once every rank's MANIFEST exists.
 
     Raises FailedPrecondition while ranks are missing (the caller polls) and
     Aborted when a rank reported it will not save the step (no point waiting).
     """
-    state = step_state(store, namespace, job, step, attempt)
+    state = state or step_state(store, namespace, job, step, attempt)
     if state.skipped:
         raise Aborted(f"step {step} cannot commit: rank(s) {sorted(state.skipped)} did not save it")
     keys = state.manifests

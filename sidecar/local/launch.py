@@ -44,7 +44,8 @@ examples:
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
 STRATA_SOCKET, STRATA_ATTEMPT and STRATA_PG_TIMEOUT_S (use trainer_client.init_process_group()).
-Testing hook: STRATA_FAULTS is passed only to rank $STRATA_FAULTS_RANK of the first attempt.
+Testing hooks: STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first attempt,
+STRATA_SIDECAR_FAULTS only to the first sidecar.
 """
 
 
@@ -61,6 +62,7 @@ class LaunchSettings:
     hang_timeout_s: float
     pg_timeout_s: float
     metrics_port: int
+    keep: int = 3
 
 
 def _free_port() -> int:
@@ -158,6 +160,7 @@ class Launcher:
         self.socket_path = str(self.sock_dir / "sidecar.sock")
         self.storage = settings.storage
         self.endpoint = settings.s3_endpoint
+        self._sidecar_starts = 0
 
     def _record(self, decision: object) -> None:
         from sidecar.coordinator import Decision
@@ -184,6 +187,9 @@ class Launcher:
         strata = str(Path(sys.executable).parent / "strata")
         env = dict(os.environ)
         env.pop("STRATA_FAULTS", None)
+        if not self._sidecar_starts:  # testing hook: faults for the first sidecar only
+            env["STRATA_FAULTS"] = os.environ.get("STRATA_SIDECAR_FAULTS", "")
+        self._sidecar_starts += 1
         if self.endpoint:
             env["STRATA_S3_ENDPOINT"] = self.endpoint
         assert self.storage is not None
@@ -198,6 +204,8 @@ class Launcher:
                     self.socket_path,
                     "--metrics-port",
                     "0",
+                    "--keep",
+                    str(self.s.keep),
                 ],
                 env=env,
                 stdout=out,
@@ -290,6 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pg-timeout-s", type=float, default=60.0, help="process-group timeout handed to ranks")
     p.add_argument("--workdir", default=".strata/launch", help="logs and the embedded S3's data")
     p.add_argument("--metrics-port", type=int, default=0, help="serve strata_restarts_total here (0: off)")
+    p.add_argument("--keep", type=int, default=3, help="committed steps the sidecar keeps (0: all)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
 
 
@@ -312,6 +321,7 @@ def main(args: argparse.Namespace) -> int:
         hang_timeout_s=args.hang_timeout_s,
         pg_timeout_s=args.pg_timeout_s,
         metrics_port=args.metrics_port,
+        keep=args.keep,
     )
     launcher = Launcher(settings)
     try:
