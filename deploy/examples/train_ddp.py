@@ -89,6 +89,11 @@ def main() -> int:
         print(f"FINAL_DIGEST {final}", flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({"digest": final, "resumed_from": resumed}))
+    # Drop DDP (its Reducer) while the process group is still registered: if the Reducer held
+    # the last reference at interpreter exit, gloo's destructor would join its worker threads
+    # with the GIL held while a worker waits for the GIL (a deadlock seen with torch 2.13).
+    del model
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

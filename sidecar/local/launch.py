@@ -34,6 +34,8 @@ from sidecar.local.seaweed import SeaweedServer
 from sidecar.store import open_store
 
 log = logging.getLogger("strata.launch")
+#: How long ranks may keep running once one rank finished cleanly (a rank stuck in teardown).
+EXIT_GRACE_S = 60.0
 
 EPILOG = """\
 examples:
@@ -84,6 +86,7 @@ class Gang:
         self.procs: list[subprocess.Popen[str]] = []
         self.heartbeats = [heartbeat_dir / f"rank-{r}" for r in range(settings.nproc)]
         self.started = time.monotonic()
+        self.first_exit: float | None = None
         port = _free_port()  # a fresh rendezvous port: the old one may linger in TIME_WAIT
         fault_rank = os.environ.get("STRATA_FAULTS_RANK")
         for rank in range(settings.nproc):
@@ -126,6 +129,16 @@ class Gang:
                 return classify_exit(code, rank=rank)
         if all(p.poll() == 0 for p in self.procs):
             return True
+        finished = [r for r, p in enumerate(self.procs) if p.poll() == 0]
+        if finished and self.first_exit is None:
+            self.first_exit = time.monotonic()
+        if self.first_exit is not None and time.monotonic() - self.first_exit > EXIT_GRACE_S:
+            stuck = next(r for r, p in enumerate(self.procs) if p.poll() is None)
+            return Failure(
+                FailureKind.HANG,
+                stuck,
+                detail=f"still running {EXIT_GRACE_S:.0f} s after rank {finished[0]} finished",
+            )
         if hang_timeout_s > 0:
             now = time.time()
             for rank, beat in enumerate(self.heartbeats):

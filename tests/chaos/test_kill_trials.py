@@ -1,9 +1,12 @@
-"""Kill -9 a trainer or its sidecar at injected points during saves, restart the
-gang, and check that every restore returns the newest committed step and that
-the final state equals an uninterrupted run's.
+"""Kill -9 a random rank or the sidecar at injected points during saves of a
+2-rank job under `strata launch`, and check what the gang restart restores.
+
+Per trial: the restored step must be committed (else a torn restore), no step
+committed by the first attempt may be newer than it (else a lost commit), and
+the final state must equal an uninterrupted run's bit for bit.
 
 `make test` runs a few trials (STRATA_CHAOS_TRIALS, default 3); `make chaos`
-runs many (default 100) and prints the counts.
+runs 100 and adds the counts to bench-results.json.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,151 +26,109 @@ from sidecar import manifest as mf
 from sidecar.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "deploy" / "examples" / "train_recsys.py"
+DDP = ROOT / "deploy" / "examples" / "train_ddp.py"
 STRATA = str(Path(sys.executable).parent / "strata")
-ARGS = ["--steps", "24", "--save-every", "3", "--rows", "2000", "--batch", "256", "--tables", "2"]
+ARGS = ["--steps", "24", "--save-every", "3", "--rows", "2000", "--batch", "128", "--tables", "2"]
 SAVED_STEPS = list(range(2, 24, 3))
-POINTS = [
-    ("trainer", "client.stream.chunk"),
-    ("trainer", "client.stream.footer"),
-    ("trainer", "client.saved"),
-    ("sidecar", "sidecar.receive.chunk"),
-    ("sidecar", "sidecar.upload.object"),
-    ("sidecar", "sidecar.manifest.before"),
-    ("sidecar", "sidecar.commit.before"),
+RANK_POINTS = ["client.stream.chunk", "client.stream.footer", "client.saved"]
+SIDECAR_POINTS = [
+    "sidecar.receive.chunk",
+    "sidecar.upload.object",
+    "sidecar.manifest.before",
+    "sidecar.commit.before",
 ]
 
 
-def start_sidecar(storage: str, endpoint: str, sock: Path, faults: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, STRATA_FAULTS=faults, STRATA_S3_ENDPOINT=endpoint)
-    with log.open("a") as out:  # the child keeps its own descriptor
-        proc = subprocess.Popen(
-            [
-                STRATA,
-                "sidecar",
-                "--storage",
-                storage,
-                "--socket",
-                str(sock),
-                "--metrics-port",
-                "0",
-                "--commit-timeout-s",
-                "30",
-                "--keep",
-                "0",  # keep every step: the checks read the whole history
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
-    return proc
-
-
-def run_trainer(sock: Path, job: str, attempt: int, faults: str, out: Path, sidecar: subprocess.Popen):
-    env = dict(
-        os.environ,
-        STRATA_SOCKET=str(sock),
-        STRATA_JOB=job,
-        STRATA_ATTEMPT=str(attempt),
-        STRATA_FAULTS=faults,
-        STRATA_WHEN_BUSY="wait",
-        STRATA_CHUNK_BYTES=str(128 * 1024),
-        STRATA_COMMIT_TIMEOUT_S="30",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *ARGS, "--out", str(out)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    # The gang dies together: if the sidecar is killed, stop the trainer too (as the operator does).
-    while proc.poll() is None:
-        if sidecar.poll() is not None:
-            proc.kill()
-        time.sleep(0.05)
-    assert proc.stdout is not None
-    output = proc.stdout.read()
-    proc.stdout.close()
-    return proc.returncode, output
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def reference_digest(tmp: Path) -> str:
-    out = tmp / "reference.json"
-    subprocess.run(
-        [sys.executable, str(EXAMPLE), *ARGS, "--no-checkpoint", "--out", str(out)],
-        check=True,
+def launch(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [STRATA, "launch", "--nproc", "2", "--backoff-s", "0", "--keep", "0", *args],
+        env=dict(os.environ, STRATA_CHUNK_BYTES=str(64 * 1024), **env),
         capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
-    return json.loads(out.read_text())["digest"]
 
 
 def one_trial(rng: random.Random, tmp: Path, url: str, endpoint: str, reference: str) -> dict[str, int]:
-    side, point = rng.choice(POINTS)
-    step = rng.choice(SAVED_STEPS[1:])
-    # Streams carry several chunks; every other point is reached once per save.
-    nth = rng.randint(1, 3) if point.endswith("chunk") else 1
-    spec = f"{point}@{step}#{nth}=kill"
+    target = rng.choice(["rank 0", "rank 1", "sidecar"])
+    point = rng.choice(SIDECAR_POINTS if target == "sidecar" else RANK_POINTS)
+    nth = rng.randint(1, 3) if point.endswith("chunk") else 1  # streams carry several chunks
+    spec = f"{point}@{rng.choice(SAVED_STEPS[1:])}#{nth}=kill"
+    env = (
+        {"STRATA_SIDECAR_FAULTS": spec}
+        if target == "sidecar"
+        else {"STRATA_FAULTS": spec, "STRATA_FAULTS_RANK": target[-1]}
+    )
     job = "chaos-" + uuid.uuid4().hex[:8]
-    sock = Path(f"/tmp/strata-chaos-{uuid.uuid4().hex[:8]}.sock")
-    log = tmp / f"{job}.log"
-    store = open_store(url, endpoint_url=endpoint)
-    counts = {"torn": 0, "lost": 0, "mismatch": 0, "fired": 0}
-    sidecar = start_sidecar(url, endpoint, sock, spec if side == "sidecar" else "", log)
-    try:
-        code, out = run_trainer(sock, job, 0, spec if side == "trainer" else "", tmp / "a0.json", sidecar)
-        fired = code == -signal.SIGKILL or sidecar.poll() == -signal.SIGKILL
-        counts["fired"] = int(fired)
-        if not fired:  # the point was never reached (e.g. a one-chunk stream): a clean run
-            assert code == 0, out
-            counts["mismatch"] = int(json.loads((tmp / "a0.json").read_text())["digest"] != reference)
-            return counts
-        if sidecar.poll() is not None:  # restart the sidecar too (fresh memory)
-            sidecar = start_sidecar(url, endpoint, sock, "", log)
-        code, out = run_trainer(sock, job, 1, "", tmp / "a1.json", sidecar)
-        assert code == 0, out + log.read_text()
-        match = re.search(r"resumed from step (\d+)", out)
-        resumed = int(match.group(1)) if match else None
-        committed = {
-            s: mf.read_commit(store, "default", job, s) for s in mf.committed_steps(store, "default", job)
-        }
-        before = [s for s, c in committed.items() if c.attempt == 0]
-        if resumed is not None and resumed not in committed:
-            counts["torn"] = 1
-        if before and (resumed is None or max(before) > resumed):
-            counts["lost"] = 1
-        counts["mismatch"] = int(json.loads((tmp / "a1.json").read_text())["digest"] != reference)
-        if any(counts[k] for k in ("torn", "lost", "mismatch")):
-            print(f"trial {spec} on {side}: {counts}, resumed {resumed}, committed {sorted(committed)}")
-        return counts
-    finally:
-        stop(sidecar)
-        sock.unlink(missing_ok=True)
-        store.close()
+    out = tmp / f"{job}.json"
+    run = launch(
+        [
+            "--job",
+            job,
+            "--storage",
+            url,
+            "--s3-endpoint",
+            endpoint,
+            "--workdir",
+            str(tmp / job),
+            "--",
+            sys.executable,
+            str(DDP),
+            *ARGS,
+            "--out",
+            str(out),
+        ],
+        env,
+    )
+    assert run.returncode == 0, f"{spec} on {target}:\n{run.stdout}\n{run.stderr}"
+    counts = {"fired": int("restarting all 2 ranks" in run.stderr), "torn": 0, "lost": 0, "mismatch": 0}
+    result = json.loads(out.read_text())
+    counts["mismatch"] = int(result["digest"] != reference)
+    if counts["fired"]:
+        store = open_store(url, endpoint_url=endpoint)
+        try:
+            commits = {
+                s: mf.read_commit(store, "default", job, s) for s in mf.committed_steps(store, "default", job)
+            }
+        finally:
+            store.close()
+        resumed = result["resumed_from"]
+        first_attempt = [s for s, c in commits.items() if c.attempt == 0]
+        counts["torn"] = int(resumed is not None and resumed not in commits)
+        counts["lost"] = int(bool(first_attempt) and (resumed is None or max(first_attempt) > resumed))
+    if any(counts[k] for k in ("torn", "lost", "mismatch")):
+        print(f"trial {spec} on {target}: {counts}, resumed {result['resumed_from']}")
+    return counts
 
 
-@pytest.mark.timeout(3600)
-def test_kill_trials(tmp_path, s3_store_url, seaweed):
+@pytest.mark.timeout(5400)
+def test_kill_trials(tmp_path, s3_store_url):
     trials = int(os.environ.get("STRATA_CHAOS_TRIALS", "3"))
     seed = int(os.environ.get("STRATA_CHAOS_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
     url, endpoint = s3_store_url
-    reference = reference_digest(tmp_path)
-    totals = {"torn": 0, "lost": 0, "mismatch": 0, "fired": 0}
+    ref = launch(
+        [
+            "--job",
+            "reference",
+            "--storage",
+            f"file://{tmp_path}/ref",
+            "--workdir",
+            str(tmp_path / "ref"),
+            "--",
+            sys.executable,
+            str(DDP),
+            *ARGS,
+            "--no-checkpoint",
+            "--out",
+            str(tmp_path / "ref.json"),
+        ],
+        {},
+    )
+    assert ref.returncode == 0, ref.stderr
+    reference = json.loads((tmp_path / "ref.json").read_text())["digest"]
+    totals = {"fired": 0, "torn": 0, "lost": 0, "mismatch": 0}
     t0 = time.monotonic()
     for _ in range(trials):
         for k, v in one_trial(rng, tmp_path, url, endpoint, reference).items():
@@ -188,5 +147,5 @@ def test_kill_trials(tmp_path, s3_store_url, seaweed):
         data = json.loads(path.read_text()) if path.exists() else {}
         data.update(summary)
         path.write_text(json.dumps(data, indent=1, sort_keys=True))
-    assert totals["torn"] == 0 and totals["lost"] == 0 and totals["mismatch"] == 0, (seed, summary)
-    assert totals["fired"] == trials, "an injected kill did not fire: the trial tested nothing"
+    assert totals["torn"] == totals["lost"] == totals["mismatch"] == 0, (seed, summary)
+    assert totals["fired"] == trials, f"an injected kill did not fire (seed {seed}): the trial tested nothing"
