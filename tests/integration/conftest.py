@@ -109,6 +109,12 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
+    def retarget(self, host: str, port: int) -> None:
+        """Forward new connections to another upstream (a restarted server) and accept them again."""
+        with self._lock:
+            self._target = (host, port)
+            self._cut = False
+
     def cut(self) -> None:
         """Drop every connection and refuse new ones."""
         with self._lock:

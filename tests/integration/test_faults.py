@@ -197,3 +197,56 @@ def test_corrupt_object_is_named_and_restore_falls_back(
 
     with pytest.raises(RestoreError, match=obj.key):
         client2.restore(out, step=2)
+
+
+def test_s3_server_restarted_mid_upload(make_sidecar, make_client, job_name, tmp_path, monkeypatch):
+    """SIGKILL the S3 server while a step uploads, then start it again: the step fails and
+    never commits, training goes on, and the next step commits against the restarted server."""
+    from sidecar.local.seaweed import SeaweedServer
+
+    def host_port(endpoint: str) -> tuple[str, int]:
+        host, port = endpoint.removeprefix("http://").split(":")
+        return host, int(port)
+
+    s3 = SeaweedServer(tmp_path / "s3").start()
+    s3.create_bucket("restart")
+    proxy = TcpProxy(*host_port(s3.endpoint))  # a stable endpoint across the restart
+    restarted = None
+    try:
+        server = make_sidecar(
+            "s3://restart/ckpt", s3_endpoint=proxy.endpoint, storage_attempts=2, object_bytes=1 << 16
+        )
+        client = make_client(server, job_name)
+        state = {"w": torch.zeros(1 << 16)}
+
+        def at(step: float) -> dict:
+            state["w"].fill_(step)
+            return state
+
+        client.save(1, at(1)).durable.result(30)
+        real_put = server.store.put
+        stopped = []
+
+        def put(key, data):
+            if "/000000000002/" in key and not stopped:
+                stopped.append(key)
+                s3.stop(timeout=0)  # SIGKILL, mid-upload
+            return real_put(key, data)
+
+        monkeypatch.setattr(server.store, "put", put)
+        handle = client.save(2, at(2))
+        assert handle.staged.done()  # the training thread went on at once
+        with pytest.raises(SaveFailed, match="step 2 not committed"):
+            handle.durable.result(60)
+
+        restarted = SeaweedServer(tmp_path / "s3").start()  # same data, new ports
+        proxy.retarget(*host_port(restarted.endpoint))
+        client.save(3, at(3)).durable.result(60)
+        assert mf.committed_steps(server.store, "default", job_name) == [1, 3]
+        out = {"w": torch.empty(1 << 16)}
+        assert client.restore(out, step=1) == 1 and out["w"][0] == 1  # written before the crash, intact
+    finally:
+        proxy.close()
+        s3.stop(timeout=0)
+        if restarted is not None:
+            restarted.stop(timeout=0)
