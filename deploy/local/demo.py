@@ -7,7 +7,10 @@
    hook picks the exact point: the 2nd chunk of the save of step --kill-step);
 4. start the trainer again: it resumes from the newest committed step;
 5. train the same job uninterrupted with the same seed and compare the final
-   parameters and optimizer state bit for bit.
+   parameters and optimizer state bit for bit;
+6. the same with 2 ranks under `strata launch`: rank 1 is killed mid-save,
+   the launcher stops the whole gang and restarts it from the newest step both
+   ranks committed; again compared bit for bit with an uninterrupted run.
 Everything is stopped by PID at the end; logs stay under .strata/demo/.
 """
 
@@ -56,6 +59,50 @@ def run_trainer(env: dict[str, str], args: list[str], log: Path) -> tuple[int, s
     return code, "".join(lines)
 
 
+def gang_demo(strata: str, env: dict[str, str], storage: str, endpoint: str, work: Path, ranks: int) -> bool:
+    """`strata launch` with several ranks: kill one mid-save, watch the whole gang restart."""
+    ddp = ROOT / "deploy" / "examples" / "train_ddp.py"
+    common = ["--steps", "60", "--save-every", "10"]
+    launch = [
+        strata,
+        "launch",
+        "--nproc",
+        str(ranks),
+        "--storage",
+        storage,
+        "--s3-endpoint",
+        endpoint,
+        "--backoff-s",
+        "0.5",
+    ]
+    banner(f"{ranks} ranks under `strata launch`; rank 1 is SIGKILLed while saving step 39")
+    out, ref = work / "gang.json", work / "gang-ref.json"
+    faults = dict(env, STRATA_FAULTS="client.stream.chunk@39#2=kill", STRATA_FAULTS_RANK="1")
+    cmd = [*launch, "--job", "recsys-gang", "--workdir", str(work / "gang"), "--", sys.executable, str(ddp)]
+    if subprocess.run([*cmd, *common, "--out", str(out)], env=faults).returncode != 0:
+        print("    the gang did not finish")
+        return False
+    banner(f"uninterrupted {ranks}-rank reference run")
+    cmd = [
+        *launch,
+        "--job",
+        "recsys-gang-ref",
+        "--workdir",
+        str(work / "gang-ref"),
+        "--",
+        sys.executable,
+        str(ddp),
+    ]
+    if subprocess.run([*cmd, *common, "--no-checkpoint", "--out", str(ref)], env=env).returncode != 0:
+        return False
+    got, want = json.loads(out.read_text()), json.loads(ref.read_text())
+    banner(f"result ({ranks} ranks)")
+    same = got["digest"] == want["digest"]
+    print(f"    gang restarted from step {got['resumed_from']} (29: step 39 was torn on rank 1)")
+    print(f"    bitwise identical to the uninterrupted run: {'YES' if same else 'NO'}")
+    return same and got["resumed_from"] == 29
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -66,6 +113,7 @@ def main() -> int:
         "--kill-step", type=int, default=49, help="SIGKILL the trainer while streaming this step"
     )
     parser.add_argument("--workdir", default=str(ROOT / ".strata" / "demo"))
+    parser.add_argument("--ranks", type=int, default=2, help="ranks in the gang-restart part")
     args = parser.parse_args()
 
     work = Path(args.workdir)
@@ -135,7 +183,7 @@ def main() -> int:
         banner("committed checkpoints (strata ls)")
         subprocess.run([strata, "ls", "--job", "recsys-demo", "--namespace", "demo"], env=env, check=True)
 
-        banner("result")
+        banner("result (one rank)")
         expected = (args.kill_step // args.save_every) * args.save_every - 1
         print(
             f"    killed while saving step {args.kill_step}; resumed from step {resumed['resumed_from']}"
@@ -145,10 +193,12 @@ def main() -> int:
         print(f"    final state after kill + resume : {resumed['digest']}")
         print(f"    final state, uninterrupted run  : {reference['digest']}")
         print(f"    bitwise identical: {'YES' if same else 'NO'}")
-        if resumed["resumed_from"] != expected:
-            print(f"    unexpected resume step (wanted {expected})")
+        if resumed["resumed_from"] != expected or not same:
+            print(f"    FAILED (wanted resume step {expected} and identical states)")
             return 1
-        return 0 if same else 1
+
+        ok = gang_demo(strata, env, storage, seaweed.endpoint, work, args.ranks)
+        return 0 if ok else 1
     finally:
         if sidecar is not None and sidecar.poll() is None:
             sidecar.send_signal(signal.SIGTERM)

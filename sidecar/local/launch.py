@@ -123,10 +123,14 @@ class Gang:
 
     def poll(self, hang_timeout_s: float) -> Failure | bool | None:
         """A Failure, True when every rank exited 0, or None while running."""
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code not in (None, 0):
-                return classify_exit(code, rank=rank)
+        failed = [
+            classify_exit(code, rank=r)
+            for r, p in enumerate(self.procs)
+            if (code := p.poll()) not in (None, 0)
+        ]
+        if failed:
+            # Peers of a killed rank die soon after with collective errors; blame the kill.
+            return min(failed, key=lambda f: f.kind != FailureKind.SIGNAL)
         if all(p.poll() == 0 for p in self.procs):
             return True
         finished = [r for r, p in enumerate(self.procs) if p.poll() == 0]
