@@ -62,10 +62,10 @@ def main() -> int:
     client = None if args.no_checkpoint else CheckpointClient()
     resumed = client.resume(state) if client is not None else None
     start = 0 if resumed is None else resumed + 1
+    dist.barrier()  # every rank has its state back
     if rank == 0:
-        print(
-            f"{'resumed from step ' + str(resumed) if resumed is not None else 'starting fresh'}", flush=True
-        )
+        print(f"resumed from step {resumed}" if resumed is not None else "starting fresh", flush=True)
+        print(f"READY_AT {time.time():.3f}", flush=True)
 
     loss_fn = nn.BCEWithLogitsLoss()
     t0 = time.perf_counter()
