@@ -113,6 +113,7 @@ class Engine:
         # so a newer step never commits before an older one.
         self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
         self._attempts: dict[tuple[str, str], int] = {}
+        self._stopping = threading.Event()
         # Restores read ahead by prefetch(): slot -> (step, ready event, data or None)
         self._prefetched: dict[
             tuple[str, str, int], tuple[int | None, threading.Event, RestoreData | None]
@@ -127,6 +128,8 @@ class Engine:
             return pool
 
     def close(self) -> None:
+        """Finish uploads in progress; commits still waiting for other ranks give up."""
+        self._stopping.set()
         with self._lock:
             pools = list(self._committers.values())
         for pool in pools:
@@ -345,6 +348,8 @@ class Engine:
                     self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt, state
                 )
                 return
+            if self._stopping.is_set():
+                raise Aborted(f"step {snap.step}: the sidecar is stopping; ranks {missing} never saved it")
             # A restarted gang means missing ranks will never save this step, unless their
             # complete streams are being uploaded right here.
             if self._superseded(ident) and not self._uploading_here(ident, snap.step, missing):
@@ -381,7 +386,7 @@ class Engine:
                 raise Aborted(
                     f"step {snap.step} cannot commit: rank(s) {sorted(state.skipped)} did not save it"
                 )
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self._stopping.is_set():
                 raise FailedPrecondition(f"rank 0 did not commit step {snap.step} in time")
             time.sleep(0.1)
 

@@ -71,3 +71,31 @@ def test_a_changed_world_size_is_permanent():
 def test_policy_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):
         RestartPolicy(**kwargs)
+
+
+def test_the_launcher_counts_each_restart_by_reason(tmp_path):
+    from pathlib import Path
+
+    from sidecar.local.launch import LaunchSettings, Launcher
+
+    settings = LaunchSettings(
+        nproc=2,
+        command=["true"],
+        job="j",
+        namespace="default",
+        storage=f"file://{tmp_path}",
+        s3_endpoint=None,
+        workdir=Path(tmp_path),
+        policy=RestartPolicy(max_restarts=1, jitter=0),
+        hang_timeout_s=0,
+        pg_timeout_s=60,
+        metrics_port=0,
+    )
+    launcher = Launcher(settings)
+    try:
+        launcher.tracker.decide(classify_exit(-signal.SIGKILL, rank=1))
+        launcher.tracker.decide(classify_exit(1, rank=0))  # over the limit: not a restart
+        assert launcher.registry.get_sample_value("strata_restarts_total", {"reason": "signal"}) == 1
+        assert launcher.registry.get_sample_value("strata_restarts_total", {"reason": "exit-error"}) is None
+    finally:
+        launcher.stop()
