@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,11 +192,19 @@ class CheckpointClient:
         """Snapshot ``state`` at ``step``; returns once the synchronous copy is done."""
         t0 = time.perf_counter()
         with self._lock:
-            busy = self._inflight is not None and not self._inflight.done()
+            # Busy while the previous snapshot streams or uploads: the sidecar holds one in
+            # flight besides the committed one, so another would only be refused.
+            previous = self._last
+            busy = (self._inflight is not None and not self._inflight.done()) or (
+                previous is not None and not previous.durable.done()
+            )
             if busy and self.settings.when_busy == "skip":
                 return self._skip(step)
-        if busy and self._inflight is not None:
-            self._inflight.result()  # _send never raises; it fails the handle instead
+        if busy:
+            if self._inflight is not None:
+                self._inflight.result()  # _send never raises; it fails the handle instead
+            if previous is not None:
+                futures_wait([previous.durable])
         handle = SaveHandle(step)
         if self._heartbeat is not None:
             self._heartbeat.touch()  # progress, for the launcher's hang detection

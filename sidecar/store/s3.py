@@ -118,7 +118,11 @@ class S3Store(Store):
             read_timeout=read_timeout,
             retries={"mode": retry_mode, "total_max_attempts": max_attempts},  # attempts, not retries
             max_pool_connections=max(10, concurrency + 4),
-            s3={"addressing_style": "path"} if endpoint_url else None,
+            # No SHA-256 of every body over TLS (~1 CPU-s per GiB): integrity rests on TLS plus
+            # the crc32 of every object that the manifest records and restore checks.
+            s3={"addressing_style": "path", "payload_signing_enabled": False}
+            if endpoint_url
+            else {"payload_signing_enabled": False},
             # boto3 >= 1.36 sends CRC trailers by default; they have corrupted
             # objects on SeaweedFS. Sign the payload the classic way instead.
             request_checksum_calculation="when_required",

@@ -82,7 +82,6 @@ def discovery(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
     repeats = 3 if opts.quick else 5
     sock = Path(f"/tmp/strata-bench-{uuid.uuid4().hex[:8]}.sock")
     with SeaweedServer(opts.tmp / "s3") as s3:
-        s3.start()
         s3.create_bucket("recovery")
         url = "s3://recovery/ckpt"
         store = open_store(url, endpoint_url=s3.endpoint)

@@ -45,7 +45,7 @@ def test_quick_bench_writes_every_figure(tmp_path: Path) -> None:
     results = tmp_path / "bench-results.json"
     results.write_text(json.dumps({"other_section_figure": 1.5}))  # a later section's key survives
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.bench.run", "--quick", "--results", str(results)],
+        [sys.executable, "-m", "tests.bench.run", "--quick", "--sections=foundation", f"--results={results}"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

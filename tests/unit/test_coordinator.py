@@ -76,7 +76,7 @@ def test_policy_rejects_nonsense(kwargs):
 def test_the_launcher_counts_each_restart_by_reason(tmp_path):
     from pathlib import Path
 
-    from sidecar.local.launch import LaunchSettings, Launcher
+    from sidecar.local.launch import Launcher, LaunchSettings
 
     settings = LaunchSettings(
         nproc=2,
