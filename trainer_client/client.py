@@ -327,8 +327,10 @@ class CheckpointClient:
         for chunk in bufs.chunks(self.settings.chunk_bytes):
             fault_point("client.stream.chunk", step)
             yield pb.SaveRequest(chunk=chunk)
-        yield pb.SaveRequest(footer=pb.SaveFooter(total_bytes=bufs.total_bytes))
+        # Every byte is sent, the footer is not: the sidecar must drop this stream. (A point after
+        # the last yield would fire only if gRPC happened to resume the generator once more.)
         fault_point("client.stream.footer", step)
+        yield pb.SaveRequest(footer=pb.SaveFooter(total_bytes=bufs.total_bytes))
 
     def _await_durable(self, handle: SaveHandle, save_id: str) -> None:
         deadline = time.monotonic() + self.settings.commit_timeout_s
