@@ -166,6 +166,8 @@ class Engine:
         check_protocol(protocol_version)
         identity.validate()
         self.note_attempt(identity)
+        with self._lock:  # training has started: a read-ahead restore is no longer wanted
+            self._prefetched.pop(identity.slot, None)
         if step < 0:
             raise InvalidArgument(f"step must be >= 0, got {step}")
         if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
@@ -518,8 +520,9 @@ class Engine:
         self.note_attempt(identity)
         ready = threading.Event()
         with self._lock:
-            if identity.slot in self._prefetched:
-                return
+            current = self._prefetched.get(identity.slot)
+            if current is not None and not current[1].is_set():
+                return  # one is already loading
             self._prefetched[identity.slot] = (None, ready, None)
 
         def load() -> None:
@@ -534,7 +537,9 @@ class Engine:
                 log.warning("rank %d: prefetch failed, restore will retry: %s", identity.rank, exc)
             finally:
                 with self._lock:
-                    self._prefetched[identity.slot] = (step, ready, data)
+                    # Unless a save on this slot dropped the entry meanwhile (training went on).
+                    if self._prefetched.get(identity.slot, (None, None, None))[1] is ready:
+                        self._prefetched[identity.slot] = (step, ready, data)
                 ready.set()
 
         threading.Thread(target=load, name=f"strata-prefetch-r{identity.rank}", daemon=True).start()
