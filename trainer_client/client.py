@@ -242,12 +242,12 @@ class CheckpointClient:
         handle = SaveHandle(step, skipped=True)
         self.stats["skipped"] += 1
         self._skipped_unreported += 1
-        log.info("step %d: save skipped, the previous one is still streaming", step)
+        log.info("step %d: save skipped, the previous one is still in flight", step)
         handle.staged.set_result(None)
         handle.durable.set_exception(
-            SaveSkipped(f"step {step} skipped: the previous save was still streaming")
+            SaveSkipped(f"step {step} skipped: the previous save was still in flight")
         )
-        self._waiter.submit(self._report_skip, step, "skipped: the previous save was still streaming")
+        self._waiter.submit(self._report_skip, step, "skipped: the previous save was still in flight")
         return handle
 
     def _report_skip(self, step: int, reason: str) -> None:
