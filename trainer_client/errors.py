@@ -11,7 +11,7 @@ class SidecarUnavailable(CheckpointError):
 
 
 class SaveSkipped(CheckpointError):
-    """The save was skipped because the previous one was still streaming."""
+    """The save was skipped because the previous one was still in flight (streaming or uploading)."""
 
 
 class SaveFailed(CheckpointError):
