@@ -209,11 +209,6 @@ def step_state(store: Store, namespace: str, job: str, step: int, attempt: int) 
     return state
 
 
-def find_manifests(store: Store, namespace: str, job: str, step: int, attempt: int) -> dict[int, str]:
-    """rank -> MANIFEST key of this job attempt at this step (one LIST)."""
-    return step_state(store, namespace, job, step, attempt).manifests
-
-
 def write_commit(
     store: Store,
     namespace: str,
@@ -368,12 +363,3 @@ def collect_garbage(store: Store, namespace: str, job: str, keep: int) -> list[i
             kept,
         )
     return deleted
-
-
-def summary(manifest: Manifest) -> dict[str, Any]:
-    return {
-        "step": manifest.step,
-        "rank": manifest.rank,
-        "tensors": len(manifest.tensors),
-        "bytes": manifest.total_bytes,
-    }

@@ -156,7 +156,3 @@ class Gate:
 
     def wait(self) -> None:
         self._event.wait()
-
-    @property
-    def is_open(self) -> bool:
-        return self._event.is_set()
