@@ -38,6 +38,9 @@ class SidecarSettings:
     max_held_snapshots: int = _opt(2, "snapshots held in memory per rank (committed + in flight)")
     commit_timeout_s: float = _opt(300.0, "how long rank 0 waits for every rank's MANIFEST")
     storage_attempts: int = _opt(5, "attempts per storage request before a save fails")
+    shm_dir: str = _opt(
+        "/dev/shm", "tmpfs shared with the trainers for zero-copy saves (empty: chunked gRPC saves only)"
+    )
     keep: int = _opt(3, "committed steps to keep per job; older ones are deleted (0: keep all)")
 
     def __post_init__(self) -> None:

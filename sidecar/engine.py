@@ -37,6 +37,7 @@ from sidecar.errors import (
 )
 from sidecar.metrics import Metrics
 from sidecar.pipeline import upload_snapshot
+from sidecar.shm import Segments, check_dir
 from sidecar.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    #: Where the tensor sits in a shared segment (chunked saves pack tensors; this is ignored).
+    offset: int = 0
 
 
 @dataclass
@@ -80,8 +83,12 @@ class Snapshot:
     tensors: list[mf.TensorEntry]
     tree: object
     total_bytes: int
-    buffer: bytearray
+    buffer: bytearray | memoryview
     received: int = 0
+    #: Shared segment the bytes live in (the client wrote them; verify before serving from memory).
+    segment: str = ""
+    #: The objects as uploaded (crc32 per ``object_bytes`` slice of ``buffer``).
+    objects: list[mf.ObjectEntry] = field(default_factory=list)
     state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
     message: str = ""
     commit_key: str = ""
@@ -113,6 +120,7 @@ class Engine:
         # so a newer step never commits before an older one.
         self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
         self._attempts: dict[tuple[str, str], int] = {}
+        self.segments = Segments(check_dir(settings.shm_dir))
         self._stopping = threading.Event()
         # Restores read ahead by prefetch(): slot -> (step, ready event, data or None)
         self._prefetched: dict[
@@ -135,6 +143,7 @@ class Engine:
         for pool in pools:
             pool.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
+        self.segments.close()
 
     # --- save -----------------------------------------------------------------------------
 
@@ -146,10 +155,15 @@ class Engine:
         save_id: str,
         tensors: list[TensorSpec],
         tree: bytes,
+        segment: tuple[str, int] | None = None,
     ) -> Snapshot:
-        """Validate a header and reserve memory for the snapshot, or raise (counted as refused)."""
+        """Validate a header and reserve memory for the snapshot, or raise (counted as refused).
+
+        With ``segment`` (name, size) the bytes are already in a shared segment
+        at the tensors' offsets, and the snapshot is complete once admitted.
+        """
         try:
-            return self._admit(protocol_version, identity, step, save_id, tensors, tree)
+            return self._admit(protocol_version, identity, step, save_id, tensors, tree, segment)
         except StrataError:
             self.metrics.checkpoints.labels(identity.job, "refused").inc()
             raise
@@ -162,6 +176,7 @@ class Engine:
         save_id: str,
         tensors: list[TensorSpec],
         tree: bytes,
+        segment: tuple[str, int] | None,
     ) -> Snapshot:
         check_protocol(protocol_version)
         identity.validate()
@@ -187,8 +202,16 @@ class Engine:
                 raise InvalidArgument(
                     f"tensor {t.name!r}: {t.nbytes} bytes declared, but {t.dtype}{list(t.shape)} is {expect}"
                 )
+            if segment is not None:
+                if t.offset < offset:
+                    raise InvalidArgument(
+                        f"tensor {t.name!r} at offset {t.offset} overlaps the one before (ends at {offset})"
+                    )
+                offset = t.offset
             entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset))
             offset += t.nbytes
+        if segment is not None and offset > segment[1]:
+            raise InvalidArgument(f"tensors end at byte {offset}, beyond shared segment size {segment[1]}")
         if offset > self.settings.max_snapshot_bytes:
             raise InvalidArgument(
                 f"snapshot of {offset} bytes exceeds the sidecar's --max-snapshot-bytes "
@@ -199,9 +222,15 @@ class Engine:
         except ValueError as exc:
             raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
         self._check_not_committed(identity, step)
+        buffer: bytearray | memoryview
         with self._lock:
             held = self._slots.setdefault(identity.slot, [])
             for snap in held:
+                if segment is not None and snap.segment == segment[0]:
+                    raise FailedPrecondition(
+                        f"shared segment {segment[0]} still holds step {snap.step} ({snap.state}); "
+                        "a client must stage into its other segment"
+                    )
                 if snap.step == step and snap.state in ("receiving", "uploading"):
                     raise Aborted(f"a save of step {step} for rank {identity.rank} is still in progress")
                 if snap.step == step and snap.state == "committed":
@@ -212,7 +241,13 @@ class Engine:
                     f"rank {identity.rank} already holds {len(held)} snapshots ({busy}); "
                     "save less often or wait for the previous upload"
                 )
-            snap = Snapshot(identity, step, save_id, entries, tree_value, offset, bytearray(offset))
+            if segment is None:
+                buffer = bytearray(offset)
+            else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
+                buffer = self.segments.view(segment[0], offset, identity.slot)
+            snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer)
+            if segment is not None:
+                snap.segment, snap.received = segment[0], offset
             held.append(snap)
         self._update_held_gauge()
         return snap
@@ -242,6 +277,8 @@ class Engine:
 
     def finish(self, snap: Snapshot, footer_total: int, stall_s: float, skipped: int) -> None:
         """The stream is complete: from here the snapshot commits even if the trainer dies."""
+        if snap.segment:
+            fault_point("sidecar.receive.chunk", snap.step)  # the shared-memory save's "bytes arrived"
         if snap.received != snap.total_bytes or footer_total != snap.total_bytes:
             raise InvalidArgument(
                 f"stream ended with {snap.received} bytes (footer says {footer_total}); "
@@ -276,6 +313,7 @@ class Engine:
             )
 
             def make_manifest(objects: list[mf.ObjectEntry]) -> mf.Manifest:
+                snap.objects = objects
                 return mf.Manifest(
                     ident.namespace,
                     ident.job,
@@ -580,6 +618,7 @@ class Engine:
             raise
 
     def _from_memory(self, identity: Identity, step: int) -> RestoreData | None:
+        found = None
         with self._lock:
             for snap in self._slots.get(identity.slot, []):
                 if (
@@ -587,11 +626,29 @@ class Engine:
                     and snap.state == "committed"
                     and snap.identity.world_size == identity.world_size
                 ):
-                    buf = memoryview(snap.buffer)
-                    return RestoreData(
-                        step, snap.tensors, snap.tree, snap.total_bytes, "memory", "", iter([buf])
-                    )
-        return None
+                    found, buf = snap, memoryview(snap.buffer)
+        if found is None or (found.segment and not self._intact(found, buf)):
+            return None
+        return RestoreData(step, found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]))
+
+    def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
+        """A shared segment is writable by its trainer: check it still holds what was uploaded."""
+        start = 0
+        for obj in snap.objects:
+            got = mf.crc32(buf[start : start + obj.size])
+            if got != obj.crc32:
+                log.error(
+                    "rank %d: step %d in shared memory changed since upload (%s: crc32 %s != %s); "
+                    "reading it from storage instead",
+                    snap.identity.rank,
+                    snap.step,
+                    obj.key,
+                    got,
+                    obj.crc32,
+                )
+                return False
+            start += obj.size
+        return start == len(buf)
 
     def _from_storage(self, identity: Identity, step: int) -> RestoreData:
         ns, job = identity.namespace, identity.job

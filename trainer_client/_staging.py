@@ -9,7 +9,13 @@ state lazily after the first step).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import mmap
+import os
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +23,8 @@ import numpy as np
 import torch
 
 from sidecar.api.dtypes import ITEMSIZE
+
+log = logging.getLogger("strata.client")
 
 _ALIGN = 64
 
@@ -41,13 +49,91 @@ class Slot:
     offset: int
 
 
+class SharedSegment:
+    """A file in the sidecar's tmpfs, mapped here; the sidecar maps it too and unlinks it.
+
+    Space is reserved with fallocate, so a tmpfs that is too small fails here
+    with ENOSPC instead of killing the trainer with SIGBUS on first touch.
+    """
+
+    def __init__(self, directory: str, name: str, size: int) -> None:
+        self.name = name
+        self.path = os.path.join(directory, name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.unlink(self.path)
+                raise
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._registered = False
+
+    def pin(self) -> None:
+        """Page-lock for asynchronous GPU copies (what pin_memory=True does for torch.empty)."""
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.tensor.numel(), 0)
+        self._registered = int(err) == 0
+        if not self._registered:
+            log.warning(
+                "could not page-lock shared segment %s (cuda error %s); copies will sync", self.name, err
+            )
+
+    def release(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._registered = False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # normally the sidecar already did
+
+
+class SegmentFactory:
+    """Creates this client's segments: ``strata-<instance>-<n>``, unique per client instance."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.instance = uuid.uuid4().hex[:16]
+        self._count = itertools.count()
+
+    def create(self, size: int) -> SharedSegment:
+        return SharedSegment(self.directory, f"strata-{self.instance}-{next(self._count)}", size)
+
+
 class HostBuffers:
-    def __init__(self) -> None:
+    """One staging area. With a ``SegmentFactory`` it lives in shared memory the
+    sidecar reads directly (``segment`` names it); otherwise in private memory,
+    pinned when tensors live on a GPU."""
+
+    def __init__(self, segments: SegmentFactory | None = None) -> None:
         self._key: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] | None = None
         self.slots: list[Slot] = []
         self.views: list[torch.Tensor] = []
         self.flat: torch.Tensor | None = None
         self.allocations = 0
+        self._segments = segments
+        self.segment: SharedSegment | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self._segments is not None
+
+    def reset(self) -> None:
+        """Forget the buffer: the next ``ensure`` allocates a new one (a new segment)."""
+        self._key = None
+        self.views, self.flat = [], None
+        if self.segment is not None:
+            self.segment.release()
+            self.segment = None
+
+    def _allocate(self, size: int, pin: bool) -> torch.Tensor:
+        if self._segments is None:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self.segment = self._segments.create(size)
+        if pin:
+            self.segment.pin()
+        return self.segment.tensor
 
     def ensure(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
         """Make the buffer fit these tensors; True when it had to (re)allocate."""
@@ -64,8 +150,8 @@ class HostBuffers:
             slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, offset))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         pin = torch.cuda.is_available() and any(t.is_cuda for _, t in tensors)
-        self.flat = None  # free the old buffer before allocating the new one
-        flat = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=pin)
+        self.reset()  # free the old buffer before allocating the new one
+        flat = self._allocate(max(offset, 1), pin)
         flat.zero_()  # pre-fault every page now, not during the first timed copy
         self.flat = flat
         self.views = [flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in slots]
@@ -76,7 +162,13 @@ class HostBuffers:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of a chunked save: the tensors back to back."""
         return sum(s.nbytes for s in self.slots)
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes of a shared-memory save: up to the end of the last tensor, padding included."""
+        return self.slots[-1].offset + self.slots[-1].nbytes if self.slots else 0
 
     def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
         """The tensors' bytes packed back to back (no alignment padding), in chunks."""
@@ -106,13 +198,12 @@ class Stager:
     wait for it, so later in-place updates cannot overtake the copy.
     """
 
-    def __init__(self, buffers: HostBuffers) -> None:
-        self.buffers = buffers
+    def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
         self.event: torch.cuda.Event | None = None
 
-    def copy(self, tensors: list[tuple[str, torch.Tensor]], indices: list[int]) -> None:
-        views = self.buffers.views
+    def copy(self, buffers: HostBuffers, tensors: list[tuple[str, torch.Tensor]], indices: list[int]) -> None:
+        views = buffers.views
         cuda = [i for i in indices if tensors[i][1].is_cuda]
         with torch.no_grad():
             for i in indices:

@@ -33,7 +33,15 @@ import torch
 from sidecar.api import PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
 from sidecar.api.faults import fault_point
 from trainer_client import _rng, _tree
-from trainer_client._staging import Gate, HostBuffers, Stager, as_numpy_bytes, dtype_name, torch_dtype
+from trainer_client._staging import (
+    Gate,
+    HostBuffers,
+    SegmentFactory,
+    Stager,
+    as_numpy_bytes,
+    dtype_name,
+    torch_dtype,
+)
 from trainer_client.config import ClientSettings
 from trainer_client.errors import RestoreError, SaveFailed, SaveSkipped, SidecarUnavailable
 
@@ -92,8 +100,11 @@ class CheckpointClient:
         self._stub = pb_grpc.CheckpointerStub(self._channel)
         self._metadata = ((TOKEN_METADATA_KEY, s.token),) if s.token else ()
         self.server_info = self._handshake()
-        self._buffers = HostBuffers()
-        self._stager = Stager(self._buffers)
+        self._stager = Stager()
+        self._segments = self._shared_memory()
+        self._buffers = self._new_buffers()
+        #: index into _buffers of the snapshot the sidecar keeps (shared memory: never stage into it)
+        self._held: int | None = None
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="strata-send")
         self._waiter = ThreadPoolExecutor(2, thread_name_prefix="strata-durable")
         self._lock = threading.Lock()
@@ -140,6 +151,41 @@ class CheckpointClient:
                 ) from None
             raise SidecarUnavailable(f"sidecar refused the handshake: {exc.details()}") from None
 
+    def _shared_memory(self) -> SegmentFactory | None:
+        """Shared-memory saves when the policy allows and the sidecar offers them on this host."""
+        s, info = self.settings, self.server_info
+        if s.shm == "off":
+            return None
+        offered = info.shm_dir if "save.shm" in info.capabilities else ""
+        reason = ""
+        if s.address:
+            reason = "the sidecar is reached over TCP"
+        elif not offered:
+            reason = "the sidecar does not offer them (its --shm-dir is empty)"
+        elif not os.access(offered, os.W_OK | os.X_OK):
+            reason = f"the sidecar's shm dir {offered} is not writable from here"
+        if not reason:
+            return SegmentFactory(offered)
+        if s.shm == "on":
+            raise SidecarUnavailable(f"shared-memory saves are required (STRATA_SHM=on), but {reason}")
+        log.info("shared-memory saves off (%s); saves stream over gRPC", reason)
+        return None
+
+    def _new_buffers(self) -> list[HostBuffers]:
+        # Shared memory double-buffers: the sidecar keeps the committed snapshot in one segment.
+        if self._segments is None:
+            return [HostBuffers()]
+        return [HostBuffers(self._segments), HostBuffers(self._segments)]
+
+    def _stop_shared_memory(self, why: str) -> None:
+        if self.settings.shm == "on":
+            raise SaveFailed(f"shared-memory save failed and STRATA_SHM=on forbids streaming: {why}")
+        log.warning("shared-memory saves off (%s); saves stream over gRPC from now on", why)
+        for b in self._buffers:
+            b.reset()
+        self._segments, self._held = None, None
+        self._buffers = self._new_buffers()
+
     def close(self, wait: bool = True) -> None:
         """Finish (or drop) outstanding saves and close the connection."""
         if wait and self._last is not None:
@@ -152,6 +198,8 @@ class CheckpointClient:
         self._sender.shutdown(wait=wait)
         self._waiter.shutdown(wait=wait)
         self._channel.close()
+        for b in self._buffers:
+            b.reset()
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -212,13 +260,20 @@ class CheckpointClient:
         if self.settings.capture_rng:
             full[_RNG_KEY] = _rng.capture()
         flat = _tree.flatten(full)
-        first = self._buffers.ensure(flat.tensors)
+        index = 0 if self._held is None else 1 - self._held
+        try:
+            first = self._buffers[index].ensure(flat.tensors)
+        except OSError as exc:  # the shared tmpfs is full or gone
+            self._stop_shared_memory(f"cannot allocate the staging segment there: {exc}")
+            index = 0
+            first = self._buffers[index].ensure(flat.tensors)
+        bufs = self._buffers[index]
         deferred: list[int] = []
         if self._overlap:
             keys = self._deferrable(state)
             deferred = [i for i, (_, t) in enumerate(flat.tensors) if _tensor_key(t) in keys]
         later = set(deferred)
-        self._stager.copy(flat.tensors, [i for i in range(len(flat.tensors)) if i not in later])
+        self._stager.copy(bufs, flat.tensors, [i for i in range(len(flat.tensors)) if i not in later])
         if deferred:
             self._gate.close()
         stall = time.perf_counter() - t0
@@ -230,7 +285,14 @@ class CheckpointClient:
         with self._lock:
             skipped, self._skipped_unreported = self._skipped_unreported, 0
             self._inflight = self._sender.submit(
-                self._send, handle, flat, deferred, _tree.encode_skeleton(flat.skeleton), stall, skipped
+                self._send,
+                handle,
+                index,
+                flat,
+                deferred,
+                _tree.encode_skeleton(flat.skeleton),
+                stall,
+                skipped,
             )
             self._last = handle
         if not deferred:
@@ -261,39 +323,45 @@ class CheckpointClient:
     def _send(
         self,
         handle: SaveHandle,
+        index: int,
         flat: _tree.Flat,
         deferred: list[int],
         tree: bytes,
         stall: float,
         skipped: int,
     ) -> None:
+        bufs = self._buffers[index]
         try:
             if deferred:
                 try:
-                    self._stager.copy(flat.tensors, deferred)
+                    self._stager.copy(bufs, flat.tensors, deferred)
                 finally:
                     self._gate.open()
                 handle.staged.set_result(None)
             self._stager.synchronize()
             save_id = uuid.uuid4().hex[:16]
-            delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
-            while True:
-                try:
-                    ack = self._stub.Save(
-                        self._requests(handle.step, save_id, tree, stall, skipped),
-                        timeout=self.settings.rpc_timeout_s,
-                        metadata=self._metadata,
-                    )
-                    break
-                except grpc.RpcError as exc:
-                    # The sidecar holds its limit of snapshots. Under "wait" the user chose to
-                    # block rather than lose a save: keep the buffers and retry with backoff.
-                    busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    if not (busy and self.settings.when_busy == "wait" and time.monotonic() < deadline):
-                        raise
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+            try:
+                ack = self._save_rpc(handle.step, save_id, bufs, bufs.shared, tree, stall, skipped)
+            except grpc.RpcError as exc:
+                if not (bufs.shared and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                # The sidecar cannot use the segment (restarted, or another mount of the tmpfs):
+                # these bytes are intact, so stream them instead, and then sort out the segments.
+                log.warning(
+                    "step %d: shared-memory save refused (%s); streaming it", handle.step, exc.details()
+                )
+                ack = self._save_rpc(handle.step, save_id, bufs, False, tree, stall, skipped)
+                if "cannot open" in (exc.details() or "") or "does not accept" in (exc.details() or ""):
+                    self._stop_shared_memory(exc.details() or "refused")
+                else:
+                    self._forget_segments()
+            if bufs.shared:
+                # Warm the other segment now, off the training thread, so the next save's stall
+                # is a copy and not an allocation.
+                self._buffers[1 - index].ensure(flat.tensors)
         except Exception as exc:
+            if bufs.shared:
+                bufs.reset()  # the sidecar may still read it: never stage into it again
             self._fail(handle, exc)
             self._waiter.submit(self._report_skip, handle.step, f"save failed: {exc}")
             return
@@ -301,38 +369,87 @@ class CheckpointClient:
             if not handle.staged.done():
                 handle.staged.set_result(None)
         fault_point("client.saved", handle.step)
-        self._waiter.submit(self._await_durable, handle, ack.save_id)
+        self._waiter.submit(self._await_durable, handle, index, bufs, ack.save_id)
+
+    def _forget_segments(self) -> None:
+        """The sidecar lost its mappings (it restarted): start over with new segments."""
+        for b in self._buffers:
+            b.reset()
+        self._held = None
+
+    def _save_rpc(
+        self,
+        step: int,
+        save_id: str,
+        bufs: HostBuffers,
+        shared: bool,
+        tree: bytes,
+        stall: float,
+        skipped: int,
+    ) -> pb.SaveAck:
+        delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
+        while True:
+            try:
+                return self._stub.Save(
+                    self._requests(bufs, shared, step, save_id, tree, stall, skipped),
+                    timeout=self.settings.rpc_timeout_s,
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError as exc:
+                # The sidecar holds its limit of snapshots. Under "wait" the user chose to
+                # block rather than lose a save: keep the buffers and retry with backoff.
+                busy = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if not (busy and self.settings.when_busy == "wait" and time.monotonic() < deadline):
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     def _requests(
-        self, step: int, save_id: str, tree: bytes, stall: float, skipped: int
+        self,
+        bufs: HostBuffers,
+        shared: bool,
+        step: int,
+        save_id: str,
+        tree: bytes,
+        stall: float,
+        skipped: int,
     ) -> Iterator[pb.SaveRequest]:
-        bufs = self._buffers
-        yield pb.SaveRequest(
-            header=pb.SaveHeader(
-                protocol_version=PROTOCOL_VERSION,
-                identity=self._identity,
-                step=step,
-                save_id=save_id,
-                tensors=[
-                    pb.TensorMeta(
-                        name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), nbytes=s.nbytes
-                    )
-                    for s in bufs.slots
-                ],
-                tree=tree,
-                stall_seconds=stall,
-                skipped_saves=skipped,
-            )
+        header = pb.SaveHeader(
+            protocol_version=PROTOCOL_VERSION,
+            identity=self._identity,
+            step=step,
+            save_id=save_id,
+            tensors=[
+                pb.TensorMeta(
+                    name=s.name,
+                    dtype=dtype_name(s.dtype),
+                    shape=list(s.shape),
+                    nbytes=s.nbytes,
+                    offset=s.offset if shared else 0,
+                )
+                for s in bufs.slots
+            ],
+            tree=tree,
+            stall_seconds=stall,
+            skipped_saves=skipped,
         )
-        for chunk in bufs.chunks(self.settings.chunk_bytes):
-            fault_point("client.stream.chunk", step)
-            yield pb.SaveRequest(chunk=chunk)
+        if shared:
+            assert bufs.segment is not None
+            header.shm.CopyFrom(pb.SharedSegment(name=bufs.segment.name, size=bufs.span_bytes))
+        yield pb.SaveRequest(header=header)
+        if shared:
+            fault_point("client.stream.chunk", step)  # between header and footer, as chunks would be
+        else:
+            for chunk in bufs.chunks(self.settings.chunk_bytes):
+                fault_point("client.stream.chunk", step)
+                yield pb.SaveRequest(chunk=chunk)
         # Every byte is sent, the footer is not: the sidecar must drop this stream. (A point after
         # the last yield would fire only if gRPC happened to resume the generator once more.)
         fault_point("client.stream.footer", step)
-        yield pb.SaveRequest(footer=pb.SaveFooter(total_bytes=bufs.total_bytes))
+        total = bufs.span_bytes if shared else bufs.total_bytes
+        yield pb.SaveRequest(footer=pb.SaveFooter(total_bytes=total))
 
-    def _await_durable(self, handle: SaveHandle, save_id: str) -> None:
+    def _await_durable(self, handle: SaveHandle, index: int, bufs: HostBuffers, save_id: str) -> None:
         deadline = time.monotonic() + self.settings.commit_timeout_s
         req = pb.WaitCommittedRequest(identity=self._identity, step=handle.step, save_id=save_id)
         try:
@@ -342,15 +459,21 @@ class CheckpointClient:
                     req, timeout=req.timeout_seconds + 30, metadata=self._metadata
                 )
                 if status.state == pb.COMMIT_STATE_COMMITTED:
+                    if bufs.segment is not None and bufs in self._buffers:  # this save used it
+                        self._held = index  # the sidecar keeps this one in memory
                     handle.durable.set_result(Committed(handle.step, status.commit_key))
                     return
                 if status.state == pb.COMMIT_STATE_FAILED:
-                    raise SaveFailed(status.message)
+                    # The sidecar released the snapshot before reporting: its segment is free.
+                    self._fail(handle, SaveFailed(status.message))
+                    return
                 if time.monotonic() >= deadline:
                     raise SaveFailed(
                         f"step {handle.step} not committed within {self.settings.commit_timeout_s} s"
                     )
         except Exception as exc:
+            if bufs.shared:
+                bufs.reset()  # unknown whether the sidecar still reads it
             self._fail(handle, exc)
 
     def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
@@ -439,28 +562,37 @@ class _NothingToRestore(Exception):
 
 
 def _receive(stream: Iterator[pb.RestoreResponse]) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
-    """Read a restore stream straight into freshly allocated tensors."""
+    """Read a restore stream straight into freshly allocated tensors.
+
+    The stream is the snapshot buffer, ``total_bytes`` long; tensor i occupies
+    ``[offset, offset + nbytes)`` of it (gaps are alignment padding).
+    """
     first = next(stream, None)
     if first is None or first.WhichOneof("msg") != "header":
         raise RestoreError("restore stream did not start with a header")
     header = first.header
     tensors = [torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for m in header.tensors]
-    targets = [as_numpy_bytes(t) for t in tensors if t.numel()]
+    targets = [
+        (m.offset, as_numpy_bytes(t)) for m, t in zip(header.tensors, tensors, strict=True) if t.numel()
+    ]
     index, pos = 0, 0
     for msg in stream:
         data = memoryview(msg.chunk)
-        while data:
-            if index >= len(targets):
-                raise RestoreError("restore stream carries more bytes than its header declared")
-            dst = targets[index]
-            take = min(len(data), dst.size - pos)
-            dst[pos : pos + take] = data[:take]
-            data = data[take:]
-            pos += take
-            if pos == dst.size:
-                index, pos = index + 1, 0
-    if index != len(targets):
-        raise RestoreError(f"restore stream ended early: {index} of {len(targets)} tensors complete")
+        end = pos + len(data)
+        while index < len(targets) and targets[index][0] < end:
+            start, dst = targets[index]
+            lo, hi = max(start, pos), min(start + dst.size, end)
+            if hi > lo:
+                dst[lo - start : hi - start] = data[lo - pos : hi - pos]
+            if start + dst.size > end:
+                break
+            index += 1
+        pos = end
+    if pos != header.total_bytes or index != len(targets):
+        raise RestoreError(
+            f"restore stream ended after {pos} of {header.total_bytes} bytes "
+            f"({index} of {len(targets)} tensors complete)"
+        )
     return header, tensors
 
 

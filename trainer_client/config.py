@@ -15,6 +15,7 @@ from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_
 
 RESUME_POLICIES = ("auto", "never", "require")
 BUSY_POLICIES = ("skip", "wait")
+SHM_POLICIES = ("auto", "on", "off")
 
 
 def _env(*names: str) -> str | None:
@@ -38,6 +39,8 @@ class ClientSettings:
     token: str = ""
     resume: str = "auto"
     when_busy: str = "skip"
+    #: shared-memory saves: "auto" (when the sidecar offers them on this host), "on" (required), "off"
+    shm: str = "auto"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     connect_timeout_s: float = 30.0
@@ -58,6 +61,7 @@ class ClientSettings:
             "token": _env("STRATA_TOKEN"),
             "resume": _env("STRATA_RESUME"),
             "when_busy": _env("STRATA_WHEN_BUSY"),
+            "shm": _env("STRATA_SHM"),
             "chunk_bytes": _env("STRATA_CHUNK_BYTES"),
             "max_message_bytes": _env("STRATA_MAX_MESSAGE_BYTES"),
             "commit_timeout_s": _env("STRATA_COMMIT_TIMEOUT_S"),
@@ -84,6 +88,10 @@ class ClientSettings:
             raise ValueError(f"resume={self.resume!r}: expected one of {', '.join(RESUME_POLICIES)}")
         if self.when_busy not in BUSY_POLICIES:
             raise ValueError(f"when_busy={self.when_busy!r}: expected one of {', '.join(BUSY_POLICIES)}")
+        if self.shm not in SHM_POLICIES:
+            raise ValueError(f"shm={self.shm!r}: expected one of {', '.join(SHM_POLICIES)}")
+        if self.shm == "on" and self.address:
+            raise ValueError("shm='on' needs the unix socket: a TCP sidecar may be on another host")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if self.address and not self.token:

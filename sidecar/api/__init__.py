@@ -20,6 +20,8 @@ TOKEN_METADATA_KEY = "x-strata-token"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Default chunk the client cuts the byte stream into.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+#: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
+SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
+    "SHM_NAME_PATTERN",
     "TOKEN_METADATA_KEY",
     "channel_options",
     "default_socket_path",

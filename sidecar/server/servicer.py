@@ -40,7 +40,10 @@ def _info(commit: Commit, in_memory: bool) -> pb.CheckpointInfo:
 
 
 def _metas(tensors: list[TensorEntry]) -> list[pb.TensorMeta]:
-    return [pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes) for t in tensors]
+    return [
+        pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, offset=t.offset)
+        for t in tensors
+    ]
 
 
 class CheckpointerServicer(pb_grpc.CheckpointerServicer):
@@ -54,10 +57,12 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         check_protocol(request.protocol_version)
         if request.HasField("identity") and request.identity.job:
             self.engine.note_attempt(_identity(request.identity))
+        shm_dir = self.engine.segments.directory
         return pb.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,
             server_version=__version__,
-            capabilities=CAPABILITIES,
+            capabilities=CAPABILITIES + (["save.shm"] if shm_dir else []),
+            shm_dir=shm_dir,
             max_message_bytes=self.max_message_bytes,
             max_snapshot_bytes=self.engine.settings.max_snapshot_bytes,
             storage_url=self.storage_url,
@@ -68,17 +73,21 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidArgument("a save stream must start with a SaveHeader")
         h = first.header
+        shared = h.HasField("shm")
         snap = self.engine.begin_save(
             h.protocol_version,
             _identity(h.identity),
             h.step,
             h.save_id,
-            [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in h.tensors],
+            [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.offset) for t in h.tensors],
             h.tree,
+            (h.shm.name, h.shm.size) if shared else None,
         )
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
+                if kind == "chunk" and shared:
+                    raise InvalidArgument("a shared-memory save carries no chunks")
                 if kind == "chunk":
                     self.engine.write_chunk(snap, msg.chunk)
                 elif kind == "footer":

@@ -53,13 +53,16 @@ def launch(args: list[str], env: dict[str, str], timeout: float = 300) -> subpro
 def one_trial(rng: random.Random, tmp: Path, url: str, endpoint: str, reference: str) -> dict[str, int]:
     target = rng.choice(["rank 0", "rank 1", "sidecar"])
     point = rng.choice(SIDECAR_POINTS if target == "sidecar" else RANK_POINTS)
-    nth = rng.randint(1, 3) if point.endswith("chunk") else 1  # streams carry several chunks
+    shm = rng.choice(["on", "off"])  # shared-memory saves, or bytes streamed in chunks
+    # A chunked stream carries several chunks; a shared-memory save passes each point once.
+    nth = rng.randint(1, 3) if point.endswith("chunk") and shm == "off" else 1
     spec = f"{point}@{rng.choice(SAVED_STEPS[1:])}#{nth}=kill"
     env = (
         {"STRATA_SIDECAR_FAULTS": spec}
         if target == "sidecar"
         else {"STRATA_FAULTS": spec, "STRATA_FAULTS_RANK": target[-1]}
     )
+    env["STRATA_SHM"] = shm
     job = "chaos-" + uuid.uuid4().hex[:8]
     out = tmp / f"{job}.json"
     run = launch(
@@ -81,7 +84,7 @@ def one_trial(rng: random.Random, tmp: Path, url: str, endpoint: str, reference:
         ],
         env,
     )
-    assert run.returncode == 0, f"{spec} on {target}:\n{run.stdout}\n{run.stderr}"
+    assert run.returncode == 0, f"{spec} on {target} (shm {shm}):\n{run.stdout}\n{run.stderr}"
     counts = {"fired": int("restarting all 2 ranks" in run.stderr), "torn": 0, "lost": 0, "mismatch": 0}
     result = json.loads(out.read_text())
     counts["mismatch"] = int(result["digest"] != reference)
@@ -98,7 +101,7 @@ def one_trial(rng: random.Random, tmp: Path, url: str, endpoint: str, reference:
         counts["torn"] = int(resumed is not None and resumed not in commits)
         counts["lost"] = int(bool(first_attempt) and (resumed is None or max(first_attempt) > resumed))
     if any(counts[k] for k in ("torn", "lost", "mismatch")):
-        print(f"trial {spec} on {target}: {counts}, resumed {result['resumed_from']}")
+        print(f"trial {spec} on {target} (shm {shm}): {counts}, resumed {result['resumed_from']}")
     return counts
 
 

@@ -24,9 +24,12 @@ def make_sidecar(short_tmp: Path) -> Iterator[Callable[..., SidecarServer]]:
     started: list[SidecarServer] = []
 
     def make(storage: str | None = None, **options: Any) -> SidecarServer:
+        shm = short_tmp / "shm"  # each test its own "tmpfs", so it can see what is left in it
+        shm.mkdir(exist_ok=True)
         settings = SidecarSettings(
+            shm_dir=options.pop("shm_dir", str(shm)),
             storage=storage or f"file://{short_tmp}/store",
-            socket=str(short_tmp / f"sc{len(started)}.sock"),
+            socket=options.pop("socket", str(short_tmp / f"sc{len(started)}.sock")),
             metrics_port=options.pop("metrics_port", 0),
             commit_timeout_s=options.pop("commit_timeout_s", 30.0),
             keep=options.pop("keep", 0),  # tests inspect the whole history unless they test retention

@@ -35,7 +35,8 @@ def state(scale: float) -> dict[str, Any]:
     return {"w": torch.arange(1000.0) * scale, "b": torch.full((7,), scale, dtype=torch.float64)}
 
 
-SNAPSHOT_BYTES = 1000 * 4 + 7 * 8  # "4.0 KiB" in the CLI's units
+# Shared-memory saves keep the staging layout: each tensor at a 64-byte aligned offset.
+SNAPSHOT_BYTES = 4032 + 7 * 8  # "4.0 KiB" in the CLI's units
 
 
 def populate(make_sidecar: Any, make_client: Any, job: str, storage: str | None = None, **opts: Any) -> Any:
@@ -189,6 +190,7 @@ def test_ls_show_and_verify_a_file_store(make_sidecar, make_client, job_name):
     assert manifest["total_bytes"] == SNAPSHOT_BYTES
     assert sum(o["size"] for o in manifest["objects"]) == SNAPSHOT_BYTES and len(manifest["objects"]) == 4
     assert sorted(t["nbytes"] for t in manifest["tensors"]) == [56, 4000]
+    assert sorted(t["offset"] for t in manifest["tensors"]) == [0, 4032]
 
     verify = strata("verify", *store)
     assert verify.returncode == 0, verify.stdout + verify.stderr

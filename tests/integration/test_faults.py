@@ -37,9 +37,12 @@ TRAINER = textwrap.dedent(
 )
 
 
-def run_trainer(server, job: str, first: int, last: int, faults: str = "", attempt: int = 0):
+def run_trainer(
+    server, job: str, first: int, last: int, faults: str = "", attempt: int = 0, shm: str = "auto"
+):
     env = dict(
         os.environ,
+        STRATA_SHM=shm,
         STRATA_SOCKET=server.socket_path,
         STRATA_JOB=job,
         STRATA_ATTEMPT=str(attempt),
@@ -55,11 +58,16 @@ def run_trainer(server, job: str, first: int, last: int, faults: str = "", attem
     )
 
 
+@pytest.mark.parametrize(
+    ("shm", "nth"),
+    [("on", 1), ("off", 2)],  # shared memory: killed between header and footer; chunked: after chunk 1
+    ids=["shm", "chunked"],
+)
 def test_trainer_killed_mid_stream_never_commits_and_the_previous_step_restores(
-    make_sidecar, make_client, job_name
+    make_sidecar, make_client, job_name, shm, nth
 ):
     server = make_sidecar()
-    done = run_trainer(server, job_name, 0, 5, faults="client.stream.chunk@3#2=kill")
+    done = run_trainer(server, job_name, 0, 5, faults=f"client.stream.chunk@3#{nth}=kill", shm=shm)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert "COMMITTED 2" in done.stdout and "COMMITTED 3" not in done.stdout
     assert mf.committed_steps(server.store, "default", job_name) == [0, 1, 2]

@@ -55,7 +55,8 @@ def state(scale: float) -> dict[str, torch.Tensor]:
     return {"w": torch.arange(1000.0) * scale, "b": torch.full((7,), scale, dtype=torch.float64)}
 
 
-SNAPSHOT_BYTES = 1000 * 4 + 7 * 8  # capture_rng=False: the two tensors above and nothing else
+# capture_rng=False: the two tensors above and nothing else, at 64-byte aligned offsets
+SNAPSHOT_BYTES = 4032 + 7 * 8
 
 
 def held_after_header(client: Any, monkeypatch: pytest.MonkeyPatch, step: int) -> threading.Event:
@@ -63,8 +64,8 @@ def held_after_header(client: Any, monkeypatch: pytest.MonkeyPatch, step: int) -
     gate = threading.Event()
     original = client._requests
 
-    def requests(s: int, *args: Any) -> Iterator[Any]:
-        stream = original(s, *args)
+    def requests(bufs: Any, shared: bool, s: int, *args: Any) -> Iterator[Any]:
+        stream = original(bufs, shared, s, *args)
         yield next(stream)
         if s == step:
             gate.wait(30)

@@ -12,14 +12,17 @@ from statecheck import assert_bitwise_equal, flat_tensors, small_model, train_st
 from trainer_client import RestoreError, SaveSkipped
 
 
-def test_roundtrip_is_bitwise_including_lazy_optimizer_state_and_rng(make_sidecar, make_client, job_name):
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_roundtrip_is_bitwise_including_lazy_optimizer_state_and_rng(
+    make_sidecar, make_client, job_name, shm
+):
     server = make_sidecar()
     model = small_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     train_steps(model, opt, 3)
     extra = {"bf16": torch.randn(5, 3).to(torch.bfloat16), "flag": torch.tensor(True), "note": ("a", 1, -0.0)}
     state = {"model": model, "opt": opt, "extra": extra, "epoch": 7}
-    client = make_client(server, job_name)
+    client = make_client(server, job_name, shm=shm)
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
@@ -86,9 +89,10 @@ def test_restore_prefers_memory_when_it_holds_the_newest_step(make_sidecar, make
     assert torch.equal(out["w"], torch.arange(10.0))
 
 
-def test_mutation_after_save_returns_never_leaks_into_the_snapshot(make_sidecar, make_client, job_name):
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_mutation_after_save_returns_never_leaks_into_the_snapshot(make_sidecar, make_client, job_name, shm):
     server = make_sidecar()
-    client = make_client(server, job_name)
+    client = make_client(server, job_name, shm=shm)
     model = small_model()
     before = flat_tensors(model)
     handle = client.save(1, {"model": model})
@@ -102,7 +106,8 @@ def test_mutation_after_save_returns_never_leaks_into_the_snapshot(make_sidecar,
         assert torch.equal(tensor, before[name]), name
 
 
-def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_client, job_name):
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_client, job_name, shm):
     """Parameters and optimizer state are staged while forward/backward run; BatchNorm
     statistics and Embedding(max_norm) weights change in forward, so they are captured in save()."""
     server = make_sidecar()
@@ -118,7 +123,7 @@ def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_cli
     x = torch.randint(0, 50, (16, 2))
     model(x).sum().backward()
     opt.step()
-    client = make_client(server, job_name, optimizers=[opt])
+    client = make_client(server, job_name, shm=shm, optimizers=[opt])
     state = {"model": model, "opt": opt}
     expected = flat_tensors(state)
     handle = client.save(1, state)
@@ -202,9 +207,10 @@ def test_restore_refuses_a_state_that_does_not_match(make_sidecar, make_client, 
         client.restore({"a": torch.zeros(2), "b": torch.zeros(2)})
 
 
-def test_host_buffers_are_allocated_once_and_reused(make_sidecar, make_client, job_name):
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_host_buffers_are_allocated_once_and_reused(make_sidecar, make_client, job_name, shm):
     server = make_sidecar()
-    client = make_client(server, job_name)
+    client = make_client(server, job_name, shm=shm)
     model = small_model()
     opt = torch.optim.Adam(model.parameters())
     state = {"model": model, "opt": opt}
@@ -213,7 +219,9 @@ def test_host_buffers_are_allocated_once_and_reused(make_sidecar, make_client, j
     for step in range(1, 4):  # the layout grew once (lazy Adam state), then stays
         client.save(step, state).durable.result(30)
         train_steps(model, opt, 1)
-    assert client._buffers.allocations == 2
+    # Shared memory double-buffers (the sidecar keeps the committed snapshot in one segment).
+    assert [b.allocations for b in client._buffers] == ([2, 2] if shm == "on" else [2])
+    assert all(b.shared == (shm == "on") for b in client._buffers)
     assert client.stats["first_save_stall_s"] > 0
 
 

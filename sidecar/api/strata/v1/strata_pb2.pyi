@@ -8,6 +8,11 @@ front (so the sidecar can validate and reserve memory before any bytes
 arrive), then the tensors' bytes packed back to back in header order and cut
 into chunks of any size up to the negotiated message limit, then a
 SaveFooter. A stream that ends without its footer is discarded.
+
+Shared-memory saves (capability "save.shm", same host only): the tensors
+already sit in a file the client created in the sidecar's shm_dir, at the
+offsets the header gives; the stream is then header + footer, no chunks, and
+gRPC carries only control. The sidecar maps the file and takes it over.
 """
 
 from collections import abc as _abc
@@ -119,6 +124,7 @@ class HandshakeResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     MAX_SNAPSHOT_BYTES_FIELD_NUMBER: _builtins.int
     STORAGE_URL_FIELD_NUMBER: _builtins.int
+    SHM_DIR_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     server_version: _builtins.str
     max_message_bytes: _builtins.int
@@ -126,6 +132,10 @@ class HandshakeResponse(_message.Message):
     max_snapshot_bytes: _builtins.int
     """Largest snapshot (sum of tensor bytes) one save may carry."""
     storage_url: _builtins.str
+    shm_dir: _builtins.str
+    """Directory (a tmpfs shared with the trainer) for shared-memory saves;
+    empty when the sidecar does not accept them.
+    """
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -137,10 +147,11 @@ class HandshakeResponse(_message.Message):
         max_message_bytes: _builtins.int = ...,
         max_snapshot_bytes: _builtins.int = ...,
         storage_url: _builtins.str = ...,
+        shm_dir: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "max_message_bytes", b"max_message_bytes", "max_snapshot_bytes", b"max_snapshot_bytes", "protocol_version", b"protocol_version", "server_version", b"server_version", "storage_url", b"storage_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "max_message_bytes", b"max_message_bytes", "max_snapshot_bytes", b"max_snapshot_bytes", "protocol_version", b"protocol_version", "server_version", b"server_version", "shm_dir", b"shm_dir", "storage_url", b"storage_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -154,10 +165,16 @@ class TensorMeta(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     NBYTES_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     """Canonical dtype name, e.g. "float32", "bfloat16" (see sidecar.api.dtypes)."""
     nbytes: _builtins.int
+    offset: _builtins.int
+    """Byte offset of the tensor in the snapshot buffer. Restores always set it
+    (tensors may be padded for alignment); shared-memory saves set it; chunked
+    saves leave it 0 because their bytes arrive back to back.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -167,14 +184,40 @@ class TensorMeta(_message.Message):
         dtype: _builtins.str = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         nbytes: _builtins.int = ...,
+        offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TensorMeta: _TypeAlias = TensorMeta  # noqa: Y015
+
+@_typing.final
+class SharedSegment(_message.Message):
+    """A file in the sidecar's shm_dir holding a save's bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """File name only (no directory); must start with "strata-"."""
+    size: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedSegment: _TypeAlias = SharedSegment  # noqa: Y015
 
 @_typing.final
 class SaveHeader(_message.Message):
@@ -188,6 +231,7 @@ class SaveHeader(_message.Message):
     TREE_FIELD_NUMBER: _builtins.int
     STALL_SECONDS_FIELD_NUMBER: _builtins.int
     SKIPPED_SAVES_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     step: _builtins.int
     save_id: _builtins.str
@@ -202,6 +246,10 @@ class SaveHeader(_message.Message):
     def identity(self) -> Global___Identity: ...
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMeta]: ...
+    @_builtins.property
+    def shm(self) -> Global___SharedSegment:
+        """Set for shared-memory saves: where the bytes are; the stream has no chunks."""
+
     def __init__(
         self,
         *,
@@ -213,10 +261,11 @@ class SaveHeader(_message.Message):
         tree: _builtins.bytes = ...,
         stall_seconds: _builtins.float = ...,
         skipped_saves: _builtins.int = ...,
+        shm: Global___SharedSegment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "protocol_version", b"protocol_version", "save_id", b"save_id", "skipped_saves", b"skipped_saves", "stall_seconds", b"stall_seconds", "step", b"step", "tensors", b"tensors", "tree", b"tree"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "protocol_version", b"protocol_version", "save_id", b"save_id", "shm", b"shm", "skipped_saves", b"skipped_saves", "stall_seconds", b"stall_seconds", "step", b"step", "tensors", b"tensors", "tree", b"tree"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,11 @@ front (so the sidecar can validate and reserve memory before any bytes
 arrive), then the tensors' bytes packed back to back in header order and cut
 into chunks of any size up to the negotiated message limit, then a
 SaveFooter. A stream that ends without its footer is discarded.
+
+Shared-memory saves (capability "save.shm", same host only): the tensors
+already sit in a file the client created in the sidecar's shm_dir, at the
+offsets the header gives; the stream is then header + footer, no chunks, and
+gRPC carries only control. The sidecar maps the file and takes it over.
 """
 
 from collections import abc as _abc

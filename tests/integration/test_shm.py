@@ -1,0 +1,223 @@
+"""Shared-memory saves: the trainer stages into a tmpfs file the sidecar maps, and gRPC
+carries only the header. The committed snapshot's segment is never staged into again,
+a corrupted segment is caught before a memory restore, a restarted sidecar or a full
+tmpfs falls back to streaming, and hostile segment names are refused."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from sidecar import manifest as mf
+from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
+from trainer_client import SidecarUnavailable
+
+
+def state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256, 64), value), "b": torch.full((3,), value, dtype=torch.float64)}
+
+
+def shm_files(server: Any) -> list[str]:
+    return sorted(os.listdir(server.settings.shm_dir))
+
+
+def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
+    make_sidecar, make_client, job_name
+):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    assert client._segments is not None and all(b.shared for b in client._buffers)
+    for step in range(4):
+        client.save(step, state(float(step))).durable.result(30)
+        # The sidecar unlinks what it maps; only the spare the client warmed up may still be there.
+        spare = client._buffers[1 - client._held].segment
+        assert shm_files(server) == ([spare.name] if step == 0 else [])
+    received = server.metrics.received_bytes.labels(job_name)._value.get()
+    assert received == 4 * client._buffers[0].span_bytes
+    out = state(-1.0)
+    assert client.restore(out) == 3 and client.last_restore["source"] == "memory"
+    assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+
+
+def test_a_crashed_trainers_spare_segment_is_removed_when_its_successor_saves(
+    make_sidecar, make_client, job_name
+):
+    server = make_sidecar()
+    crashed = make_client(server, job_name, capture_rng=False)
+    crashed.save(1, state(1.0)).durable.result(30)
+    assert len(shm_files(server)) == 1  # the spare, never mapped by the sidecar
+    crashed._buffers = []  # as if killed: it never cleans up
+    successor = make_client(server, job_name, capture_rng=False, attempt=1)
+    successor.save(2, state(2.0)).durable.result(30)
+    spare = successor._buffers[1 - successor._held].segment
+    assert shm_files(server) == [spare.name]
+    server.stop(grace=1)  # a stopping sidecar sweeps what it knows
+    assert shm_files(server) == []
+
+
+def test_the_committed_segment_is_never_staged_into(make_sidecar, make_client, job_name, monkeypatch):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    client.save(2, state(2.0)).durable.result(30)
+    held_index = client._held
+    gate = threading.Event()
+    original = client._requests
+
+    def held(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        gate.wait(30)
+        yield from original(*args, **kwargs)
+
+    monkeypatch.setattr(client, "_requests", held)
+    third = client.save(3, state(3.0))  # staged, its header not yet sent
+    assert third.staged.result(10) is None
+    # Step 3 went into the segment step 1 used; step 2's (the committed one) is untouched.
+    staged = client._buffers[1 - held_index].views
+    assert torch.equal(staged[0], state(3.0)["w"])
+    reader = make_client(server, job_name, capture_rng=False)
+    out = state(-1.0)
+    assert reader.restore(out) == 2 and reader.last_restore["source"] == "memory"
+    assert torch.equal(out["w"], state(2.0)["w"])
+    gate.set()
+    assert third.durable.result(30).step == 3
+
+
+def test_a_segment_changed_after_upload_is_refused_for_memory_restore(
+    make_sidecar, make_client, job_name, caplog
+):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(5, state(5.0)).durable.result(30)
+    client._buffers[client._held].flat.fill_(7)  # a buggy writer scribbles over the held snapshot
+    out = state(-1.0)
+    assert make_client(server, job_name, capture_rng=False).restore(out) == 5
+    assert torch.equal(out["w"], state(5.0)["w"])  # read back from storage, not from the scribble
+    assert "changed since upload" in caplog.text
+
+
+def test_a_restarted_sidecar_gets_the_save_streamed_then_new_segments(
+    make_sidecar, make_client, job_name, short_tmp
+):
+    storage = f"file://{short_tmp}/restart-store"
+    first = make_sidecar(storage)
+    client = make_client(first, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    client.save(2, state(2.0)).durable.result(30)
+    first.stop(grace=1)
+    second = make_sidecar(storage, socket=first.socket_path)  # same socket, mappings forgotten
+    # Step 3 stages into the segment of step 1, which the new sidecar has never seen: it is
+    # refused, streamed instead, and the client starts over with fresh segments.
+    assert client.save(3, state(3.0)).durable.result(30).step == 3
+    assert client._held is None and client._segments is not None
+    assert client.save(4, state(4.0)).durable.result(30).step == 4
+    assert all(b.shared for b in client._buffers) and client._held is not None
+    out = state(-1.0)
+    assert make_client(second, job_name, capture_rng=False).restore(out) == 4
+    assert torch.equal(out["w"], state(4.0)["w"])
+    assert mf.committed_steps(second.store, "default", job_name) == [1, 2, 3, 4]
+
+
+def test_a_full_tmpfs_falls_back_to_streaming(make_sidecar, make_client, job_name, monkeypatch, caplog):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert client.save(1, state(1.0)).durable.result(30).step == 1
+    assert client._segments is None and not client._buffers[0].shared
+    assert "shared-memory saves off" in caplog.text and shm_files(server) == []
+    out = state(-1.0)
+    assert client.restore(out) == 1 and torch.equal(out["b"], state(1.0)["b"])
+
+
+def test_policy_on_needs_a_sidecar_that_offers_shared_memory(make_sidecar, make_client, job_name):
+    server = make_sidecar(shm_dir="")
+    auto = make_client(server, job_name, capture_rng=False)
+    assert auto._segments is None  # "auto" streams
+    assert auto.save(1, state(1.0)).durable.result(30).step == 1
+    with pytest.raises(SidecarUnavailable, match=r"STRATA_SHM=on.*--shm-dir is empty"):
+        make_client(server, job_name, shm="on")
+    with pytest.raises(ValueError, match="shm='sometimes'"):
+        make_client(server, job_name, shm="sometimes")
+
+
+# --- hostile headers, sent with the raw stub ------------------------------------------------------
+
+
+def shm_save(server: Any, job: str, name: str, size: int, nbytes: int = 64, chunk: bool = False) -> Any:
+    channel = grpc.insecure_channel(f"unix:{server.socket_path}", options=channel_options(8 << 20))
+    stub = pb_grpc.CheckpointerStub(channel)
+    h = pb.SaveHeader(
+        protocol_version=PROTOCOL_VERSION,
+        identity=pb.Identity(namespace="default", job=job, rank=0, world_size=1, attempt=0),
+        step=1,
+        save_id="s1",
+        tensors=[pb.TensorMeta(name="w", dtype="uint8", shape=[nbytes], nbytes=nbytes, offset=0)],
+        shm=pb.SharedSegment(name=name, size=size),
+    )
+    msgs = [pb.SaveRequest(header=h)]
+    if chunk:
+        msgs.append(pb.SaveRequest(chunk=bytes(nbytes)))
+    msgs.append(pb.SaveRequest(footer=pb.SaveFooter(total_bytes=nbytes)))
+    try:
+        return stub.Save(iter(msgs), timeout=30)
+    finally:
+        channel.close()
+
+
+def make_segment(server: Any, name: str, size: int) -> Path:
+    path = Path(server.settings.shm_dir) / name
+    path.write_bytes(bytes(size))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "code", "match"),
+    [
+        ("../../etc/passwd", 64, grpc.StatusCode.INVALID_ARGUMENT, "must match"),
+        ("strata-x/../../y", 64, grpc.StatusCode.INVALID_ARGUMENT, "must match"),
+        ("strata-missing-0", 64, grpc.StatusCode.FAILED_PRECONDITION, "is not in"),
+        ("strata-small-0", 16, grpc.StatusCode.INVALID_ARGUMENT, "beyond shared segment size 16"),
+    ],
+)
+def test_hostile_segments_are_refused_naming_the_problem(make_sidecar, job_name, name, size, code, match):
+    server = make_sidecar()
+    if name == "strata-small-0":
+        make_segment(server, name, size)
+    with pytest.raises(grpc.RpcError) as info:
+        shm_save(server, job_name, name, size)
+    assert info.value.code() == code and match in info.value.details(), info.value.details()
+    assert mf.committed_steps(server.store, "default", job_name) == []
+
+
+def test_a_symlinked_segment_is_not_followed(make_sidecar, job_name, short_tmp):
+    server = make_sidecar()
+    secret = short_tmp / "secret"
+    secret.write_bytes(b"s" * 64)
+    (Path(server.settings.shm_dir) / "strata-link-0").symlink_to(secret)
+    with pytest.raises(grpc.RpcError) as info:
+        shm_save(server, job_name, "strata-link-0", 64)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+    assert mf.committed_steps(server.store, "default", job_name) == []
+
+
+def test_a_shared_memory_save_with_chunks_is_refused(make_sidecar, job_name):
+    server = make_sidecar()
+    make_segment(server, "strata-raw-0", 64)
+    with pytest.raises(grpc.RpcError) as info:
+        shm_save(server, job_name, "strata-raw-0", 64, chunk=True)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "carries no chunks" in info.value.details()
+    # A well-formed one through the same kind of segment commits.
+    make_segment(server, "strata-raw-1", 64)
+    assert shm_save(server, job_name, "strata-raw-1", 64).bytes_received == 64
