@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.api import default_socket_path
+from sidecar.pipeline.settings import check_encoding_settings
 
 
 def _opt(default: Any, help: str, env: str | None = None, secret: bool = False) -> Any:
@@ -41,6 +42,28 @@ class SidecarSettings:
     shm_dir: str = _opt(
         "/dev/shm", "tmpfs shared with the trainers for zero-copy saves (empty: chunked gRPC saves only)"
     )
+    policy: str = _opt(
+        "intermittent",
+        "checkpoint policy: full, one-shot (rows changed since the last full), consecutive (since the "
+        "last checkpoint), intermittent (one-shot, new full when cheaper)",
+    )
+    max_diffs: int = _opt(32, "diffs after which a full checkpoint is written regardless of policy")
+    quantize: str = _opt(
+        "off",
+        "lossy storage of matched tensors: off, auto (bits from --expected-restores), 2, 3, 4, 8, "
+        "float16 or bfloat16",
+    )
+    quantize_match: str = _opt(
+        "",
+        "comma-separated globs of tensor names to quantize (default: embedding tables, as the client marks)",
+    )
+    expected_restores: int = _opt(
+        20, "restores a checkpoint is expected to see; picks the bit width under --quantize auto"
+    )
+    restore_bits: str = _opt(
+        "1:2,3:3,20:4", "--quantize auto table: up to N restores -> B bits, as N:B pairs; 8 bits beyond"
+    )
+    encode_workers: int = _opt(2, "threads that diff and quantize a snapshot")
     keep: int = _opt(3, "committed steps to keep per job; older ones are deleted (0: keep all)")
 
     def __post_init__(self) -> None:
@@ -60,6 +83,7 @@ class SidecarSettings:
         for name in ("object_bytes", "upload_concurrency", "max_message_bytes", "max_snapshot_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_encoding_settings(self)
         if self.max_held_snapshots < 2:
             raise ValueError("--max-held-snapshots must be >= 2 (the committed one plus one in flight)")
         if len(self.socket.encode()) > 107:

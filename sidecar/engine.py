@@ -37,6 +37,8 @@ from sidecar.errors import (
 )
 from sidecar.metrics import Metrics
 from sidecar.pipeline import upload_snapshot
+from sidecar.pipeline.plan import Chain, SnapshotEncoder, read_snapshot
+from sidecar.pipeline.settings import quantization
 from sidecar.shm import Segments, check_dir
 from sidecar.store.base import Store
 
@@ -73,6 +75,7 @@ class TensorSpec:
     nbytes: int
     #: Where the tensor sits in a shared segment (chunked saves pack tensors; this is ignored).
     offset: int = 0
+    role: str = ""
 
 
 @dataclass
@@ -87,8 +90,10 @@ class Snapshot:
     received: int = 0
     #: Shared segment the bytes live in (the client wrote them; verify before serving from memory).
     segment: str = ""
-    #: The objects as uploaded (crc32 per ``object_bytes`` slice of ``buffer``).
+    #: The objects as uploaded, when they are ``buffer`` itself cut in slices (a lossless full).
     objects: list[mf.ObjectEntry] = field(default_factory=list)
+    #: Restores the job had seen when this was saved.
+    restores: int = 0
     state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
     message: str = ""
     commit_key: str = ""
@@ -104,6 +109,7 @@ class RestoreData:
     source: str
     fallback_reason: str
     chunks: Iterator[memoryview]
+    restores: int = 0
 
 
 class Engine:
@@ -121,6 +127,11 @@ class Engine:
         self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
         self._attempts: dict[tuple[str, str], int] = {}
         self.segments = Segments(check_dir(settings.shm_dir))
+        self.quant = quantization(settings)
+        # Per rank: what its newest committed checkpoint consists of (for the next diff).
+        self._chains: dict[tuple[str, str, int], Chain] = {}
+        # Per job: restores seen, carried forward in manifests (bit-width escalation).
+        self._restores: dict[tuple[str, str], int] = {}
         self._stopping = threading.Event()
         # Restores read ahead by prefetch(): slot -> (step, ready event, data or None)
         self._prefetched: dict[
@@ -208,7 +219,7 @@ class Engine:
                         f"tensor {t.name!r} at offset {t.offset} overlaps the one before (ends at {offset})"
                     )
                 offset = t.offset
-            entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset))
+            entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset, role=t.role))
             offset += t.nbytes
         if segment is not None and offset > segment[1]:
             raise InvalidArgument(f"tensors end at byte {offset}, beyond shared segment size {segment[1]}")
@@ -216,6 +227,11 @@ class Engine:
             raise InvalidArgument(
                 f"snapshot of {offset} bytes exceeds the sidecar's --max-snapshot-bytes "
                 f"{self.settings.max_snapshot_bytes}"
+            )
+        if self.quant.patterns and not any(self.quant.matches(e.name, e.role) for e in entries):
+            raise InvalidArgument(
+                f"--quantize-match {','.join(self.quant.patterns)!r} matches no tensor of this save "
+                f"(names look like {', '.join(e.name for e in entries[:3])})"
             )
         try:
             tree_value = json.loads(tree) if tree else None
@@ -312,8 +328,12 @@ class Engine:
                 ident.namespace, ident.job, snap.step, ident.attempt, snap.save_id, ident.rank
             )
 
+            encoder = self._encoder(snap)
+            out = encoder.outcome
+
             def make_manifest(objects: list[mf.ObjectEntry]) -> mf.Manifest:
-                snap.objects = objects
+                if out.kind == "full" and all(t.stored_offset < 0 for t in out.tensors):
+                    snap.objects = objects  # slices of the buffer: a memory restore can verify them
                 return mf.Manifest(
                     ident.namespace,
                     ident.job,
@@ -324,19 +344,25 @@ class Engine:
                     snap.save_id,
                     snap.total_bytes,
                     snap.tree,
-                    snap.tensors,
+                    out.tensors,
                     objects,
+                    checkpoint=out.kind,
+                    base_step=out.base_step,
+                    requires=out.requires,
+                    policy=self.settings.policy,
+                    restores=snap.restores,
                 )
 
             upload_snapshot(
                 self.store,
                 self._uploads,
                 prefix,
-                memoryview(snap.buffer),
+                encoder.pieces(),
                 self.settings.object_bytes,
                 make_manifest,
                 self.metrics.uploaded_bytes.labels(job).inc,
                 snap.step,
+                max_in_flight=2 * self.settings.upload_concurrency,
             )
             self.metrics.upload_duration.labels(job).observe(time.perf_counter() - t0)
             fault_point("sidecar.commit.before", snap.step)
@@ -363,6 +389,12 @@ class Engine:
             snap.state, snap.message = "failed", f"internal error: {exc!r}"
             self._release(snap)
         else:
+            with self._lock:
+                self._chains[ident.slot] = encoder.next_chain()
+            self.metrics.encoded.labels(job, out.kind).inc()
+            self.metrics.quantization_error.labels(job).set(out.max_error)
+            if out.changed_ratio is not None:
+                self.metrics.changed_rows.labels(job).set(out.changed_ratio)
             snap.state = "committed"
             snap.commit_key = mf.commit_key(ident.namespace, ident.job, snap.step)
             self.metrics.checkpoints.labels(job, "committed").inc()
@@ -372,6 +404,29 @@ class Engine:
             self._keep_newest_committed(snap)
         finally:
             snap.done.set()
+
+    def _encoder(self, snap: Snapshot) -> SnapshotEncoder:
+        """Full or diff against the rank's newest committed snapshot, if it is still held."""
+        ident = snap.identity
+        previous = None
+        with self._lock:
+            chain = self._chains.get(ident.slot)
+            snap.restores = self._restores.get((ident.namespace, ident.job), 0)
+            for held in self._slots.get(ident.slot, []):
+                if chain is not None and held.state == "committed" and held.step == chain.steps[-1]:
+                    previous = memoryview(held.buffer)
+        return SnapshotEncoder(
+            snap.step,
+            snap.tensors,
+            memoryview(snap.buffer),
+            policy=self.settings.policy,
+            max_diffs=self.settings.max_diffs,
+            quant=self.quant,
+            restores=snap.restores,
+            chain=chain,
+            previous=previous,
+            workers=self.settings.encode_workers,
+        )
 
     def _commit_as_rank0(self, snap: Snapshot) -> None:
         ident = snap.identity
@@ -517,16 +572,12 @@ class Engine:
             target = step
         ahead = self._take_prefetched(identity, target)
         if ahead is not None:
-            self.metrics.restores.labels(job, ahead.source).inc()
-            return ahead
+            return self._served(identity, ahead)
         memory = self._from_memory(identity, target)
         if memory is not None:
-            self.metrics.restores.labels(job, "memory").inc()
-            return memory
+            return self._served(identity, memory)
         try:
-            data = self._from_storage(identity, target)
-            self.metrics.restores.labels(job, "storage").inc()
-            return data
+            return self._served(identity, self._from_storage(identity, target))
         except (CorruptObject, NotFound) as exc:
             if step is not None:
                 raise
@@ -547,9 +598,18 @@ class Engine:
                 log.error("%s/%s step %d is unusable too: %s", ns, job, older, exc)
                 continue
             data.fallback_reason = f"step {target} unusable ({first_error}); restored step {older}"
-            self.metrics.restores.labels(job, "storage").inc()
-            return data
+            return self._served(identity, data)
         raise CorruptObject(str(first_error), f"no restorable committed step at or before {target}")
+
+    def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
+        """Count a restore; later checkpoints of the job carry the count (bit-width escalation)."""
+        self.metrics.restores.labels(identity.job, data.source).inc()
+        key = (identity.namespace, identity.job)
+        with self._lock:
+            # Every rank of a gang restart restores once: count the restart, not the ranks.
+            if data.restores + 1 > self._restores.get(key, 0):
+                self._restores[key] = data.restores + 1
+        return data
 
     def prefetch(self, identity: Identity) -> None:
         """Read the newest committed step into memory in the background (asynchronous
@@ -629,10 +689,15 @@ class Engine:
                     found, buf = snap, memoryview(snap.buffer)
         if found is None or (found.segment and not self._intact(found, buf)):
             return None
-        return RestoreData(step, found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]))
+        return RestoreData(
+            step, found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]), found.restores
+        )
 
     def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
-        """A shared segment is writable by its trainer: check it still holds what was uploaded."""
+        """A shared segment is writable by its trainer: check it still holds what was uploaded
+        (when the objects are its slices; an encoded checkpoint is trusted as held)."""
+        if not snap.objects:
+            return True
         start = 0
         for obj in snap.objects:
             got = mf.crc32(buf[start : start + obj.size])
@@ -659,9 +724,11 @@ class Engine:
                 "Changing the world size needs resharding, which this version does not do"
             )
         manifest = mf.load_manifest(self.store, commit, identity.rank)
-        # Read and verify every object before handing out a byte: a restore is all or nothing.
-        futures = [self._uploads.submit(mf.read_object, self.store, o) for o in manifest.objects]
-        blobs = [f.result() for f in futures]
+
+        def load(older: int) -> mf.Manifest:
+            return mf.load_manifest(self.store, mf.read_commit(self.store, ns, job, older), identity.rank)
+
+        pieces = read_snapshot(self.store, manifest, load, self._uploads)
         return RestoreData(
             step,
             manifest.tensors,
@@ -669,7 +736,8 @@ class Engine:
             manifest.total_bytes,
             "storage",
             "",
-            iter([memoryview(b) for b in blobs]),
+            iter(pieces),
+            manifest.restores,
         )
 
     # --- queries --------------------------------------------------------------------------

@@ -80,8 +80,24 @@ class TensorEntry:
     nbytes: int
     #: Offset into the concatenation of the manifest's objects.
     offset: int
-    #: How the bytes are stored; "raw" is the tensor's bytes as-is.
+    #: How the bytes are stored; "raw" is the tensor's bytes as-is (sidecar.pipeline.encode).
     encoding: str = "raw"
+    #: Where the stored form sits in the objects' concatenation (-1: at ``offset``, ``nbytes`` long).
+    stored_offset: int = -1
+    stored_bytes: int = -1
+    #: Quantization bit width, or the dtype it was downcast to; lossy when either is set.
+    bits: int = 0
+    cast: str = ""
+    #: Relative L2 error of the lossy encoding (None: lossless).
+    rel_l2_error: float | None = None
+    #: Rows a diff wrote (-1: not a diff).
+    changed_rows: int = -1
+    role: str = ""
+
+    def stored(self) -> tuple[int, int]:
+        if self.stored_offset < 0:
+            return self.offset, self.nbytes
+        return self.stored_offset, self.stored_bytes
 
 
 @dataclass
@@ -100,6 +116,14 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     kind: str = "strata.rank-manifest"
+    #: "full", or "diff": diff tensors apply on top of ``base_step`` restored.
+    checkpoint: str = "full"
+    base_step: int | None = None
+    #: Every older step a restore of this one reads (GC keeps them while this one is kept).
+    requires: list[int] = field(default_factory=list)
+    policy: str = ""
+    #: Restores the job had seen when this was written (drives bit-width escalation).
+    restores: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False).encode()
@@ -231,6 +255,7 @@ def write_commit(
     if missing:
         raise FailedPrecondition(f"step {step}: no MANIFEST yet for ranks {missing}")
     refs: list[ManifestRef] = []
+    requires: set[int] = set()
     total = 0
     for rank in range(world_size):
         body = store.get(keys[rank])
@@ -240,8 +265,9 @@ def write_commit(
                 f"step {step}: rank {rank} saved with world size {manifest.world_size}, expected {world_size}"
             )
         total += manifest.total_bytes
+        requires.update(manifest.requires)
         refs.append(ManifestRef(rank, keys[rank], hashlib.sha256(body).hexdigest(), len(body)))
-    commit = Commit(namespace, job, step, world_size, attempt, total, refs)
+    commit = Commit(namespace, job, step, world_size, attempt, total, refs, requires=sorted(requires))
     store.put(commit_key(namespace, job, step), commit.to_json())
     _advance_latest(store, namespace, job, step)
     return commit
@@ -325,8 +351,8 @@ def read_object(store: Store, entry: ObjectEntry) -> bytes:
 
 
 def collect_garbage(store: Store, namespace: str, job: str, keep: int) -> list[int]:
-    """Delete every step older than the ``keep`` newest committed ones (and than the bases
-    they require). Returns the deleted steps.
+    """Delete every step older than the ``keep`` newest committed ones, except the bases
+    and diffs those require. Returns the deleted steps.
 
     Safe against concurrent saves: only steps strictly older than the oldest kept
     committed step are touched, and every new save is newer than the newest
@@ -343,10 +369,12 @@ def collect_garbage(store: Store, namespace: str, job: str, keep: int) -> list[i
     needed = set(kept)
     for step in kept:
         needed.update(read_commit(store, namespace, job, step).requires)
-    horizon = min(needed)
+    # Bases older than the oldest kept step stay; anything else older than it goes (a save in
+    # progress is always newer than the newest committed step, so never among these).
+    oldest_kept = kept[0]
     deleted = []
     for step in steps:
-        if step >= horizon or step in needed:
+        if step >= oldest_kept or step in needed:
             continue
         store.delete([commit_key(namespace, job, step)])
         keys = [o.key for o in store.list(step_prefix(namespace, job, step)).objects]

@@ -77,6 +77,30 @@ class Metrics:
         self.last_committed_step = Gauge(
             "strata_last_committed_step", "Newest committed training step.", ["training_job"], registry=r
         )
+        self.encoded = Counter(
+            "strata_encoded_checkpoints_total",
+            "Rank checkpoints written, by kind: full or diff (changed rows only).",
+            ["training_job", "kind"],
+            registry=r,
+        )
+        self.changed_rows = Gauge(
+            "strata_changed_rows_ratio",
+            "Rows a rank's newest diff wrote, over all rows of its diffed tensors.",
+            ["training_job"],
+            registry=r,
+        )
+        self.quantization_error = Gauge(
+            "strata_quantization_relative_error",
+            "Largest relative L2 error of a quantized tensor in a rank's newest checkpoint (0: lossless).",
+            ["training_job"],
+            registry=r,
+        )
+        self.value_diff_fallbacks = Counter(
+            "strata_tracking_mismatches_total",
+            "Tensors whose lookup tracking missed a changed row; they were diffed by value instead.",
+            ["training_job"],
+            registry=r,
+        )
         self.held_bytes = Gauge("strata_held_snapshot_bytes", "Snapshot bytes held in memory.", registry=r)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:

@@ -293,6 +293,7 @@ class CheckpointClient:
                 _tree.encode_skeleton(flat.skeleton),
                 stall,
                 skipped,
+                _roles(state, flat.tensors),
             )
             self._last = handle
         if not deferred:
@@ -329,6 +330,7 @@ class CheckpointClient:
         tree: bytes,
         stall: float,
         skipped: int,
+        roles: list[str],
     ) -> None:
         bufs = self._buffers[index]
         try:
@@ -341,7 +343,7 @@ class CheckpointClient:
             self._stager.synchronize()
             save_id = uuid.uuid4().hex[:16]
             try:
-                ack = self._save_rpc(handle.step, save_id, bufs, bufs.shared, tree, stall, skipped)
+                ack = self._save_rpc(handle.step, save_id, bufs, bufs.shared, tree, stall, skipped, roles)
             except grpc.RpcError as exc:
                 if not (bufs.shared and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
                     raise
@@ -350,7 +352,7 @@ class CheckpointClient:
                 log.warning(
                     "step %d: shared-memory save refused (%s); streaming it", handle.step, exc.details()
                 )
-                ack = self._save_rpc(handle.step, save_id, bufs, False, tree, stall, skipped)
+                ack = self._save_rpc(handle.step, save_id, bufs, False, tree, stall, skipped, roles)
                 if "cannot open" in (exc.details() or "") or "does not accept" in (exc.details() or ""):
                     self._stop_shared_memory(exc.details() or "refused")
                 else:
@@ -386,12 +388,13 @@ class CheckpointClient:
         tree: bytes,
         stall: float,
         skipped: int,
+        roles: list[str],
     ) -> pb.SaveAck:
         delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
         while True:
             try:
                 return self._stub.Save(
-                    self._requests(bufs, shared, step, save_id, tree, stall, skipped),
+                    self._requests(bufs, shared, step, save_id, tree, stall, skipped, roles),
                     timeout=self.settings.rpc_timeout_s,
                     metadata=self._metadata,
                 )
@@ -413,6 +416,7 @@ class CheckpointClient:
         tree: bytes,
         stall: float,
         skipped: int,
+        roles: list[str],
     ) -> Iterator[pb.SaveRequest]:
         header = pb.SaveHeader(
             protocol_version=PROTOCOL_VERSION,
@@ -426,8 +430,9 @@ class CheckpointClient:
                     shape=list(s.shape),
                     nbytes=s.nbytes,
                     offset=s.offset if shared else 0,
+                    role=role,
                 )
-                for s in bufs.slots
+                for s, role in zip(bufs.slots, roles, strict=True)
             ],
             tree=tree,
             stall_seconds=stall,
@@ -594,6 +599,17 @@ def _receive(stream: Iterator[pb.RestoreResponse]) -> tuple[pb.RestoreHeader, li
             f"({index} of {len(targets)} tensors complete)"
         )
     return header, tensors
+
+
+def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """ "embedding" for the weights of embedding tables (what quantization targets by default)."""
+    tables = {
+        _tensor_key(sub.weight)
+        for module in _modules(state)
+        for sub in module.modules()
+        if isinstance(sub, torch.nn.Embedding | torch.nn.EmbeddingBag)
+    }
+    return ["embedding" if _tensor_key(t) in tables else "" for _, t in tensors]
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[int, int]:

@@ -4,25 +4,31 @@ object is whole)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 
 from sidecar.api.faults import fault_point
 from sidecar.manifest import Manifest, ManifestRef, ObjectEntry, crc32, write_manifest
-from sidecar.store.base import Store
+from sidecar.store.base import Buffer, Store
 
 
 def upload_snapshot(
     store: Store,
     executor: Executor,
     prefix: str,
-    data: memoryview,
+    pieces: Iterable[Buffer],
     object_bytes: int,
     make_manifest: Callable[[list[ObjectEntry]], Manifest],
     on_bytes: Callable[[int], None] = lambda n: None,
     step: int | None = None,
+    max_in_flight: int = 8,
 ) -> ManifestRef:
-    """Upload ``data`` as objects ``<prefix>obj-NNNNN`` and then ``<prefix>MANIFEST``.
+    """Upload the concatenation of ``pieces`` as objects ``<prefix>obj-NNNNN``, then
+    ``<prefix>MANIFEST``.
+
+    ``pieces`` may be produced lazily (an encoder): objects upload while later pieces
+    are computed, with at most ``max_in_flight`` objects pending, so memory stays
+    bounded. An object inside one piece is a view of it; one spanning pieces is joined.
 
     Object keys are unique per save attempt (the caller's prefix), so nothing
     here ever overwrites a committed object. Raises the store's error on the
@@ -30,17 +36,42 @@ def upload_snapshot(
     by a MANIFEST) and are harmless.
     """
 
-    def put(index: int, start: int) -> ObjectEntry:
+    def put(index: int, piece: Buffer) -> ObjectEntry:
         fault_point("sidecar.upload.object", step)
-        piece = data[start : start + object_bytes]
-        entry = ObjectEntry(f"{prefix}obj-{index:05d}", len(piece), crc32(piece))
+        entry = ObjectEntry(f"{prefix}obj-{index:05d}", len(memoryview(piece)), crc32(piece))
         store.put(entry.key, piece)
-        on_bytes(len(piece))
+        on_bytes(entry.size)
         return entry
 
-    starts = range(0, len(data), object_bytes)
-    futures = [executor.submit(put, i, s) for i, s in enumerate(starts)]
+    futures: list[Future[ObjectEntry]] = []
+    pending: list[memoryview] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        obj: Buffer = pending[0] if len(pending) == 1 else b"".join(pending)
+        futures.append(executor.submit(put, len(futures), obj))
+        pending, size = [], 0
+        running = [f for f in futures if not f.done()]
+        if len(running) >= max_in_flight:
+            wait(running, return_when=FIRST_COMPLETED)
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
     try:
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            pos = 0
+            while pos < len(view):
+                take = min(len(view) - pos, object_bytes - size)
+                pending.append(view[pos : pos + take])
+                size += take
+                pos += take
+                if size == object_bytes:
+                    flush()
+        if pending:
+            flush()
         entries = [f.result() for f in futures]
     except BaseException:
         for f in futures:

@@ -71,6 +71,7 @@ KEYS = (
     "torch_save_s",
     "dcp_async_save_stall_s",
     "save_overhead_s",
+    "save_overhead_grpc_s",
     "overlapped_overhead_s",
     "dcp_overhead_s",
     "dcp_async_stager_overhead_s",
@@ -418,11 +419,14 @@ def quiet_client() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def make_client(socket_path: str, job: str, optimizers: list[torch.optim.Optimizer] | None = None) -> Any:
+def make_client(
+    socket_path: str, job: str, optimizers: list[torch.optim.Optimizer] | None = None, shm: str = "auto"
+) -> Any:
     return CheckpointClient(
         job=job,
         socket=socket_path,
         optimizers=optimizers or [],
+        shm=shm,
         resume="never",
         when_busy="skip",
         connect_timeout_s=60.0,
@@ -475,9 +479,16 @@ def paired_overhead(trainer: Trainer, k: int, n: int, save: Callable[[], Future[
 
 
 def strata_overhead(
-    trainer: Trainer, socket_path: str, job: str, steps: Iterator[int], overlap: bool, k: int, n: int
+    trainer: Trainer,
+    socket_path: str,
+    job: str,
+    steps: Iterator[int],
+    overlap: bool,
+    k: int,
+    n: int,
+    shm: str = "auto",
 ) -> Paired:
-    client = make_client(socket_path, job, [trainer.opt] if overlap else None)
+    client = make_client(socket_path, job, [trainer.opt] if overlap else None, shm)
     state = trainer.state()
     try:
         warm = client.save(next(steps), state)  # allocates the staging buffer outside the timing
@@ -600,6 +611,7 @@ def _run(
         sock = file_sidecar.socket
         for key, measure in (
             ("save_overhead", lambda: strata_overhead(trainer, sock, job, steps, False, k, n)),
+            ("save_overhead_grpc", lambda: strata_overhead(trainer, sock, job, steps, False, k, n, "off")),
             ("overlapped_overhead", lambda: strata_overhead(trainer, sock, job, steps, True, k, n)),
             ("dcp_overhead", lambda: dcp_overhead(trainer, opts.tmp / "dcp-loop", k, n, False)),
             ("dcp_async_stager_overhead", lambda: dcp_overhead(trainer, opts.tmp / "dcp-loop", k, n, True)),
@@ -767,6 +779,7 @@ def _rows(f: dict[str, Any]) -> list[Row]:
             m,
             "dcp_async_stager_overhead_s",
         ),
+        row("save_overhead_grpc_s", "s", "dcp_overhead_s"),
         row("dcp_overhead_s", "s", m),
         row("dcp_async_stager_overhead_s", "s", m),
         row("grpc_ingest_gib_per_s", "GiB/s", "socket_gib_per_s"),

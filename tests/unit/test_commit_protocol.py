@@ -182,6 +182,17 @@ def test_retention_never_deletes_a_required_base(store):
         commit = mf.write_commit(store, "ns", "job", step, 1, 0)
     commit.requires = [1]  # step 4 is a diff on top of step 1
     store.put(mf.commit_key("ns", "job", 4), commit.to_json())
-    assert mf.collect_garbage(store, "ns", "job", keep=1) == []  # 1 is needed; nothing is older
-    assert mf.committed_steps(store, "ns", "job") == [1, 2, 3, 4]
     assert mf.collect_garbage(store, "ns", "job", keep=0) == []  # 0 keeps everything
+    # 1 is needed; 2 and 3 (diffs on 1 that 4 supersedes) are not.
+    assert mf.collect_garbage(store, "ns", "job", keep=1) == [2, 3]
+    assert mf.committed_steps(store, "ns", "job") == [1, 4]
+
+
+def test_retention_keeps_a_whole_chain_of_diffs(store):
+    for step in range(1, 6):
+        put_rank(store, step, 0, world=1)
+        commit = mf.write_commit(store, "ns", "job", step, 1, 0)
+    commit.requires = [2, 3, 4]  # step 5 replays 2 (a full), 3 and 4
+    store.put(mf.commit_key("ns", "job", 5), commit.to_json())
+    assert mf.collect_garbage(store, "ns", "job", keep=1) == [1]
+    assert mf.committed_steps(store, "ns", "job") == [2, 3, 4, 5]

@@ -166,6 +166,7 @@ class TensorMeta(_message.Message):
     SHAPE_FIELD_NUMBER: _builtins.int
     NBYTES_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     """Canonical dtype name, e.g. "float32", "bfloat16" (see sidecar.api.dtypes)."""
@@ -174,6 +175,10 @@ class TensorMeta(_message.Message):
     """Byte offset of the tensor in the snapshot buffer. Restores always set it
     (tensors may be padded for alignment); shared-memory saves set it; chunked
     saves leave it 0 because their bytes arrive back to back.
+    """
+    role: _builtins.str
+    """What the tensor is, as far as the client knows: "embedding" for the weight
+    of an embedding table (quantized by default when quantization is on), else "".
     """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -185,10 +190,11 @@ class TensorMeta(_message.Message):
         shape: _abc.Iterable[_builtins.int] | None = ...,
         nbytes: _builtins.int = ...,
         offset: _builtins.int = ...,
+        role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "role", b"role", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,272 @@
+"""Check-N-Run encodings of one snapshot: which rows changed, what to store, and back.
+
+A tensor is stored in one of four encodings (the manifest's ``encoding``):
+
+``raw``
+    its bytes as they are.
+``quantized``
+    every row quantized (:mod:`sidecar.pipeline.quantize`, per-row fp16 scale and bias).
+``rows-diff``
+    a bitmap of the rows that differ from the base step (``ceil(rows / 8)`` bytes,
+    little-endian bit order), then those rows' bytes. Restore applies it on top of
+    the base step's restored tensor.
+``rows-diff-quantized``
+    the same bitmap, then the changed rows quantized.
+``cast`` / ``rows-diff-cast``
+    all rows, or bitmap and changed rows, downcast to ``cast`` (float16 or bfloat16).
+
+Rows are the first dimension; a row is ``nbytes / rows`` bytes. Changed rows are
+found by comparing bytes with the previous snapshot held in memory (so NaN, -0.0
+and every other bit pattern compare exactly), in blocks so the temporaries stay
+small, as 8-byte words where rows allow.
+
+Only the persisted copy is encoded: the snapshot in memory stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from sidecar.pipeline import quantize as qz
+
+ENCODINGS = ("raw", "quantized", "rows-diff", "rows-diff-quantized", "cast", "rows-diff-cast")
+#: dtypes quantization and downcasting understand (the rest is always stored exactly)
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+#: tensors smaller than this are always stored raw: a diff would save nothing worth its bitmap
+MIN_DIFF_BYTES = 64 << 10
+_BLOCK_BYTES = 8 << 20
+
+Bool1D = npt.NDArray[np.bool_]
+U8 = npt.NDArray[np.uint8]
+
+
+def rows_of(shape: tuple[int, ...] | list[int]) -> int:
+    """Rows of a tensor for diffs: its first dimension (1 for a scalar)."""
+    return int(shape[0]) if len(shape) else 1
+
+
+def diffable(shape: tuple[int, ...] | list[int], nbytes: int) -> bool:
+    return nbytes >= MIN_DIFF_BYTES and len(shape) >= 1 and rows_of(shape) >= 2
+
+
+def quantizable(dtype: str, shape: tuple[int, ...] | list[int]) -> bool:
+    return dtype in FLOAT_DTYPES and len(shape) == 2 and shape[0] > 0 and shape[1] > 0
+
+
+def as_rows(data: memoryview | bytes | bytearray, shape: tuple[int, ...] | list[int]) -> U8:
+    """A ``[rows, row_bytes]`` uint8 view of a tensor's bytes (no copy)."""
+    flat = np.frombuffer(data, np.uint8)
+    rows = rows_of(shape)
+    return flat.reshape(rows, flat.size // rows if rows else 0)
+
+
+def changed_rows(current: U8, previous: U8) -> Bool1D:
+    """Which rows differ in any byte, vectorized block by block."""
+    if current.shape != previous.shape:
+        raise ValueError(f"cannot compare rows of shapes {current.shape} and {previous.shape}")
+    rows, width = current.shape
+    out = np.zeros(rows, np.bool_)
+    if not rows or not width:
+        return out
+    word = np.uint64 if width % 8 == 0 else np.uint32 if width % 4 == 0 else np.uint8
+    block = max(1, _BLOCK_BYTES // width)
+    for s in range(0, rows, block):
+        a = current[s : s + block].view(word)
+        b = previous[s : s + block].view(word)
+        np.any(a != b, axis=1, out=out[s : s + block])
+    return out
+
+
+def to_f32(rows: U8, dtype: str) -> qz.F32:
+    """Row bytes of a float tensor as float32 ``[rows, dim]`` (exact widening)."""
+    if dtype == "float32":
+        return rows.view(np.float32)
+    if dtype == "float16":
+        return rows.view(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return qz.bf16_to_f32(rows.view(np.uint16))
+    raise TypeError(f"{dtype} cannot be quantized")
+
+
+def from_f32(values: qz.F32, dtype: str) -> U8:
+    """Float32 values back to the tensor's dtype, as row bytes."""
+    out: npt.NDArray[np.float32 | np.float16 | np.uint16]
+    if dtype == "float32":
+        out = np.ascontiguousarray(values, np.float32)
+    elif dtype == "float16":
+        out = values.astype(np.float16)
+    elif dtype == "bfloat16":
+        out = qz.f32_to_bf16(values)
+    else:
+        raise TypeError(f"{dtype} cannot be dequantized")
+    return out.view(np.uint8).reshape(values.shape[0], values.shape[1] * out.itemsize)
+
+
+@dataclass
+class Encoded:
+    """One tensor's stored form: ``pieces`` back to back are its payload."""
+
+    encoding: str
+    pieces: list[memoryview | bytes]
+    bits: int = 0
+    #: relative L2 error of what was quantized (None when lossless)
+    error: float | None = None
+    changed: int = -1  # rows written by a diff
+    cast: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+
+def bitmap_bytes(rows: int) -> int:
+    return (rows + 7) // 8
+
+
+def quantized_bytes(rows: int, dim: int, bits: int) -> int:
+    """Size of ``QuantizedRows.to_bytes`` for ``rows`` x ``dim`` at ``bits`` (header included)."""
+    return qz.QuantizedRows._HEADER.size + 4 * rows + (rows * dim * bits + 7) // 8
+
+
+def encoded_bytes(
+    encoding: str, shape: list[int] | tuple[int, ...], itemsize: int, changed: int, bits: int
+) -> int:
+    """What :func:`encode` writes, from sizes alone (benchmarks price encodings with it)."""
+    rows = rows_of(shape)
+    row_bytes = itemsize * (math.prod(shape) // rows if rows else 0)
+    dim = int(shape[1]) if len(shape) == 2 else 0
+    if encoding == "raw":
+        return rows * row_bytes
+    if encoding == "quantized":
+        return quantized_bytes(rows, dim, bits)
+    if encoding == "rows-diff":
+        return bitmap_bytes(rows) + changed * row_bytes
+    if encoding == "rows-diff-quantized":
+        return bitmap_bytes(rows) + quantized_bytes(changed, dim, bits)
+    if encoding == "cast":
+        return rows * dim * 2
+    if encoding == "rows-diff-cast":
+        return bitmap_bytes(rows) + changed * dim * 2
+    raise ValueError(f"unknown encoding {encoding!r}")
+
+
+def _finite(error: float) -> float | None:
+    return error if math.isfinite(error) else None
+
+
+def _quantize(rows: U8, dtype: str, bits: int, workers: int) -> tuple[bytes, float | None]:
+    values = to_f32(rows, dtype)
+    q = qz.quantize_rows(values, bits, workers=workers)
+    error = qz.relative_l2_error(values, qz.dequantize_rows(q)) if values.size else 0.0
+    return q.to_bytes(), _finite(error)
+
+
+def _widen(payload: memoryview | bytes, cast: str, dim: int) -> qz.F32:
+    raw = np.frombuffer(payload, np.uint16 if cast == "bfloat16" else np.float16)
+    values = qz.bf16_to_f32(raw) if cast == "bfloat16" else raw.astype(np.float32)
+    return values.reshape(-1, dim)
+
+
+def _cast(rows: U8, dtype: str, cast: str) -> tuple[bytes, float | None]:
+    values = to_f32(rows, dtype)
+    low = qz.downcast(values, cast)  # type: ignore[arg-type]
+    error = qz.relative_l2_error(values, _widen(low.tobytes(), cast, values.shape[1])) if values.size else 0.0
+    return low.tobytes(), _finite(error)
+
+
+def encode(
+    data: memoryview,
+    dtype: str,
+    shape: list[int] | tuple[int, ...],
+    *,
+    mask: Bool1D | None = None,
+    bits: int = 0,
+    cast: str = "",
+    workers: int = 1,
+) -> Encoded:
+    """Encode one tensor: rows in ``mask`` only (a diff) or all; quantized to ``bits`` or
+    downcast to ``cast`` when given.
+
+    Quantization needs a float tensor with finite rows within ±65504 (float16 casts
+    the same range); otherwise raises ``ValueError`` (the caller stores it exactly).
+    """
+    if (bits or cast) and not quantizable(dtype, shape):
+        raise ValueError(f"{dtype}{list(shape)} cannot be quantized (2-D float32/16 or bfloat16 only)")
+    if mask is None:
+        if cast:
+            payload, error = _cast(as_rows(data, shape), dtype, cast)
+            return Encoded("cast", [payload], 0, error, cast=cast)
+        if not bits:
+            return Encoded("raw", [data])
+        payload, error = _quantize(as_rows(data, shape), dtype, bits, workers)
+        return Encoded("quantized", [payload], bits, error)
+    rows = as_rows(data, shape)
+    bitmap = np.packbits(mask, bitorder="little").tobytes()
+    picked = rows[mask]
+    if cast:
+        payload, error = _cast(picked, dtype, cast) if len(picked) else (b"", 0.0)
+        return Encoded("rows-diff-cast", [bitmap, payload], 0, error, len(picked), cast)
+    if not bits:
+        return Encoded("rows-diff", [bitmap, picked.tobytes()], changed=len(picked))
+    payload, error = _quantize(picked, dtype, bits, workers)
+    return Encoded("rows-diff-quantized", [bitmap, payload], bits, error, changed=len(picked))
+
+
+def decode_into(
+    out: memoryview | bytearray,
+    payload: memoryview | bytes,
+    encoding: str,
+    dtype: str,
+    shape: list[int],
+    cast: str = "",
+) -> None:
+    """Write a tensor's restored bytes into ``out``; for a diff, ``out`` already holds the base.
+
+    Raises ``ValueError`` when the payload does not fit the tensor.
+    """
+    target = as_rows(out, shape)
+    if encoding == "raw":
+        if len(payload) != target.nbytes:
+            raise ValueError(f"raw payload of {len(payload)} bytes for a {target.nbytes}-byte tensor")
+        target[...] = np.frombuffer(payload, np.uint8).reshape(target.shape)
+        return
+    if encoding == "quantized":
+        q = qz.QuantizedRows.from_bytes(payload)
+        if q.shape != (target.shape[0], int(shape[1])):
+            raise ValueError(f"quantized rows {q.shape} for a tensor of shape {list(shape)}")
+        target[...] = from_f32(qz.dequantize_rows(q), dtype)
+        return
+    if encoding == "cast":
+        values = _widen(payload, cast, int(shape[1]))
+        if values.shape[0] != target.shape[0]:
+            raise ValueError(f"cast payload holds {values.shape[0]} rows for a tensor of shape {list(shape)}")
+        target[...] = from_f32(values, dtype)
+        return
+    if encoding not in ("rows-diff", "rows-diff-quantized", "rows-diff-cast"):
+        raise ValueError(f"unknown encoding {encoding!r}")
+    rows = target.shape[0]
+    nmap = bitmap_bytes(rows)
+    if len(payload) < nmap:
+        raise ValueError(f"diff payload of {len(payload)} bytes is shorter than its {nmap}-byte bitmap")
+    mask = np.unpackbits(np.frombuffer(payload, np.uint8, nmap), count=rows, bitorder="little").astype(bool)
+    body = memoryview(payload)[nmap:]
+    changed = int(mask.sum())
+    if encoding == "rows-diff":
+        if len(body) != changed * target.shape[1]:
+            raise ValueError(f"diff carries {len(body)} bytes for {changed} rows of {target.shape[1]} bytes")
+        target[mask] = np.frombuffer(body, np.uint8).reshape(changed, target.shape[1])
+        return
+    if encoding == "rows-diff-cast":
+        values = _widen(body, cast, int(shape[1]))
+        if values.shape[0] != changed:
+            raise ValueError(f"cast diff carries {values.shape[0]} rows, its bitmap marks {changed}")
+        target[mask] = from_f32(values, dtype)
+        return
+    q = qz.QuantizedRows.from_bytes(body)
+    if q.shape[0] != changed:
+        raise ValueError(f"quantized diff carries {q.shape[0]} rows, its bitmap marks {changed}")
+    target[mask] = from_f32(qz.dequantize_rows(q), dtype)

@@ -1,0 +1,258 @@
+"""Check-N-Run through a real sidecar: every policy restores every committed step bitwise
+from storage (chains of 10+ diffs, a skipped save in the middle), diffs hold exactly the
+changed rows, retention keeps chains whole, a missing base falls back loudly, and
+quantization stays within its bound on embedding tables while the rest stays exact."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sidecar import manifest as mf
+from trainer_client import SaveFailed
+
+ROWS, DIM = 4096, 16  # 256 KiB: above the size where diffs start
+
+
+def new_state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "table": torch.randn(ROWS, DIM, generator=g),
+        "ids": torch.arange(ROWS * 8, dtype=torch.int64).reshape(ROWS, 8),  # 256 KiB of int64
+        "bias": torch.randn(10, generator=g),  # small: always stored whole
+    }
+
+
+def touch(state: dict[str, Any], step: int, rows: int) -> list[int]:
+    """Change ``rows`` rows of the table (and one of ids, and the bias); returns them."""
+    g = torch.Generator().manual_seed(1000 + step)
+    picked = torch.randperm(ROWS, generator=g)[:rows]
+    state["table"][picked] += 0.5
+    state["ids"][step % ROWS, 0] += 1
+    state["bias"] += 1
+    return sorted(picked.tolist())
+
+
+def copy(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def manifest(server: Any, job: str, step: int) -> mf.Manifest:
+    return mf.load_manifest(server.store, mf.read_commit(server.store, "default", job, step), 0)
+
+
+def restore_from_storage(make_sidecar: Any, make_client: Any, storage: str, job: str, step: int) -> Any:
+    """A sidecar that holds nothing in memory: the restore replays the stored chain."""
+    fresh = make_sidecar(storage)
+    out = new_state(seed=99)
+    client = make_client(fresh, job, capture_rng=False, resume="never")
+    assert client.restore(out, step=step) == step
+    assert client.last_restore["source"] == "storage"
+    return out, client
+
+
+def hold_stream(client: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    gate = threading.Event()
+    original = client._requests
+
+    def held(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        gate.wait(30)
+        yield from original(*args, **kwargs)
+
+    monkeypatch.setattr(client, "_requests", held)
+    return gate
+
+
+@pytest.mark.parametrize("policy", ["full", "one-shot", "consecutive", "intermittent"])
+def test_every_policy_restores_every_step_bitwise_from_storage(
+    make_sidecar, make_client, job_name, short_tmp, monkeypatch, policy
+):
+    storage = f"file://{short_tmp}/{policy}"
+    server = make_sidecar(storage, policy=policy)
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    saved: dict[int, dict[str, Any]] = {}
+    changed: dict[int, list[int]] = {}
+    for step in range(14):
+        changed[step] = touch(state, step, rows=40 * (step + 1))  # diffs grow, as with real lookups
+        if step == 6:  # a save skipped in the middle: its rows must reach the next diff
+            gate = hold_stream(client, monkeypatch)
+            held = client.save(step, state)
+            assert client.save(100, state).skipped
+            gate.set()
+            held.durable.result(30)
+            monkeypatch.undo()
+            saved[step] = copy(state)
+            changed[step] += touch(state, 100, rows=25)  # trained on while the save was skipped
+            continue
+        client.save(step, state).durable.result(30)
+        saved[step] = copy(state)
+    kinds = {s: manifest(server, job_name, s).checkpoint for s in saved}
+    for step, expected in saved.items():
+        out, _ = restore_from_storage(make_sidecar, make_client, storage, job_name, step)
+        for name in expected:
+            assert torch.equal(out[name], expected[name]), (policy, step, name)
+        m = manifest(server, job_name, step)
+        table = next(t for t in m.tensors if t.name == "table")
+        if m.checkpoint == "diff":
+            base = saved[m.base_step]
+            truth = np.flatnonzero((expected["table"] != base["table"]).any(dim=1).numpy())
+            # The diff holds exactly the rows that changed since its base, not one more.
+            assert table.encoding == "rows-diff" and table.changed_rows == len(truth), (policy, step)
+    if policy == "full":
+        assert set(kinds.values()) == {"full"}
+    elif policy == "consecutive":
+        assert [kinds[s] for s in sorted(kinds)] == ["full"] + ["diff"] * 13  # a chain of 13 diffs
+        assert all(manifest(server, job_name, s).base_step == s - 1 for s in range(1, 14) if s != 7)
+        assert manifest(server, job_name, 13).requires == list(range(13))
+    elif policy == "one-shot":
+        assert [kinds[s] for s in sorted(kinds)] == ["full"] + ["diff"] * 13
+        assert {manifest(server, job_name, s).base_step for s in range(1, 14)} == {0}
+    else:  # intermittent: diffs until one would cost more than it saves, then a new baseline
+        fulls = [s for s in sorted(kinds) if kinds[s] == "full"]
+        assert fulls[0] == 0 and len(fulls) >= 2 and kinds[1] == "diff", kinds
+        for s in range(1, 14):
+            m = manifest(server, job_name, s)
+            assert m.checkpoint == "full" or m.base_step == max(f for f in fulls if f < s)
+
+
+def test_retention_keeps_chains_whole(make_sidecar, make_client, job_name, short_tmp):
+    storage = f"file://{short_tmp}/gc"
+    server = make_sidecar(storage, policy="consecutive", keep=2, max_diffs=5)
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    saved = {}
+    for step in range(9):
+        touch(state, step, rows=30)
+        client.save(step, state).durable.result(30)
+        saved[step] = copy(state)
+    # Steps 0-5: a full and 5 diffs; 6: a new full (max_diffs); 7, 8: diffs on 6. Keeping the
+    # two newest (7, 8) keeps what they need (6, 7) and nothing older.
+    assert mf.committed_steps(server.store, "default", job_name) == [6, 7, 8]
+    assert mf.read_commit(server.store, "default", job_name, 8).requires == [6, 7]
+    out, _ = restore_from_storage(make_sidecar, make_client, storage, job_name, 8)
+    assert all(torch.equal(out[k], saved[8][k]) for k in out)
+
+
+def test_one_shot_retention_one_keeps_the_full_and_the_newest_diff(make_sidecar, make_client, job_name):
+    server = make_sidecar(policy="one-shot", keep=1)
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    for step in range(5):
+        touch(state, step, rows=30)
+        client.save(step, state).durable.result(30)
+    assert mf.committed_steps(server.store, "default", job_name) == [0, 4]
+
+
+def test_a_missing_base_falls_back_to_the_newest_restorable_chain(
+    make_sidecar, make_client, job_name, short_tmp, caplog
+):
+    storage = f"file://{short_tmp}/broken"
+    server = make_sidecar(storage, policy="one-shot", max_diffs=3)
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    saved = {}
+    for step in range(6):  # 0 full, 1-3 diffs on 0, 4 full, 5 diff on 4
+        touch(state, step, rows=30)
+        client.save(step, state).durable.result(30)
+        saved[step] = copy(state)
+    assert manifest(server, job_name, 4).checkpoint == "full" and manifest(server, job_name, 5).base_step == 4
+    victim = manifest(server, job_name, 4).objects[0].key
+    server.store.put(victim, b"not the object")
+    fresh = make_sidecar(storage)
+    out = new_state(seed=99)
+    reader = make_client(fresh, job_name, capture_rng=False)
+    assert reader.restore(out) == 3
+    assert all(torch.equal(out[k], saved[3][k]) for k in out)
+    reason = reader.last_restore["fallback_reason"]
+    assert "step 5 needs step 4" in reason and victim in reason, reason
+
+
+def test_the_first_save_after_a_sidecar_restart_is_full(make_sidecar, make_client, job_name, short_tmp):
+    storage = f"file://{short_tmp}/restart"
+    first = make_sidecar(storage, policy="one-shot")
+    client = make_client(first, job_name, capture_rng=False)
+    state = new_state()
+    for step in range(3):
+        touch(state, step, rows=30)
+        client.save(step, state).durable.result(30)
+    first.stop(grace=1)
+    second = make_sidecar(storage, policy="one-shot", socket=first.socket_path)
+    for step in range(3, 5):
+        touch(state, step, rows=30)
+        client.save(step, state).durable.result(30)
+    kinds = [manifest(second, job_name, s).checkpoint for s in range(5)]
+    assert kinds == ["full", "diff", "diff", "full", "diff"]
+
+
+class Recsys(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tables = nn.ModuleList(nn.Embedding(2048, 32) for _ in range(2))
+        self.bag = nn.EmbeddingBag(1024, 32, mode="sum")
+        self.fc = nn.Linear(96, 1)
+
+
+@pytest.mark.parametrize(("bits", "bound"), [("8", 0.01), ("4", 0.1), ("2", 0.45), ("bfloat16", 0.01)])
+def test_quantized_embedding_tables_stay_within_the_bound_and_the_rest_is_exact(
+    make_sidecar, make_client, job_name, short_tmp, bits, bound
+):
+    storage = f"file://{short_tmp}/q"
+    server = make_sidecar(storage, quantize=bits, policy="one-shot")
+    model = Recsys()
+    opt = torch.optim.Adagrad(model.parameters())
+    state = {"model": model, "opt": opt}
+    client = make_client(server, job_name, capture_rng=False)
+    for step in range(3):
+        model.tables[0].weight.data[step * 100 : step * 100 + 50] += 1.0
+        model.fc.weight.data += 0.5
+        opt.zero_grad()
+        model.fc(torch.ones(1, 96)).sum().backward()
+        opt.step()
+        client.save(step, state).durable.result(30)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = {k: v.clone() for k, v in opt.state[model.fc.weight].items()}
+    m = manifest(server, job_name, 2)
+    lossy = {t.name: t for t in m.tensors if t.bits or t.cast}
+    assert set(lossy) == {"model.tables.0.weight", "model.tables.1.weight", "model.bag.weight"}
+    assert all(t.rel_l2_error is not None and t.rel_l2_error < bound for t in lossy.values())
+    assert lossy["model.tables.0.weight"].rel_l2_error > 0  # its changed rows were quantized
+    assert server.metrics.quantization_error.labels(job_name)._value.get() == max(
+        t.rel_l2_error for t in lossy.values()
+    )
+    fresh = make_sidecar(storage)
+    model2 = Recsys()
+    opt2 = torch.optim.Adagrad(model2.parameters())
+    out = {"model": model2, "opt": opt2}
+    assert make_client(fresh, job_name, capture_rng=False).restore(out) == 2
+    for name, value in model2.state_dict().items():
+        if "model." + name in lossy:
+            err = (value - expected[name]).norm() / expected[name].norm()
+            assert 0 < err < bound and value.dtype == expected[name].dtype
+        else:
+            assert torch.equal(value, expected[name]), name  # dense layers stay exact
+    for k, v in opt2.state[model2.fc.weight].items():
+        assert torch.equal(v, expected_opt[k])  # optimizer state stays exact
+
+
+def test_a_quantize_rule_that_matches_nothing_fails_the_save_naming_it(make_sidecar, make_client, job_name):
+    server = make_sidecar(quantize="4", quantize_match="model.tablez.*")
+    client = make_client(server, job_name, capture_rng=False)
+    with pytest.raises(SaveFailed, match=r"--quantize-match 'model.tablez.\*' matches no tensor"):
+        client.save(1, {"model": Recsys()}).durable.result(30)
+
+
+def test_bad_encoding_settings_fail_at_start_naming_the_setting(make_sidecar):
+    with pytest.raises(ValueError, match="--policy"):
+        make_sidecar(policy="sometimes")
+    with pytest.raises(ValueError, match="--quantize '5'"):
+        make_sidecar(quantize="5")
+    with pytest.raises(ValueError, match="--restore-bits"):
+        make_sidecar(quantize="auto", restore_bits="3")
