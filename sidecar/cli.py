@@ -132,9 +132,25 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"step       {m.step}  (rank {m.rank} of {m.world_size}, attempt {m.attempt}, save {m.save_id})")
     print(f"committed  {_when(commit.committed_at)}")
     print(f"format     v{m.format_version}; {len(m.objects)} objects, {_human(m.total_bytes)}")
+    stored = sum(o.size for o in m.objects)
+    if m.checkpoint == "diff":
+        kind = f"diff on step {m.base_step} ({m.policy}; restore reads steps {m.requires} first)"
+    else:
+        kind = f"full ({m.policy})" if m.policy else "full"
+    print(f"checkpoint {kind}; {_human(stored)} stored")
     print(f"\n{'TENSOR':<48} {'DTYPE':<10} {'SHAPE':<20} {'SIZE':>10}  ENCODING")
     for t in m.tensors:
-        print(f"{t.name:<48} {t.dtype:<10} {tuple(t.shape)!s:<20} {_human(t.nbytes):>10}  {t.encoding}")
+        detail = []
+        if t.bits or t.cast:
+            detail.append(f"{t.bits} bits" if t.bits else t.cast)
+        if t.rel_l2_error is not None:
+            detail.append(f"rel. L2 error {t.rel_l2_error:.2e}")
+        if t.changed_rows >= 0:
+            detail.append(f"{t.changed_rows} rows by {t.tracking or 'values'}")
+        extra = f"  ({', '.join(detail)})" if detail else ""
+        print(
+            f"{t.name:<48} {t.dtype:<10} {tuple(t.shape)!s:<20} {_human(t.nbytes):>10}  {t.encoding}{extra}"
+        )
     return 0
 
 

@@ -36,6 +36,7 @@ from sidecar.errors import (
     StrataError,
 )
 from sidecar.metrics import Metrics
+from sidecar.pipeline import encode as enc
 from sidecar.pipeline import upload_snapshot
 from sidecar.pipeline.plan import Chain, SnapshotEncoder, read_snapshot
 from sidecar.pipeline.settings import quantization
@@ -76,6 +77,8 @@ class TensorSpec:
     #: Where the tensor sits in a shared segment (chunked saves pack tensors; this is ignored).
     offset: int = 0
     role: str = ""
+    #: rows the client saw looked up since the newest committed checkpoint (packed bits)
+    touched: bytes = b""
 
 
 @dataclass
@@ -94,6 +97,8 @@ class Snapshot:
     objects: list[mf.ObjectEntry] = field(default_factory=list)
     #: Restores the job had seen when this was saved.
     restores: int = 0
+    #: tensor name -> packed bitmap of rows the client tracked as looked up
+    touched: dict[str, bytes] = field(default_factory=dict)
     state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
     message: str = ""
     commit_key: str = ""
@@ -219,6 +224,11 @@ class Engine:
                         f"tensor {t.name!r} at offset {t.offset} overlaps the one before (ends at {offset})"
                     )
                 offset = t.offset
+            if t.touched and len(t.touched) != (enc.rows_of(t.shape) + 7) // 8:
+                raise InvalidArgument(
+                    f"tensor {t.name!r}: touched-rows bitmap of {len(t.touched)} bytes for "
+                    f"{enc.rows_of(t.shape)} rows"
+                )
             entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset, role=t.role))
             offset += t.nbytes
         if segment is not None and offset > segment[1]:
@@ -262,6 +272,7 @@ class Engine:
             else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
                 buffer = self.segments.view(segment[0], offset, identity.slot)
             snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer)
+            snap.touched = {t.name: t.touched for t in tensors if t.touched}
             if segment is not None:
                 snap.segment, snap.received = segment[0], offset
             held.append(snap)
@@ -393,6 +404,8 @@ class Engine:
                 self._chains[ident.slot] = encoder.next_chain()
             self.metrics.encoded.labels(job, out.kind).inc()
             self.metrics.quantization_error.labels(job).set(out.max_error)
+            if out.tracking_mismatches:
+                self.metrics.value_diff_fallbacks.labels(job).inc(out.tracking_mismatches)
             if out.changed_ratio is not None:
                 self.metrics.changed_rows.labels(job).set(out.changed_ratio)
             snap.state = "committed"
@@ -425,6 +438,7 @@ class Engine:
             restores=snap.restores,
             chain=chain,
             previous=previous,
+            touched=snap.touched,
             workers=self.settings.encode_workers,
         )
 

@@ -93,6 +93,9 @@ class TensorEntry:
     #: Rows a diff wrote (-1: not a diff).
     changed_rows: int = -1
     role: str = ""
+    #: How a diff found its rows: "lookups" (client tracking), "values" (byte comparison),
+    #: "values: tracking missed a row" (a spot check caught an untracked change).
+    tracking: str = ""
 
     def stored(self) -> tuple[int, int]:
         if self.stored_offset < 0:

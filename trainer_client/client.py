@@ -42,6 +42,7 @@ from trainer_client._staging import (
     dtype_name,
     torch_dtype,
 )
+from trainer_client._tracking import RowTracker
 from trainer_client.config import ClientSettings
 from trainer_client.errors import RestoreError, SaveFailed, SaveSkipped, SidecarUnavailable
 
@@ -111,6 +112,7 @@ class CheckpointClient:
         self._inflight: Future[None] | None = None
         self._last: SaveHandle | None = None
         self._gate = Gate()
+        self._tracker = RowTracker()
         self._overlap: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._skipped_unreported = 0
@@ -195,6 +197,7 @@ class CheckpointClient:
                 log.warning("last save (step %d) did not become durable: %s", self._last.step, exc)
         for hook in self._hooks:
             hook.remove()
+        self._tracker.close()
         self._sender.shutdown(wait=wait)
         self._waiter.shutdown(wait=wait)
         self._channel.close()
@@ -214,6 +217,13 @@ class CheckpointClient:
         ``step()`` waits until the copy is done."""
         self._overlap.append(optimizer)
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._gate.wait()))
+
+    def track(self, *modules: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Track which embedding rows are looked up (Check-N-Run), so the sidecar diffs only
+        those instead of comparing whole tables. ``optimizer`` updates the tables; tracking is
+        used only where it leaves rows without gradient alone (plain SGD, SparseAdam,
+        Adagrad without weight decay). Returns the names of the tables tracked."""
+        return self._tracker.track(modules, optimizer)
 
     def _deferrable(self, state: Any) -> set[tuple[int, int]]:
         """(data_ptr, nbytes) of tensors only an optimizer step mutates."""
@@ -268,6 +278,7 @@ class CheckpointClient:
             index = 0
             first = self._buffers[index].ensure(flat.tensors)
         bufs = self._buffers[index]
+        touched = self._tracker.cut(flat.tensors)
         deferred: list[int] = []
         if self._overlap:
             keys = self._deferrable(state)
@@ -294,6 +305,7 @@ class CheckpointClient:
                 stall,
                 skipped,
                 _roles(state, flat.tensors),
+                touched,
             )
             self._last = handle
         if not deferred:
@@ -331,6 +343,7 @@ class CheckpointClient:
         stall: float,
         skipped: int,
         roles: list[str],
+        touched: dict[int, bytes],
     ) -> None:
         bufs = self._buffers[index]
         try:
@@ -343,7 +356,9 @@ class CheckpointClient:
             self._stager.synchronize()
             save_id = uuid.uuid4().hex[:16]
             try:
-                ack = self._save_rpc(handle.step, save_id, bufs, bufs.shared, tree, stall, skipped, roles)
+                ack = self._save_rpc(
+                    handle.step, save_id, bufs, bufs.shared, tree, stall, skipped, roles, touched
+                )
             except grpc.RpcError as exc:
                 if not (bufs.shared and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
                     raise
@@ -352,7 +367,7 @@ class CheckpointClient:
                 log.warning(
                     "step %d: shared-memory save refused (%s); streaming it", handle.step, exc.details()
                 )
-                ack = self._save_rpc(handle.step, save_id, bufs, False, tree, stall, skipped, roles)
+                ack = self._save_rpc(handle.step, save_id, bufs, False, tree, stall, skipped, roles, touched)
                 if "cannot open" in (exc.details() or "") or "does not accept" in (exc.details() or ""):
                     self._stop_shared_memory(exc.details() or "refused")
                 else:
@@ -389,12 +404,13 @@ class CheckpointClient:
         stall: float,
         skipped: int,
         roles: list[str],
+        touched: dict[int, bytes],
     ) -> pb.SaveAck:
         delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
         while True:
             try:
                 return self._stub.Save(
-                    self._requests(bufs, shared, step, save_id, tree, stall, skipped, roles),
+                    self._requests(bufs, shared, step, save_id, tree, stall, skipped, roles, touched),
                     timeout=self.settings.rpc_timeout_s,
                     metadata=self._metadata,
                 )
@@ -417,6 +433,7 @@ class CheckpointClient:
         stall: float,
         skipped: int,
         roles: list[str],
+        touched: dict[int, bytes],
     ) -> Iterator[pb.SaveRequest]:
         header = pb.SaveHeader(
             protocol_version=PROTOCOL_VERSION,
@@ -431,8 +448,9 @@ class CheckpointClient:
                     nbytes=s.nbytes,
                     offset=s.offset if shared else 0,
                     role=role,
+                    touched_rows=touched.get(i, b""),
                 )
-                for s, role in zip(bufs.slots, roles, strict=True)
+                for i, (s, role) in enumerate(zip(bufs.slots, roles, strict=True))
             ],
             tree=tree,
             stall_seconds=stall,
@@ -466,6 +484,7 @@ class CheckpointClient:
                 if status.state == pb.COMMIT_STATE_COMMITTED:
                     if bufs.segment is not None and bufs in self._buffers:  # this save used it
                         self._held = index  # the sidecar keeps this one in memory
+                    self._tracker.committed()
                     handle.durable.set_result(Committed(handle.step, status.commit_key))
                     return
                 if status.state == pb.COMMIT_STATE_FAILED:
@@ -549,6 +568,7 @@ class CheckpointClient:
             raise RestoreError(f"step {header.step} does not fit this state: {exc}") from exc
         for key in state:
             state[key] = target[key]
+        self._tracker.disarm()  # the state changed outside training: the next save diffs by value
         rng_state = target.get(_RNG_KEY)
         if self.settings.capture_rng and rng_state:
             _rng.restore(rng_state)

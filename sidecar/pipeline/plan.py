@@ -60,6 +60,7 @@ class Outcome:
     #: a diff's size over a full checkpoint's (both priced with the same encodings)
     size_fraction: float = 1.0
     max_error: float = 0.0
+    tracking_mismatches: int = 0
 
 
 class SnapshotEncoder:
@@ -81,7 +82,9 @@ class SnapshotEncoder:
         restores: int,
         chain: Chain | None = None,
         previous: memoryview | None = None,
+        touched: dict[str, bytes] | None = None,
         workers: int = 1,
+        spot_checks: int = 256,
     ) -> None:
         self.step = step
         self.tensors = tensors
@@ -95,6 +98,9 @@ class SnapshotEncoder:
         self._write: dict[str, np.ndarray] = {}
         self._since: dict[str, np.ndarray] = {}
         self._warned: set[str] = set()
+        self._touched = touched or {}
+        self._spot_checks = spot_checks
+        self._tracking: dict[str, str] = {}
         layout = layout_of(tensors)
         self._layout = layout
         usable = (
@@ -134,7 +140,7 @@ class SnapshotEncoder:
             if t.name in chain.since_full:
                 cur = enc.as_rows(self.buffer[t.offset : t.offset + t.nbytes], t.shape)
                 old = enc.as_rows(previous[t.offset : t.offset + t.nbytes], t.shape)
-                delta[t.name] = enc.changed_rows(cur, old)
+                delta[t.name] = self._changed(t.name, cur, old)
         since = {name: chain.since_full[name] | d for name, d in delta.items()}
         write = delta if self.policy == "consecutive" else since
         estimate = sum(
@@ -159,6 +165,32 @@ class SnapshotEncoder:
             o.base_step, o.requires = chain.full_step, [chain.full_step]
         rows = sum(len(m) for m in write.values())
         o.changed_ratio = sum(int(m.sum()) for m in write.values()) / rows if rows else 0.0
+
+    def _changed(self, name: str, cur: np.ndarray, old: np.ndarray) -> np.ndarray:
+        """Rows that changed: the client's lookup bitmap, spot-checked, or a byte comparison."""
+        bitmap = self._touched.get(name)
+        if bitmap is None:
+            self._tracking[name] = "values"
+            return enc.changed_rows(cur, old)
+        looked_up = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=len(cur), bitorder="little")
+        mask = looked_up.astype(np.bool_)
+        others = np.flatnonzero(~mask)
+        if len(others) > self._spot_checks:
+            # Deterministic per step and tensor, so a rerun checks the same rows.
+            rng = np.random.default_rng([self.step, len(name), *name.encode()[:16]])
+            others = rng.choice(others, self._spot_checks, replace=False)
+        if enc.changed_rows(cur[others], old[others]).any():
+            log.warning(
+                "step %d: %s changed in rows it did not look up (weight decay? an edit outside "
+                "training?); diffing it by value in this save",
+                self.step,
+                name,
+            )
+            self.outcome.tracking_mismatches += 1
+            self._tracking[name] = "values: tracking missed a row"
+            return enc.changed_rows(cur, old)
+        self._tracking[name] = "lookups"
+        return mask
 
     # --- encoding -------------------------------------------------------------------------
 
@@ -185,6 +217,7 @@ class SnapshotEncoder:
                 cast=encoded.cast,
                 rel_l2_error=encoded.error,
                 changed_rows=encoded.changed,
+                tracking=self._tracking.get(t.name, "") if encoded.changed >= 0 else "",
             )
             o.tensors.append(entry)
             if encoded.error is not None:

@@ -79,7 +79,10 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             _identity(h.identity),
             h.step,
             h.save_id,
-            [TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.offset, t.role) for t in h.tensors],
+            [
+                TensorSpec(t.name, t.dtype, tuple(t.shape), t.nbytes, t.offset, t.role, t.touched_rows)
+                for t in h.tensors
+            ],
             h.tree,
             (h.shm.name, h.shm.size) if shared else None,
         )

@@ -171,9 +171,15 @@ class SidecarProcess:
     """A sidecar in a separate (spawned) process, as in a pod: its CPU work does not hold
     the trainer's GIL, only its cores."""
 
-    def __init__(self, storage: str, socket: str, s3_endpoint: str = "") -> None:
+    def __init__(self, storage: str, socket: str, s3_endpoint: str = "", **settings: Any) -> None:
         self.socket = socket
-        self._options = {"storage": storage, "socket": socket, "metrics_port": 0, "s3_endpoint": s3_endpoint}
+        self._options = {
+            "storage": storage,
+            "socket": socket,
+            "metrics_port": 0,
+            "s3_endpoint": s3_endpoint,
+            **settings,
+        }
         ctx = mp.get_context("spawn")
         self._ready = ctx.Event()
         self._stop = ctx.Event()

@@ -16,6 +16,11 @@ Method notes:
   torch.save run at torch's default.
 - Per-save overhead comes from adjacent window pairs (see ``paired_overhead``), not from two
   long runs minutes apart: on a shared machine the drift between those exceeds the overhead.
+- Strata runs with its defaults: shared-memory staging and the intermittent policy, so after
+  the first checkpoint it writes only the rows the training steps changed. Beside it:
+  ``save_overhead_grpc_s`` (bytes streamed over gRPC instead) and ``save_overhead_full_s``
+  (every checkpoint full, as DCP writes them); ``time_to_durable_full_s`` is the first,
+  full checkpoint.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ KEYS = (
     "dcp_async_save_stall_s",
     "save_overhead_s",
     "save_overhead_grpc_s",
+    "save_overhead_full_s",
     "overlapped_overhead_s",
     "dcp_overhead_s",
     "dcp_async_stager_overhead_s",
@@ -592,6 +598,11 @@ def _run(
         figures["socket_gib_per_s"] = measure_socket(total, DEFAULT_CHUNK_BYTES, reps)
         file_sidecar = SidecarProcess(f"file://{opts.tmp}/store", str(opts.tmp / "file.sock")).start()
         services.append(file_sidecar.stop)
+        # The same with every checkpoint full (no diffs): what the default policy saves.
+        full_sidecar = SidecarProcess(
+            f"file://{opts.tmp}/store-full", str(opts.tmp / "full.sock"), policy="full"
+        ).start()
+        services.append(full_sidecar.stop)
         cpu0 = proc_cpu_s(file_sidecar.pid)
         rate, file_durable = measure_ingest(file_sidecar.socket, job, steps, total, 3)
         # CPU the sidecar burns per GiB received and written (4 saves: warm-up + 3): on a node it
@@ -612,6 +623,10 @@ def _run(
         for key, measure in (
             ("save_overhead", lambda: strata_overhead(trainer, sock, job, steps, False, k, n)),
             ("save_overhead_grpc", lambda: strata_overhead(trainer, sock, job, steps, False, k, n, "off")),
+            (
+                "save_overhead_full",
+                lambda: strata_overhead(trainer, full_sidecar.socket, job, steps, False, k, n),
+            ),
             ("overlapped_overhead", lambda: strata_overhead(trainer, sock, job, steps, True, k, n)),
             ("dcp_overhead", lambda: dcp_overhead(trainer, opts.tmp / "dcp-loop", k, n, False)),
             ("dcp_async_stager_overhead", lambda: dcp_overhead(trainer, opts.tmp / "dcp-loop", k, n, True)),
@@ -623,8 +638,9 @@ def _run(
             print(f"     {key}: " + ", ".join(f"{o:.3f}" for o in res.overheads) + " s per save", flush=True)
             gc.collect()
         shutil.rmtree(opts.tmp / "dcp-loop", ignore_errors=True)
-        services.remove(file_sidecar.stop)
-        file_sidecar.stop()
+        for sidecar in (file_sidecar, full_sidecar):
+            services.remove(sidecar.stop)
+            sidecar.stop()
 
     with phases("SeaweedFS: stall and time to durable"):
         weed = SeaweedServer(opts.tmp / "weed").start()
@@ -638,7 +654,9 @@ def _run(
         client = make_client(s3_sidecar.socket, job)
         services.append(lambda: client.close(wait=False))
         state = trainer.state()
+        t0 = time.perf_counter()
         client.save(next(steps), state).durable.result(600)  # warm-up; its stall is the first-save stall
+        figures["time_to_durable_full_s"] = time.perf_counter() - t0  # the first checkpoint is full
         figures["first_save_stall_s"] = client.stats["first_save_stall_s"]
         stalls, durable = [], []
         pids = {"client": os.getpid(), "sidecar": s3_sidecar.pid, "seaweed": weed.pid}
@@ -780,11 +798,13 @@ def _rows(f: dict[str, Any]) -> list[Row]:
             "dcp_async_stager_overhead_s",
         ),
         row("save_overhead_grpc_s", "s", "dcp_overhead_s"),
+        row("save_overhead_full_s", "s", "dcp_overhead_s"),
         row("dcp_overhead_s", "s", m),
         row("dcp_async_stager_overhead_s", "s", m),
         row("grpc_ingest_gib_per_s", "GiB/s", "socket_gib_per_s"),
         row("socket_gib_per_s", "GiB/s"),
         row("time_to_durable_s", "s", m),
+        row("time_to_durable_full_s", "s", m),
         row("s3_sidecar_cpu_s_per_gib", "cpu-s"),
         row("s3_seaweed_cpu_s_per_gib", "cpu-s"),
         row("train_slowdown", "x", "", "<= 1.15", lambda s: s <= 1.15, "train_slowdown"),

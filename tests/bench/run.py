@@ -22,7 +22,7 @@ from typing import Any
 
 from tests.bench.common import DEFAULT_RESULTS, Phases, print_table, update_results
 
-SECTIONS = ("foundation", "recovery")
+SECTIONS = ("foundation", "recovery", "checknrun")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

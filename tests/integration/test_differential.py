@@ -256,3 +256,134 @@ def test_bad_encoding_settings_fail_at_start_naming_the_setting(make_sidecar):
         make_sidecar(quantize="5")
     with pytest.raises(ValueError, match="--restore-bits"):
         make_sidecar(quantize="auto", restore_bits="3")
+
+
+# --- changed-row tracking --------------------------------------------------------------------------
+
+
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(8192, 16, sparse=True)  # 512 KiB: diffed
+        self.bag = nn.EmbeddingBag(4096, 16, mode="sum", sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids).sum() + self.bag(ids.remainder(4096).reshape(-1, 1)).sum()
+
+
+def lookups(model: Tables, opt: torch.optim.Optimizer, ids: list[int]) -> None:
+    opt.zero_grad()
+    model(torch.tensor(ids)).backward()
+    opt.step()
+
+
+def tracking_of(server: Any, job: str, step: int) -> dict[str, tuple[str, int]]:
+    return {t.name: (t.tracking, t.changed_rows) for t in manifest(server, job, step).tensors if t.tracking}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's sparse Adagrad says so
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_tracked_tables_diff_exactly_the_looked_up_rows(
+    make_sidecar, make_client, job_name, short_tmp, optimizer
+):
+    storage = f"file://{short_tmp}/track"
+    server = make_sidecar(storage, policy="consecutive")
+    model = Tables()
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if optimizer == "sgd"
+        else torch.optim.Adagrad(model.parameters(), lr=0.1)
+    )
+    client = make_client(server, job_name, capture_rng=False)
+    assert client.track(model, optimizer=opt) == ["emb", "bag"]
+    state = {"model": model, "opt": opt}
+    lookups(model, opt, [1, 2])  # Adagrad creates its state (sums) here
+    client.save(0, state).durable.result(30)
+    lookups(model, opt, [5, 6, 7, 8])
+    client.save(1, state).durable.result(30)  # step 0 committed: from now on lookups count
+    assert tracking_of(server, job_name, 1)["model.emb.weight"] == ("lookups", 4)
+    lookups(model, opt, [100, 200])
+    lookups(model, opt, [200, 300])
+    client.save(2, state).durable.result(30)
+    expected = copy(model.state_dict())
+    found = tracking_of(server, job_name, 2)
+    assert found["model.emb.weight"] == ("lookups", 3)  # rows 100, 200, 300
+    assert found["model.bag.weight"] == ("lookups", 3)
+    if optimizer == "adagrad":  # the optimizer-state rows travel with their table's rows
+        sums = [name for name in found if name.startswith("opt.")]
+        assert sums and all(found[n] == ("lookups", 3) for n in sums), found
+    out, _ = restore_from_storage_into(make_sidecar, make_client, storage, job_name, 2)
+    assert all(torch.equal(out[k], expected[k]) for k in expected)
+
+
+def restore_from_storage_into(make_sidecar: Any, make_client: Any, storage: str, job: str, step: int) -> Any:
+    fresh = make_sidecar(storage)
+    model = Tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = make_client(fresh, job, capture_rng=False, resume="never")
+    assert client.restore({"model": model, "opt": opt}, step=step) == step
+    return model.state_dict(), client
+
+
+def test_rows_changed_outside_lookups_are_caught_and_diffed_by_value(make_sidecar, make_client, job_name):
+    server = make_sidecar(policy="consecutive")
+    model = Tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = make_client(server, job_name, capture_rng=False)
+    client.track(model, optimizer=opt)
+    state = {"model": model}
+    for step in range(2):
+        lookups(model, opt, [step, step + 10])
+        client.save(step, state).durable.result(30)
+    with torch.no_grad():
+        model.emb.weight.mul_(0.999)  # weight decay behind the tracker's back: every row moves
+    lookups(model, opt, [42, 43])
+    client.save(2, state).durable.result(30)
+    found = tracking_of(server, job_name, 2)
+    assert found["model.emb.weight"] == ("values: tracking missed a row", 8192)
+    assert found["model.bag.weight"][0] == "lookups"
+    assert server.metrics.value_diff_fallbacks.labels(job_name)._value.get() == 1
+    out = {"model": Tables()}
+    make_client(make_sidecar(server.settings.storage), job_name, capture_rng=False).restore(out)
+    assert torch.equal(out["model"].emb.weight, model.emb.weight)
+
+
+def test_a_skipped_save_keeps_its_rows_for_the_next_diff(make_sidecar, make_client, job_name, monkeypatch):
+    server = make_sidecar(policy="consecutive")
+    model = Tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    client = make_client(server, job_name, capture_rng=False)
+    client.track(model, optimizer=opt)
+    state = {"model": model}
+    for step in range(2):
+        lookups(model, opt, [step])
+        client.save(step, state).durable.result(30)
+    lookups(model, opt, [500])
+    gate = hold_stream(client, monkeypatch)
+    held = client.save(2, state)  # rows {500}
+    lookups(model, opt, [600])
+    assert client.save(3, state).skipped  # rows {600} wait for the next save
+    gate.set()
+    held.durable.result(30)
+    monkeypatch.undo()
+    lookups(model, opt, [700])
+    client.save(4, state).durable.result(30)
+    assert tracking_of(server, job_name, 2)["model.emb.weight"] == ("lookups", 1)
+    assert tracking_of(server, job_name, 4)["model.emb.weight"] == ("lookups", 2)  # 600 and 700
+    out = {"model": Tables()}
+    make_client(make_sidecar(server.settings.storage), job_name, capture_rng=False).restore(out)
+    assert torch.equal(out["model"].emb.weight, model.emb.weight)
+
+
+def test_optimizers_that_move_untouched_rows_are_not_tracked(make_sidecar, make_client, job_name, caplog):
+    server = make_sidecar()
+    model = Tables()
+    for opt in (
+        torch.optim.Adam(model.emb.parameters()),
+        torch.optim.SGD(model.emb.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.SGD(model.emb.parameters(), lr=0.1, weight_decay=1e-4),
+    ):
+        assert make_client(server, job_name).track(model.emb, optimizer=opt) == []
+    assert "momentum moves rows" in caplog.text and "weight decay changes every row" in caplog.text
+    assert "Adam may change rows" in caplog.text

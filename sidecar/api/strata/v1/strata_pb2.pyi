@@ -167,6 +167,7 @@ class TensorMeta(_message.Message):
     NBYTES_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    TOUCHED_ROWS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     """Canonical dtype name, e.g. "float32", "bfloat16" (see sidecar.api.dtypes)."""
@@ -180,6 +181,12 @@ class TensorMeta(_message.Message):
     """What the tensor is, as far as the client knows: "embedding" for the weight
     of an embedding table (quantized by default when quantization is on), else "".
     """
+    touched_rows: _builtins.bytes
+    """Rows looked up since the newest committed checkpoint (bitmap over the first
+    dimension, little-endian bit order), when the client tracks this table and
+    its optimizer leaves untouched rows alone; the sidecar then diffs only these
+    rows (and spot-checks the others). Empty: the sidecar compares by value.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -191,10 +198,11 @@ class TensorMeta(_message.Message):
         nbytes: _builtins.int = ...,
         offset: _builtins.int = ...,
         role: _builtins.str = ...,
+        touched_rows: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "role", b"role", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "role", b"role", "shape", b"shape", "touched_rows", b"touched_rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
