@@ -66,3 +66,38 @@ def test_quick_bench_writes_every_figure(tmp_path: Path) -> None:
     for name in ("save_stall_s", "train_slowdown", "grpc_ingest_gib_per_s", "time_to_durable_s"):
         assert name in proc.stdout, "the table names every figure"
     assert "PASS" in proc.stdout or "FAIL" in proc.stdout
+
+
+# The Check-N-Run section's figures (the list; save_stall_s_with_tracking is the
+# foundation state's stall with tracking on, measured in that section).
+CNR_KEYS = (
+    "write_reduction_4bit_intermittent",
+    "storage_reduction_4bit_intermittent",
+    "storage_reduction_2bit_intermittent",
+    "rows_changed_fraction",
+    "logloss_rel_change_policy_bits",
+    "logloss_seed_spread_rel",
+)
+
+
+@pytest.mark.timeout(240)
+def test_quick_checknrun_section_writes_its_figures(tmp_path: Path) -> None:
+    results = tmp_path / "bench-results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.bench.run", "--quick", "--sections=checknrun", f"--results={results}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads(results.read_text())
+    for key in CNR_KEYS:
+        value = data.get(key)
+        assert isinstance(value, float) and math.isfinite(value) and value >= 0, f"{key}: {value!r}"
+    # Every policy x bit width cell is priced, and lossy cells write less than lossless ones.
+    for policy in ("full", "one_shot", "consecutive", "intermittent"):
+        cells = [data[f"write_reduction_{b}_{policy}"] for b in ("fp32", "8bit", "4bit", "3bit", "2bit")]
+        assert cells == sorted(cells), (policy, cells)
+    assert data["write_reduction_fp32_full"] == pytest.approx(1.0, rel=1e-6)
+    assert 0 < data["rows_changed_fraction"] < 1
