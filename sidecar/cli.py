@@ -162,6 +162,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for step in steps:
         bad = 0
         commit = mf.read_commit(store, args.namespace, args.job, step)
+        for base in commit.requires:  # a diff is only as good as the steps it is applied on
+            if not mf.is_committed(store, args.namespace, args.job, base):
+                print(f"step {step}: needs step {base}, which is not committed")
+                bad += 1
         objects = []
         for ref in commit.manifests:
             try:

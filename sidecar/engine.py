@@ -620,6 +620,10 @@ class Engine:
         self.metrics.restores.labels(identity.job, data.source).inc()
         key = (identity.namespace, identity.job)
         with self._lock:
+            if data.source != "memory" or data.fallback_reason:
+                # The trainer now holds something other than the snapshot this rank's chain ends
+                # with (an older step, or a stored chain that may be damaged): start a new one.
+                self._chains.pop(identity.slot, None)
             # Every rank of a gang restart restores once: count the restart, not the ranks.
             if data.restores + 1 > self._restores.get(key, 0):
                 self._restores[key] = data.restores + 1

@@ -690,7 +690,10 @@ def _run(
 
     with phases("SeaweedFS: training slowdown"), torch_threads(opts.loop_threads):
         k = max(1, round(3 * ttd / step_s))
-        n_saves = 2
+        # At least ~20 s loaded (5 s quick): a short interval with 2 saves would be a handful of
+        # steps, whose time the machine's noise decides rather than the saves.
+        n_saves = max(2, math.ceil((5 if opts.quick else 20) / (k * step_s)))
+        figures["train_slowdown_saves"] = n_saves
         handles: list[Any] = []
 
         def save() -> None:

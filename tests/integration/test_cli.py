@@ -290,3 +290,25 @@ def test_an_unreachable_s3_endpoint_is_one_line_naming_it():
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr
     assert out.stderr.startswith("strata ls: ") and endpoint in out.stderr, out.stderr
+
+
+def test_show_and_verify_a_chain_of_diffs(make_sidecar, make_client, job_name):
+    server = make_sidecar(policy="one-shot", quantize="8", quantize_match="table")
+    client = make_client(server, job_name, capture_rng=False)
+    table = torch.zeros(4096, 16)
+    for step in range(3):
+        table[step * 10 : step * 10 + 5] += 1.0
+        client.save(step, {"table": table, "ids": torch.arange(20_000)}).durable.result(30)
+    store = ["--storage", server.settings.storage, "--job", job_name]
+    show = strata("show", *store, "--step", "2")
+    assert show.returncode == 0, show.stderr
+    kind = r"^checkpoint diff on step 0 \(one-shot; restore reads steps \[0\] first\)"
+    assert re.search(kind, show.stdout, re.M), show.stdout
+    row = next(line for line in show.stdout.splitlines() if line.startswith("table "))
+    assert re.search(r"rows-diff-quantized  \(8 bits, rel\. L2 error \S+, 10 rows by values\)$", row), row
+    ids = next(line for line in show.stdout.splitlines() if line.startswith("ids "))
+    assert ids.endswith("rows-diff  (0 rows by values)"), ids
+    assert strata("verify", *store, "--all").returncode == 0
+    server.store.delete([mf.commit_key("default", job_name, 0)])  # the base is gone
+    verify = strata("verify", *store, "--step", "2")
+    assert verify.returncode == 1 and "step 2: needs step 0, which is not committed" in verify.stdout

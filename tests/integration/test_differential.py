@@ -387,3 +387,17 @@ def test_optimizers_that_move_untouched_rows_are_not_tracked(make_sidecar, make_
         assert make_client(server, job_name).track(model.emb, optimizer=opt) == []
     assert "momentum moves rows" in caplog.text and "weight decay changes every row" in caplog.text
     assert "Adam may change rows" in caplog.text
+
+
+def test_a_restore_from_storage_starts_a_new_chain(make_sidecar, make_client, job_name):
+    server = make_sidecar(policy="one-shot")
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    for step in range(3):
+        touch(state, step, rows=30)
+        client.save(step, state).durable.result(30)
+    out = new_state(seed=5)
+    assert client.restore(out, step=1) == 1 and client.last_restore["source"] == "storage"
+    touch(out, 3, rows=30)
+    client.save(3, out).durable.result(30)
+    assert [manifest(server, job_name, s).checkpoint for s in range(4)] == ["full", "diff", "diff", "full"]
