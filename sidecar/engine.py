@@ -379,7 +379,6 @@ class Engine:
             fault_point("sidecar.commit.before", snap.step)
             if ident.rank == 0:
                 self._commit_as_rank0(snap)
-                self._collect_garbage(ident)
             else:
                 self._await_commit(snap)
         except (StrataError, OSError) as exc:
@@ -417,6 +416,9 @@ class Engine:
             self._keep_newest_committed(snap)
         finally:
             snap.done.set()
+        if snap.state == "committed" and ident.rank == 0:
+            # After the trainer hears "committed": retention is not on the path to durable.
+            self._collect_garbage(ident)
 
     def _encoder(self, snap: Snapshot) -> SnapshotEncoder:
         """Full or diff against the rank's newest committed snapshot, if it is still held."""

@@ -753,7 +753,7 @@ def _min_interval(
             flush=True,
         )
         if trial.skipped or trial.failed:
-            if best is None and factor < 8:
+            if best is None and factor < 32:
                 factors.append(factor * 2)  # too short from the start: training slows the saves
                 continue
             break

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,6 +59,28 @@ def make_client() -> Iterator[Callable[..., CheckpointClient]]:
     yield make
     for client in clients:
         client.close(wait=False)
+
+
+def settled(read: Callable[[], Any], expected: Any, timeout: float = 10.0) -> Any:
+    """``read()`` once it equals ``expected`` (or its last value after ``timeout``): for effects the
+    sidecar applies just after a commit is reported, such as retention."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def hold_stream(client: CheckpointClient, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the client's save streams wait (before their header) until the returned event is set."""
+    gate = threading.Event()
+    original = client._requests
+
+    def held(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        gate.wait(30)
+        yield from original(*args, **kwargs)
+
+    monkeypatch.setattr(client, "_requests", held)
+    return gate
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,19 +41,23 @@ KEYS = (
 DIFFERENCES = {"save_overhead_s", "overlapped_overhead_s", "dcp_overhead_s", "dcp_async_stager_overhead_s"}
 
 
-@pytest.mark.timeout(240)
-def test_quick_bench_writes_every_figure(tmp_path: Path) -> None:
-    results = tmp_path / "bench-results.json"
-    results.write_text(json.dumps({"other_section_figure": 1.5}))  # a later section's key survives
+def run_quick(section: str, results: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.bench.run", "--quick", "--sections=foundation", f"--results={results}"],
+        [sys.executable, "-m", "tests.bench.run", "--quick", f"--sections={section}", f"--results={results}"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=220,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    data = json.loads(results.read_text())
+    return proc, json.loads(results.read_text())
+
+
+@pytest.mark.timeout(240)
+def test_quick_bench_writes_every_figure(tmp_path: Path) -> None:
+    results = tmp_path / "bench-results.json"
+    results.write_text(json.dumps({"other_section_figure": 1.5}))  # a later section's key survives
+    proc, data = run_quick("foundation", results)
     assert data["other_section_figure"] == 1.5
     assert isinstance(data["_meta_git_sha"], str) and data["_meta_git_sha"]
     assert isinstance(data["_meta_threads"], int) and data["_meta_threads"] >= 1
@@ -82,16 +87,7 @@ CNR_KEYS = (
 
 @pytest.mark.timeout(240)
 def test_quick_checknrun_section_writes_its_figures(tmp_path: Path) -> None:
-    results = tmp_path / "bench-results.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.bench.run", "--quick", "--sections=checknrun", f"--results={results}"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=220,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    data = json.loads(results.read_text())
+    _, data = run_quick("checknrun", tmp_path / "bench-results.json")
     for key in CNR_KEYS:
         value = data.get(key)
         assert isinstance(value, float) and math.isfinite(value) and value >= 0, f"{key}: {value!r}"

@@ -5,13 +5,12 @@ quantization stays within its bound on embedding tables while the rest stays exa
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conftest import hold_stream, settled
 from torch import nn
 
 from sidecar import manifest as mf
@@ -55,18 +54,6 @@ def restore_from_storage(make_sidecar: Any, make_client: Any, storage: str, job:
     assert client.restore(out, step=step) == step
     assert client.last_restore["source"] == "storage"
     return out, client
-
-
-def hold_stream(client: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    gate = threading.Event()
-    original = client._requests
-
-    def held(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        gate.wait(30)
-        yield from original(*args, **kwargs)
-
-    monkeypatch.setattr(client, "_requests", held)
-    return gate
 
 
 @pytest.mark.parametrize("policy", ["full", "one-shot", "consecutive", "intermittent"])
@@ -134,7 +121,8 @@ def test_retention_keeps_chains_whole(make_sidecar, make_client, job_name, short
         saved[step] = copy(state)
     # Steps 0-5: a full and 5 diffs; 6: a new full (max_diffs); 7, 8: diffs on 6. Keeping the
     # two newest (7, 8) keeps what they need (6, 7) and nothing older.
-    assert mf.committed_steps(server.store, "default", job_name) == [6, 7, 8]
+    steps = settled(lambda: mf.committed_steps(server.store, "default", job_name), [6, 7, 8])
+    assert steps == [6, 7, 8]
     assert mf.read_commit(server.store, "default", job_name, 8).requires == [6, 7]
     out, _ = restore_from_storage(make_sidecar, make_client, storage, job_name, 8)
     assert all(torch.equal(out[k], saved[8][k]) for k in out)
@@ -147,7 +135,7 @@ def test_one_shot_retention_one_keeps_the_full_and_the_newest_diff(make_sidecar,
     for step in range(5):
         touch(state, step, rows=30)
         client.save(step, state).durable.result(30)
-    assert mf.committed_steps(server.store, "default", job_name) == [0, 4]
+    assert settled(lambda: mf.committed_steps(server.store, "default", job_name), [0, 4]) == [0, 4]
 
 
 def test_a_missing_base_falls_back_to_the_newest_restorable_chain(
@@ -326,16 +314,22 @@ def restore_from_storage_into(make_sidecar: Any, make_client: Any, storage: str,
     return model.state_dict(), client
 
 
-def test_rows_changed_outside_lookups_are_caught_and_diffed_by_value(make_sidecar, make_client, job_name):
+def tracked(make_sidecar: Any, make_client: Any, job: str) -> tuple[Any, Tables, Any, Any]:
+    """A consecutive-policy sidecar and a tracking client that committed steps 0 and 1."""
     server = make_sidecar(policy="consecutive")
     model = Tables()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    client = make_client(server, job_name, capture_rng=False)
+    client = make_client(server, job, capture_rng=False)
     client.track(model, optimizer=opt)
-    state = {"model": model}
     for step in range(2):
         lookups(model, opt, [step, step + 10])
-        client.save(step, state).durable.result(30)
+        client.save(step, {"model": model}).durable.result(30)
+    return server, model, opt, client
+
+
+def test_rows_changed_outside_lookups_are_caught_and_diffed_by_value(make_sidecar, make_client, job_name):
+    server, model, opt, client = tracked(make_sidecar, make_client, job_name)
+    state = {"model": model}
     with torch.no_grad():
         model.emb.weight.mul_(0.999)  # weight decay behind the tracker's back: every row moves
     lookups(model, opt, [42, 43])
@@ -350,15 +344,8 @@ def test_rows_changed_outside_lookups_are_caught_and_diffed_by_value(make_sideca
 
 
 def test_a_skipped_save_keeps_its_rows_for_the_next_diff(make_sidecar, make_client, job_name, monkeypatch):
-    server = make_sidecar(policy="consecutive")
-    model = Tables()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    client = make_client(server, job_name, capture_rng=False)
-    client.track(model, optimizer=opt)
+    server, model, opt, client = tracked(make_sidecar, make_client, job_name)
     state = {"model": model}
-    for step in range(2):
-        lookups(model, opt, [step])
-        client.save(step, state).durable.result(30)
     lookups(model, opt, [500])
     gate = hold_stream(client, monkeypatch)
     held = client.save(2, state)  # rows {500}

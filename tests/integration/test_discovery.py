@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from conftest import settled
 
 
 def test_restore_is_served_from_the_prefetch_started_at_connect(
@@ -48,6 +49,6 @@ def test_the_sidecar_keeps_only_the_newest_steps(make_sidecar, make_client, job_
     client = make_client(server, job_name, when_busy="wait")
     for step in range(5):
         client.save(step, {"w": torch.full((10,), float(step))}).durable.result(30)
-    assert mf.committed_steps(server.store, "default", job_name) == [3, 4]
+    assert settled(lambda: mf.committed_steps(server.store, "default", job_name), [3, 4]) == [3, 4]
     out = {"w": torch.zeros(10)}
     assert client.restore(out) == 4 and out["w"][0] == 4

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
+from conftest import hold_stream
 
 from sidecar import manifest as mf
 from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
@@ -69,14 +68,7 @@ def test_the_committed_segment_is_never_staged_into(make_sidecar, make_client, j
     client.save(1, state(1.0)).durable.result(30)
     client.save(2, state(2.0)).durable.result(30)
     held_index = client._held
-    gate = threading.Event()
-    original = client._requests
-
-    def held(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        gate.wait(30)
-        yield from original(*args, **kwargs)
-
-    monkeypatch.setattr(client, "_requests", held)
+    gate = hold_stream(client, monkeypatch)
     third = client.save(3, state(3.0))  # staged, its header not yet sent
     assert third.staged.result(10) is None
     # Step 3 went into the segment step 1 used; step 2's (the committed one) is untouched.
