@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +32,7 @@ from torch import nn
 from sidecar.pipeline import encode as enc
 from sidecar.pipeline import quantize as qz
 from sidecar.pipeline.policy import POLICIES, start_new_full
+from tests.bench.common import Options as BaseOptions
 from tests.bench.common import Phases, Row
 
 TABLES = 4
@@ -54,13 +53,7 @@ KEYS = (
 )
 
 
-@dataclass
-class Options:
-    size_gib: float
-    quick: bool
-    tmp: Path
-    loop_threads: int = 1
-
+class Options(BaseOptions):
     @property
     def rows(self) -> int:
         return 1 << 14 if self.quick else 1 << 20

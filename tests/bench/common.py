@@ -26,6 +26,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = REPO_ROOT / "bench-results.json"
 
 
+@dataclass
+class Options:
+    """What ``tests.bench.run`` hands every section."""
+
+    size_gib: float
+    quick: bool
+    tmp: Path
+    #: torch threads of the training loops. One on this 2-core box: with two, any other runnable
+    #: thread (a sidecar, a writer, another tenant) stalls every OpenMP barrier and per-save
+    #: figures drown in noise; one leaves a core to checkpointing, as a GPU trainer leaves host cores.
+    loop_threads: int = 1
+
+
 # --- timing -------------------------------------------------------------------------------
 
 

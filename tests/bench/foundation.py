@@ -59,6 +59,7 @@ from sidecar.api import (
 )
 from sidecar.local.seaweed import SeaweedServer
 from tests.bench.common import GiB, Phases, Row, SidecarProcess, median, timed
+from tests.bench.common import Options as BaseOptions
 from trainer_client import CheckpointClient
 from trainer_client.errors import SaveSkipped
 
@@ -91,16 +92,7 @@ KEYS = (
 )
 
 
-@dataclass
-class Options:
-    size_gib: float
-    quick: bool
-    tmp: Path
-    #: torch threads of the training loops. One on this 2-core box: with two, any other runnable
-    #: thread (a sidecar, a writer, another tenant) stalls every OpenMP barrier and per-save
-    #: figures drown in noise; one leaves a core to checkpointing, as a GPU trainer leaves host cores.
-    loop_threads: int = 1
-
+class Options(BaseOptions):
     @property
     def repeats(self) -> int:
         return 3 if self.quick else 5

@@ -9,23 +9,14 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tests.bench.common import REPO_ROOT, MiB, Phases, Row, median
+from tests.bench.common import REPO_ROOT, MiB, Options, Phases, Row, median
 
 DDP = REPO_ROOT / "deploy" / "examples" / "train_ddp.py"
 STRATA = str(Path(sys.executable).parent / "strata")
-
-
-@dataclass
-class Options:
-    size_gib: float
-    quick: bool
-    tmp: Path
-    loop_threads: int = 1
 
 
 def _fake_history(store: Any, job: str, steps: range) -> None:
