@@ -79,8 +79,11 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
         return 0
     from sidecar.server import SidecarServer  # grpc server only when serving
+    from sidecar.server.app import yield_cpu
 
     try:
+        settings.validate()
+        yield_cpu(settings)
         server = SidecarServer(settings).start()
     except ValueError as exc:
         raise SystemExit(f"strata sidecar: {exc}") from None

@@ -64,6 +64,9 @@ class SidecarSettings:
         "1:2,3:3,20:4", "--quantize auto table: up to N restores -> B bits, as N:B pairs; 8 bits beyond"
     )
     encode_workers: int = _opt(2, "threads that diff and quantize a snapshot")
+    nice: int = _opt(
+        10, "niceness the sidecar process adds to itself at start, so training wins contended cores (0: off)"
+    )
     keep: int = _opt(3, "committed steps to keep per job; older ones are deleted (0: keep all)")
 
     def __post_init__(self) -> None:
@@ -84,6 +87,8 @@ class SidecarSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         check_encoding_settings(self)
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"--nice must be between 0 and 19, got {self.nice}")
         if self.max_held_snapshots < 2:
             raise ValueError("--max-held-snapshots must be >= 2 (the committed one plus one in flight)")
         if len(self.socket.encode()) > 107:

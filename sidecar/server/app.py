@@ -97,5 +97,12 @@ def open_settings_store(settings: SidecarSettings) -> Store:
     )
 
 
+def yield_cpu(settings: SidecarSettings) -> None:
+    """Lower this process's CPU priority (``--nice``): checkpointing must not slow training
+    down when they share cores. Called by the sidecar's entry points, never by a library user."""
+    if settings.nice:
+        os.nice(settings.nice)
+
+
 def serve(settings: SidecarSettings) -> SidecarServer:
     return SidecarServer(settings).start()

@@ -170,9 +170,12 @@ def _serve_sidecar(options: dict[str, Any], ready: Any, stop: Any) -> None:
 
     from sidecar.config import SidecarSettings
     from sidecar.server import SidecarServer
+    from sidecar.server.app import yield_cpu
 
     logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
-    server = SidecarServer(SidecarSettings(**options)).start()
+    settings = SidecarSettings(**options)
+    yield_cpu(settings)  # as `strata sidecar` does
+    server = SidecarServer(settings).start()
     ready.set()
     try:
         stop.wait()

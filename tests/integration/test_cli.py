@@ -142,6 +142,22 @@ def test_bad_values_are_one_line_errors_not_tracebacks(args, env, message):
     assert out.stderr.startswith(f"strata {args[0]}: ") and message in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nice", "25"], "--nice must be between 0 and 19, got 25"),
+        (["--policy", "sometimes"], "--policy: checkpoint policy 'sometimes' is not one of"),
+        (["--quantize", "5"], "--quantize '5' is not one of"),
+    ],
+)
+def test_bad_sidecar_settings_exit_naming_the_setting(short_tmp, flags, message):
+    out = strata(
+        "sidecar", "--storage", f"file://{short_tmp}/s", "--socket", str(short_tmp / "s.sock"), *flags
+    )
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (short_tmp / "s.sock").exists()
+
+
 def test_sidecar_without_storage_exits_naming_the_flag(short_tmp):
     out = strata("sidecar", "--socket", str(short_tmp / "s.sock"), timeout=30)
     assert out.returncode != 0
