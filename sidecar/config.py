@@ -65,7 +65,7 @@ class SidecarSettings:
     )
     encode_workers: int = _opt(2, "threads that diff and quantize a snapshot")
     nice: int = _opt(
-        10, "niceness the sidecar process adds to itself at start, so training wins contended cores (0: off)"
+        19, "niceness the sidecar process adds to itself at start, so training wins contended cores (0: off)"
     )
     keep: int = _opt(3, "committed steps to keep per job; older ones are deleted (0: keep all)")
 

@@ -29,7 +29,7 @@ KEYS = (
     "overlapped_overhead_s",
     "dcp_overhead_s",
     "dcp_async_stager_overhead_s",
-    "save_every_k",
+    "step_s",
     "grpc_ingest_gib_per_s",
     "socket_gib_per_s",
     "time_to_durable_s",
