@@ -46,6 +46,25 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else math.nan
 
 
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the order statistics
+    x(k) and x(n+1-k), with k the largest rank whose binomial tail P(X < k) <= (1-c)/2.
+    Too few values for that confidence give (min, max)."""
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        return math.nan, math.nan
+    tail = (1 - confidence) / 2
+
+    def cdf(r: int) -> float:  # P(X <= r), X ~ Binomial(n, 1/2)
+        return sum(math.comb(n, i) for i in range(r + 1)) / 2**n
+
+    k = 1
+    while k < (n + 1) // 2 and cdf(k) <= tail:
+        k += 1
+    return xs[k - 1], xs[n - k]
+
+
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
     """Wall times of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):

@@ -4,9 +4,11 @@ steps whose slowdown is planted: sleeps, so the expected value is known to the m
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import Future
 
+from tests.bench.common import median_ci
 from tests.bench.foundation import attributed_overhead, null_save
 
 STEP_S = 0.010
@@ -66,3 +68,19 @@ def test_a_failed_save_is_counted() -> None:
     res = attributed_overhead(trainer, 2, failing, quiet=1)  # type: ignore[arg-type]
     assert res.failed == 2
     assert res.spans == [2, 2]  # the save's step and the margin
+
+
+def test_median_interval_uses_the_binomial_order_statistics() -> None:
+    assert median_ci([float(i) for i in range(1, 17)]) == (4.0, 13.0)  # P(X <= 3) = 0.011
+    assert median_ci([float(i) for i in range(1, 49)]) == (17.0, 32.0)
+    assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few for 95%: the whole range
+
+
+def test_median_interval_covers_the_median_as_often_as_it_says() -> None:
+    rng = random.Random(7)
+    trials, covered = 2000, 0
+    for _ in range(trials):
+        # Skewed, like step times on a shared machine; the median of expovariate(1) is ln 2.
+        low, high = median_ci([rng.expovariate(1.0) for _ in range(16)])
+        covered += low <= 0.6931471805599453 <= high
+    assert covered / trials >= 0.95
