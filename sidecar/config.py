@@ -68,6 +68,29 @@ class SidecarSettings:
         19, "niceness the sidecar process adds to itself at start, so training wins contended cores (0: off)"
     )
     keep: int = _opt(3, "committed steps to keep per job; older ones are deleted (0: keep all)")
+    tracking_check_fraction: float = _opt(
+        0.001,
+        "tracked tables: catch untracked changes to at least this fraction of the untracked rows ...",
+    )
+    tracking_check_confidence: float = _opt(
+        0.999, "... with at least this probability per save (sizes the spot check of untracked rows)"
+    )
+    generation_file: str = _opt(
+        "",
+        "file naming the gang generation (run id + restart count), written by the launcher or a "
+        "downward-API volume; empty: trust the generation each trainer declares",
+    )
+    conditional_writes: str = _opt(
+        "require",
+        "storage must honour If-None-Match/If-Match (probed at start): require (refuse to start "
+        "without) or warn (run, with a warning and strata_storage_conditional_writes 0)",
+    )
+    peer_port: int = _opt(0, "serve hints to other sidecars of the job on TCP PORT (0: off)")
+    peer_host: str = _opt("127.0.0.1", "address for --peer-port")
+    peers: str = _opt("", "comma-separated host:port of the job's other sidecars (commit hints)")
+    hint_fallback_s: float = _opt(
+        10.0, "seconds a commit waits for a peer's hint before it asks storage (then every as long)"
+    )
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -91,6 +114,14 @@ class SidecarSettings:
             raise ValueError(f"--nice must be between 0 and 19, got {self.nice}")
         if self.max_held_snapshots < 2:
             raise ValueError("--max-held-snapshots must be >= 2 (the committed one plus one in flight)")
+        if not 0 < self.tracking_check_fraction <= 1 or not 0 < self.tracking_check_confidence < 1:
+            raise ValueError(
+                "--tracking-check-fraction must be in (0, 1] and --tracking-check-confidence in (0, 1)"
+            )
+        if self.conditional_writes not in ("require", "warn"):
+            raise ValueError(f"--conditional-writes must be require or warn, got {self.conditional_writes!r}")
+        if self.hint_fallback_s <= 0:
+            raise ValueError(f"--hint-fallback-s must be positive, got {self.hint_fallback_s}")
         if len(self.socket.encode()) > 107:
             raise ValueError(f"--socket path is {len(self.socket.encode())} bytes; unix sockets allow 107")
 

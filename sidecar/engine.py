@@ -6,6 +6,12 @@ snapshot stays in memory for fast restore, plus at most
 ``max_held_snapshots - 1`` in flight. A save beyond that is refused with
 RESOURCE_EXHAUSTED rather than queued: memory stays bounded and the trainer
 learns at once.
+
+Commit protocol (sidecar.manifest): every rank of a generation runs as the
+attempt its rank-0 sidecar allocated in storage (EPOCH record) and restores
+the step that record names. Rank 0's sidecar writes the job-level COMMIT once
+every rank's MANIFEST is durable; other sidecars tell it so with hints
+(sidecar.gang), and storage is asked only when hints are late.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sidecar import manifest as mf
-from sidecar.api import PROTOCOL_VERSION
+from sidecar.api import PROTOCOL_VERSION, pb
 from sidecar.api.dtypes import expected_nbytes
 from sidecar.api.faults import fault_point
 from sidecar.config import SidecarSettings
@@ -31,10 +37,13 @@ from sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ObjectNotFound,
+    PreconditionFailed,
     ResourceExhausted,
     StorageError,
     StrataError,
 )
+from sidecar.gang import JobGang, Peers, Position
 from sidecar.metrics import Metrics
 from sidecar.pipeline import encode as enc
 from sidecar.pipeline import upload_snapshot
@@ -52,7 +61,10 @@ class Identity:
     job: str
     rank: int
     world_size: int
+    #: restart count as the trainer knows it (informational; storage allocates the attempt)
     attempt: int
+    #: generation the trainer declares ("RUN/RESTART"); a generation file wins over it
+    generation: str = ""
 
     def validate(self) -> None:
         try:
@@ -66,6 +78,10 @@ class Identity:
     @property
     def slot(self) -> tuple[str, str, int]:
         return (self.namespace, self.job, self.rank)
+
+    @property
+    def job_key(self) -> tuple[str, str]:
+        return (self.namespace, self.job)
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,9 @@ class Snapshot:
     tree: object
     total_bytes: int
     buffer: bytearray | memoryview
+    #: storage-allocated attempt (EPOCH) of the generation that saved it
+    attempt: int = 0
+    generation: str = ""
     received: int = 0
     #: Shared segment the bytes live in (the client wrote them; verify before serving from memory).
     segment: str = ""
@@ -102,7 +121,15 @@ class Snapshot:
     state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
     message: str = ""
     commit_key: str = ""
+    #: this rank's MANIFEST is durable (from then on the rank never reports a skip of the step)
+    manifest_durable: bool = False
+    #: the stored tensor entries (per-tensor crc32 of what the trainer saved; encodings)
+    stored: list[mf.TensorEntry] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def position(self) -> Position:
+        return (self.attempt, self.step)
 
 
 @dataclass
@@ -118,7 +145,9 @@ class RestoreData:
 
 
 class Engine:
-    def __init__(self, settings: SidecarSettings, store: Store, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: SidecarSettings, store: Store, metrics: Metrics, peers: Peers | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.metrics = metrics
@@ -130,18 +159,25 @@ class Engine:
         # One committer thread per rank: a rank's snapshots persist in the order they arrived,
         # so a newer step never commits before an older one.
         self._committers: dict[tuple[str, str, int], ThreadPoolExecutor] = {}
-        self._attempts: dict[tuple[str, str], int] = {}
+        self._gangs: dict[tuple[str, str], JobGang] = {}
+        self.peers = peers if peers is not None else Peers([])
         self.segments = Segments(check_dir(settings.shm_dir))
         self.quant = quantization(settings)
-        # Per rank: what its newest committed checkpoint consists of (for the next diff).
+        # Per rank: what its newest committed checkpoint consists of (for the next diff), and the
+        # COMMIT of every step of that chain (diffs name their base by COMMIT key and sha256).
         self._chains: dict[tuple[str, str, int], Chain] = {}
+        self._chain_refs: dict[tuple[str, str, int], dict[int, mf.CommitRef]] = {}
         # Per job: restores seen, carried forward in manifests (bit-width escalation).
         self._restores: dict[tuple[str, str], int] = {}
         self._stopping = threading.Event()
-        # Restores read ahead by prefetch(): slot -> (step, ready event, data or None)
+        # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
         self._prefetched: dict[
-            tuple[str, str, int], tuple[int | None, threading.Event, RestoreData | None]
+            tuple[str, str, int], tuple[Position | None, threading.Event, RestoreData | None]
         ] = {}
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def _committer_for(self, identity: Identity) -> ThreadPoolExecutor:
         with self._lock:
@@ -152,14 +188,151 @@ class Engine:
             return pool
 
     def close(self) -> None:
-        """Finish uploads in progress; commits still waiting for other ranks give up."""
+        """Finish uploads in progress; commits still waiting for other ranks give up. Peers
+        learn that this sidecar's ranks save nothing more."""
         self._stopping.set()
+        for snap in self.snapshots():
+            if snap.state == "receiving":
+                continue
+            gang = self.gang(snap.identity.job_key)
+            with gang.cond:
+                gang.cond.notify_all()
+        ranks = {(s.identity.job_key, s.identity.rank, s.attempt) for s in self.snapshots()}
+        for job_key, rank, attempt in ranks:
+            self._announce_gone(job_key, rank, attempt, "its sidecar is stopping")
         with self._lock:
             pools = list(self._committers.values())
         for pool in pools:
             pool.shutdown(wait=True)
         self._uploads.shutdown(wait=True)
         self.segments.close()
+        self.peers.close()
+
+    # --- generations and attempts -----------------------------------------------------------
+
+    def gang(self, job_key: tuple[str, str]) -> JobGang:
+        with self._lock:
+            gang = self._gangs.get(job_key)
+            if gang is None:
+                gang = self._gangs[job_key] = JobGang(self.store, *job_key, self.settings.keep)
+            return gang
+
+    def generation_of(self, identity: Identity) -> mf.Generation:
+        """The generation file when the sidecar has one (the launcher or a downward-API volume
+        writes it), else what the trainer declares."""
+        declared = identity.generation.strip()
+        path = self.settings.generation_file
+        if path:
+            try:
+                text = open(path).read().strip()  # noqa: SIM115 - tiny file, read each time: it changes
+            except OSError as exc:
+                raise FailedPrecondition(f"cannot read the generation file {path}: {exc}") from None
+            try:
+                generation = mf.Generation.parse(text)
+            except ValueError as exc:
+                raise FailedPrecondition(f"generation file {path}: {exc}") from None
+            if declared and declared != str(generation):
+                raise FailedPrecondition(
+                    f"the trainer declares generation {declared}, but this pod's generation file says "
+                    f"{generation}: a trainer of another gang generation reached this sidecar"
+                )
+            return generation
+        if not declared:
+            raise FailedPrecondition(
+                "no gang generation: run under `strata launch` or the operator, set STRATA_GENERATION="
+                "RUN/RESTART for every rank, or give the sidecar --generation-file"
+            )
+        try:
+            return mf.Generation.parse(declared)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    def epoch_for(self, identity: Identity) -> mf.Epoch:
+        """The attempt ``identity``'s generation runs as: rank 0's sidecar creates it (after
+        settling what it still uploads), every other rank waits until it exists."""
+        generation = self.generation_of(identity)
+        gang = self.gang(identity.job_key)
+        with gang.cond:
+            if gang.epoch is not None and gang.epoch.generation == str(generation):
+                return gang.epoch
+            current = gang.generation
+            if current is not None and current.run == generation.run and current.restart > generation.restart:
+                raise FailedPrecondition(
+                    f"generation {generation} is older than {current}, which this sidecar already serves"
+                )
+        with gang.epoch_lock:
+            with gang.cond:
+                if gang.epoch is not None and gang.epoch.generation == str(generation):
+                    return gang.epoch
+                gang.generation = generation
+            epoch = self._find_or_create_epoch(identity, gang, generation)
+            self._adopt(gang, epoch)
+            return epoch
+
+    def _find_or_create_epoch(self, identity: Identity, gang: JobGang, generation: mf.Generation) -> mf.Epoch:
+        ns, job = identity.job_key
+        deadline = time.monotonic() + self.settings.commit_timeout_s
+        delay = 0.05
+        if identity.rank == 0:
+            self._settle(identity)
+        while True:
+            fences = gang.refresh_fences()
+            newest = fences.newest
+            if newest is not None and newest.generation == str(generation):
+                return newest
+            if newest is not None:
+                try:
+                    there = mf.Generation.parse(newest.generation)
+                except ValueError:
+                    there = None
+                if there is not None and there.run == generation.run and there.restart > generation.restart:
+                    raise FailedPrecondition(
+                        f"{ns}/{job}: generation {generation} was superseded by {there} (attempt "
+                        f"{newest.attempt}); this trainer belongs to a gang that was restarted"
+                    )
+            if identity.rank == 0:
+                restore = self._decide_restore(identity, fences)
+                try:
+                    return mf.create_epoch(
+                        self.store, ns, job, generation, identity.world_size, restore, fences
+                    )
+                except PreconditionFailed:
+                    continue  # another writer took that attempt number: read again, decide again
+            if self._stopping.is_set() or time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"{ns}/{job}: rank 0 of generation {generation} did not record its attempt within "
+                    f"{self.settings.commit_timeout_s:.0f} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+
+    def _decide_restore(self, identity: Identity, fences: mf.Fences) -> Position | None:
+        ns, job = identity.job_key
+        unusable = mf.unusable_commits(self.store, ns, job)
+        return mf.newest_valid(self.store, ns, job, fences, exclude=unusable)
+
+    def _adopt(self, gang: JobGang, epoch: mf.Epoch) -> None:
+        """Run as ``epoch`` from now on: snapshots and chains it fenced off are dropped."""
+        with gang.cond:
+            gang.epoch = epoch
+            if epoch.attempt > gang.fences.newest_attempt:
+                gang.fences = mf.Fences({**gang.fences.restores, epoch.attempt: epoch.restore_step}, epoch)
+            fences = gang.fences
+            gang.cond.notify_all()
+        self.metrics.attempt.labels(gang.job).set(epoch.attempt)
+        with self._lock:
+            for slot, held in self._slots.items():
+                if slot[:2] != (gang.namespace, gang.job):
+                    continue
+                for snap in list(held):
+                    if snap.state == "committed" and not fences.valid(*snap.position):
+                        held.remove(snap)
+                        snap.buffer = bytearray()
+                refs = self._chain_refs.get(slot, {})
+                if any(not fences.valid(r.attempt, r.step) for r in refs.values()):
+                    self._chains.pop(slot, None)
+                    self._chain_refs.pop(slot, None)
+        self._update_held_gauge()
 
     # --- save -----------------------------------------------------------------------------
 
@@ -196,7 +369,6 @@ class Engine:
     ) -> Snapshot:
         check_protocol(protocol_version)
         identity.validate()
-        self.note_attempt(identity)
         with self._lock:  # training has started: a read-ahead restore is no longer wanted
             self._prefetched.pop(identity.slot, None)
         if step < 0:
@@ -247,7 +419,13 @@ class Engine:
             tree_value = json.loads(tree) if tree else None
         except ValueError as exc:
             raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
-        self._check_not_committed(identity, step)
+        epoch = self.epoch_for(identity)
+        if epoch.restore is not None and step <= epoch.restore[1]:
+            raise AlreadyExists(
+                f"step {step} of {identity.namespace}/{identity.job}: attempt {epoch.attempt} resumed from "
+                f"step {epoch.restore[1]}; it saves later steps only (committed checkpoints are never "
+                "overwritten)"
+            )
         buffer: bytearray | memoryview
         with self._lock:
             held = self._slots.setdefault(identity.slot, [])
@@ -259,7 +437,7 @@ class Engine:
                     )
                 if snap.step == step and snap.state in ("receiving", "uploading"):
                     raise Aborted(f"a save of step {step} for rank {identity.rank} is still in progress")
-                if snap.step == step and snap.state == "committed":
+                if snap.position == (epoch.attempt, step) and snap.state == "committed":
                     raise AlreadyExists(f"step {step} of {identity.namespace}/{identity.job} is committed")
             if len(held) >= self.settings.max_held_snapshots:
                 busy = ", ".join(f"step {s.step} {s.state}" for s in held)
@@ -272,25 +450,13 @@ class Engine:
             else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
                 buffer = self.segments.view(segment[0], offset, identity.slot)
             snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer)
+            snap.attempt, snap.generation = epoch.attempt, epoch.generation
             snap.touched = {t.name: t.touched for t in tensors if t.touched}
             if segment is not None:
                 snap.segment, snap.received = segment[0], offset
             held.append(snap)
         self._update_held_gauge()
         return snap
-
-    def _check_not_committed(self, identity: Identity, step: int) -> None:
-        try:
-            committed = mf.is_committed(self.store, identity.namespace, identity.job, step)
-        except StorageError as exc:
-            # Storage down: accept into memory; the upload will report the failure.
-            log.warning("could not check whether step %d is committed: %s", step, exc)
-            return
-        if committed:
-            raise AlreadyExists(
-                f"step {step} of {identity.namespace}/{identity.job} is already committed; "
-                "committed checkpoints are never overwritten"
-            )
 
     def write_chunk(self, snap: Snapshot, data: bytes) -> None:
         end = snap.received + len(data)
@@ -333,25 +499,33 @@ class Engine:
     def _persist(self, snap: Snapshot) -> None:
         ident = snap.identity
         job = ident.job
+        gang = self.gang(ident.job_key)
         t0 = time.perf_counter()
+        encoder: SnapshotEncoder | None = None
         try:
             prefix = mf.rank_prefix(
-                ident.namespace, ident.job, snap.step, ident.attempt, snap.save_id, ident.rank
+                ident.namespace, ident.job, snap.step, snap.attempt, snap.save_id, ident.rank
             )
-
             encoder = self._encoder(snap)
             out = encoder.outcome
+            refs = self._chain_refs.get(ident.slot, {})
+
+            built: list[mf.Manifest] = []
 
             def make_manifest(objects: list[mf.ObjectEntry]) -> mf.Manifest:
+                snap.stored = out.tensors
+                view = memoryview(snap.buffer)
+                for t in out.tensors:  # what a lossless restore must reproduce, from any source
+                    t.crc32 = mf.crc32(view[t.offset : t.offset + t.nbytes])
                 if out.kind == "full" and all(t.stored_offset < 0 for t in out.tensors):
-                    snap.objects = objects  # slices of the buffer: a memory restore can verify them
-                return mf.Manifest(
+                    snap.objects = objects  # slices of the buffer
+                manifest = mf.Manifest(
                     ident.namespace,
                     ident.job,
                     snap.step,
                     ident.rank,
                     ident.world_size,
-                    ident.attempt,
+                    snap.attempt,
                     snap.save_id,
                     snap.total_bytes,
                     snap.tree,
@@ -359,12 +533,17 @@ class Engine:
                     objects,
                     checkpoint=out.kind,
                     base_step=out.base_step,
+                    base_commit=None if out.base_step is None else refs[out.base_step],
                     requires=out.requires,
+                    required_commits=[refs[s] for s in out.requires],
                     policy=self.settings.policy,
                     restores=snap.restores,
+                    generation=snap.generation,
                 )
+                built.append(manifest)
+                return manifest
 
-            upload_snapshot(
+            ref = upload_snapshot(
                 self.store,
                 self._uploads,
                 prefix,
@@ -375,12 +554,19 @@ class Engine:
                 snap.step,
                 max_in_flight=2 * self.settings.upload_concurrency,
             )
+            snap.manifest_durable = True
             self.metrics.upload_duration.labels(job).observe(time.perf_counter() - t0)
+            with gang.cond:
+                news = gang.news(snap.position)
+                news.manifests[ident.rank] = ref.key
+                news.bodies[ident.rank] = built[0].to_json()  # the bytes write_manifest stored
+                gang.cond.notify_all()
+            self._hint(gang, snap.position, manifest=pb.ManifestHint(rank=ident.rank, key=ref.key))
             fault_point("sidecar.commit.before", snap.step)
             if ident.rank == 0:
-                self._commit_as_rank0(snap)
+                commit_ref = self._commit_as_rank0(snap, gang)
             else:
-                self._await_commit(snap)
+                commit_ref = self._await_commit(snap, gang)
         except (StrataError, OSError) as exc:
             if isinstance(exc, StorageError):
                 self.metrics.storage_errors.labels(job, "put").inc()
@@ -388,19 +574,28 @@ class Engine:
             snap.state, snap.message = "failed", f"step {snap.step} not committed: {exc}"
             log.error("rank %d: %s", ident.rank, snap.message)
             self._release(snap)
-            if not isinstance(exc, Aborted):  # tell the other ranks' commit not to wait for this one
+            if not snap.manifest_durable and not isinstance(exc, Aborted):
+                # Tell the other ranks' commit not to wait for this one (a durable MANIFEST
+                # is never withdrawn: the step may still commit without this sidecar).
                 try:
-                    self.report_skip(ident, snap.step, snap.message)
+                    self._skip(ident, snap.attempt, snap.step, snap.message)
                 except (StrataError, OSError) as marker_exc:
                     log.debug("could not leave the skip marker: %s", marker_exc)
+            elif ident.rank == 0:
+                self._hint(gang, snap.position, skip=pb.SkipHint(rank=0, reason=snap.message))
         except Exception as exc:  # never let a bug leave a waiter hanging
             log.exception("rank %d: unexpected error persisting step %d", ident.rank, snap.step)
             self.metrics.checkpoints.labels(job, "failed").inc()
             snap.state, snap.message = "failed", f"internal error: {exc!r}"
             self._release(snap)
         else:
+            assert encoder is not None
             with self._lock:
-                self._chains[ident.slot] = encoder.next_chain()
+                self._chains[ident.slot] = chain = encoder.next_chain()
+                kept = {s: r for s, r in self._chain_refs.get(ident.slot, {}).items() if s in chain.steps}
+                kept[snap.step] = commit_ref
+                self._chain_refs[ident.slot] = kept
+            out = encoder.outcome
             self.metrics.encoded.labels(job, out.kind).inc()
             self.metrics.quantization_error.labels(job).set(out.max_error)
             if out.tracking_mismatches:
@@ -408,7 +603,7 @@ class Engine:
             if out.changed_ratio is not None:
                 self.metrics.changed_rows.labels(job).set(out.changed_ratio)
             snap.state = "committed"
-            snap.commit_key = mf.commit_key(ident.namespace, ident.job, snap.step)
+            snap.commit_key = commit_ref.key
             self.metrics.checkpoints.labels(job, "committed").inc()
             self.metrics.last_commit.labels(job).set(time.time())
             self.metrics.last_committed_step.labels(job).set(snap.step)
@@ -418,7 +613,7 @@ class Engine:
             snap.done.set()
         if snap.state == "committed" and ident.rank == 0:
             # After the trainer hears "committed": retention is not on the path to durable.
-            self._collect_garbage(ident)
+            self._collect_garbage(snap, gang)
 
     def _encoder(self, snap: Snapshot) -> SnapshotEncoder:
         """Full or diff against the rank's newest committed snapshot, if it is still held."""
@@ -426,10 +621,13 @@ class Engine:
         previous = None
         with self._lock:
             chain = self._chains.get(ident.slot)
-            snap.restores = self._restores.get((ident.namespace, ident.job), 0)
+            snap.restores = self._restores.get(ident.job_key, 0)
             for held in self._slots.get(ident.slot, []):
                 if chain is not None and held.state == "committed" and held.step == chain.steps[-1]:
                     previous = memoryview(held.buffer)
+            refs = self._chain_refs.get(ident.slot, {})
+            if chain is not None and not all(s in refs for s in chain.steps):
+                chain, previous = None, None  # a base without a known COMMIT: start a new chain
         return SnapshotEncoder(
             snap.step,
             snap.tensors,
@@ -442,94 +640,253 @@ class Engine:
             previous=previous,
             touched=snap.touched,
             workers=self.settings.encode_workers,
+            check_fraction=self.settings.tracking_check_fraction,
+            check_confidence=self.settings.tracking_check_confidence,
         )
 
-    def _commit_as_rank0(self, snap: Snapshot) -> None:
+    # --- the commit ------------------------------------------------------------------------
+
+    def _hint(self, gang: JobGang, position: Position, **hint: object) -> None:
+        self.peers.send(
+            pb.HintRequest(
+                namespace=gang.namespace, job=gang.job, attempt=position[0], step=position[1], **hint
+            )
+        )
+
+    def on_hint(self, req: pb.HintRequest) -> None:
+        """A hint from another sidecar of the job (sidecar.gang.PeerServicer)."""
+        self.gang((req.namespace, req.job)).apply_hint(req)
+
+    def _poll_interval(self) -> float:
+        # With peers, hints normally arrive first and storage is only a fallback; a sidecar that
+        # serves every rank itself needs no polling at all; without peers, poll sooner.
+        return self.settings.hint_fallback_s if self.peers else min(1.0, self.settings.hint_fallback_s)
+
+    def _check_fence(self, gang: JobGang, position: Position, refresh: bool) -> None:
+        fences = gang.refresh_fences() if refresh else gang.fences
+        if not fences.valid(*position):
+            self.metrics.superseded.labels(gang.job).inc()
+            newest = fences.newest
+            assert newest is not None
+            raise Aborted(
+                f"step {position[1]} of attempt {position[0]} superseded: attempt {newest.attempt} "
+                f"(generation {newest.generation}) restores step {newest.restore_step}"
+            )
+
+    def _commit_as_rank0(self, snap: Snapshot, gang: JobGang) -> mf.CommitRef:
         ident = snap.identity
+        position = snap.position
         deadline = time.monotonic() + self.settings.commit_timeout_s
+        interval = self._poll_interval()
+        next_poll = time.monotonic() + interval
         while True:
-            state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, ident.attempt)
-            if state.skipped:
-                raise Aborted(
-                    f"step {snap.step} cannot commit: rank(s) {sorted(state.skipped)} did not save it"
-                )
-            missing = sorted(set(range(ident.world_size)) - set(state.manifests))
+            with gang.cond:
+                news = gang.news(position)
+                missing = sorted(set(range(ident.world_size)) - set(news.manifests))
+                skipped = {r: why for r, why in news.skipped.items() if r in missing}
+                gone = gang.gone_reason(position, missing)
+                known = dict(news.manifests)
             if not missing:
-                mf.write_commit(
-                    self.store, ident.namespace, ident.job, snap.step, ident.world_size, ident.attempt, state
-                )
-                return
+                bodies = self._verified_manifests(gang, position, known, ident.world_size)
+                if bodies is not None:
+                    break
+                continue
+            if skipped:
+                raise Aborted(f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it")
+            if gone:
+                raise Aborted(f"step {snap.step} cannot commit: {gone}")
+            self._check_fence(gang, position, refresh=False)
             if self._stopping.is_set():
                 raise Aborted(f"step {snap.step}: the sidecar is stopping; ranks {missing} never saved it")
-            # A restarted gang means missing ranks will never save this step, unless their
-            # complete streams are being uploaded right here.
-            if self._superseded(ident) and not self._uploading_here(ident, snap.step, missing):
-                raise Aborted(f"step {snap.step} of attempt {ident.attempt} superseded by a restarted gang")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise FailedPrecondition(
                     f"step {snap.step}: no MANIFEST from ranks {missing} "
                     f"after {self.settings.commit_timeout_s:.0f} s"
                 )
-            time.sleep(0.05)
+            if now >= next_poll:  # hints are late: ask storage (one LIST), then wait longer
+                state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, snap.attempt)
+                with gang.cond:
+                    news = gang.news(position)
+                    for rank, key in state.manifests.items():
+                        news.manifests.setdefault(rank, key)
+                    for rank in state.skipped:
+                        news.skipped.setdefault(rank, "skip marker in storage")
+                self._check_fence(gang, position, refresh=True)
+                interval = min(interval * 2, 30.0)
+                next_poll = time.monotonic() + interval
+                continue
+            with gang.cond:
+                gang.cond.wait(min(next_poll, deadline) - now)
+        # Storage decides: a newer attempt that fenced this step off wins over everything here.
+        self._check_fence(gang, position, refresh=True)
+        commit = mf.build_commit(
+            ident.namespace, ident.job, snap.step, ident.world_size, snap.attempt, bodies, snap.generation
+        )
+        try:
+            ref = mf.put_commit(self.store, commit)
+        except PreconditionFailed as exc:
+            raise Aborted(f"step {snap.step}: {exc}") from None
+        with gang.cond:
+            gang.news(position).committed = ref
+            gang.retention.note_commit(commit)
+            gang.cond.notify_all()
+        self._hint(gang, position, commit=pb.CommitHint(key=ref.key))
+        try:
+            gang.latest_etag = mf.advance_latest(
+                self.store, ident.namespace, ident.job, snap.attempt, snap.step, gang.latest_etag
+            )
+        except StorageError as exc:  # LATEST is a hint; discovery finds the COMMIT without it
+            log.warning("step %d committed; LATEST not advanced: %s", snap.step, exc)
+            gang.latest_etag = ""
+        return ref
 
-    def _collect_garbage(self, ident: Identity) -> None:
+    def _verified_manifests(
+        self, gang: JobGang, position: Position, known: dict[int, str], world_size: int
+    ) -> dict[int, tuple[str, bytes]] | None:
+        """Every rank's MANIFEST read back and checked (a hint is only a key); None after
+        dropping a hint that does not hold up (the wait goes on)."""
+        out: dict[int, tuple[str, bytes]] = {}
+        for rank, key in known.items():
+            with gang.cond:
+                body = gang.news(position).bodies.get(rank)
+            if body is None:
+                try:
+                    body = self.store.get(key)
+                    m = mf.Manifest.from_json(body, key)
+                    ok = key.startswith(mf.step_prefix(gang.namespace, gang.job, position[1])) and (
+                        m.rank,
+                        m.attempt,
+                        m.step,
+                        m.world_size,
+                    ) == (rank, position[0], position[1], world_size)
+                except (ObjectNotFound, CorruptObject):
+                    ok = False
+                if not ok:
+                    log.warning(
+                        "ignoring a hint: %s is not rank %d's MANIFEST of step %d", key, rank, position[1]
+                    )
+                    with gang.cond:
+                        gang.news(position).manifests.pop(rank, None)
+                    return None
+                with gang.cond:
+                    gang.news(position).bodies[rank] = body
+            out[rank] = (key, body)
+        return out
+
+    def _await_commit(self, snap: Snapshot, gang: JobGang) -> mf.CommitRef:
+        ident = snap.identity
+        position = snap.position
+        key = mf.commit_key(ident.namespace, ident.job, snap.step, snap.attempt)
+        deadline = time.monotonic() + self.settings.commit_timeout_s
+        interval = self._poll_interval()
+        next_poll = time.monotonic() + interval
+        while True:
+            with gang.cond:
+                news = gang.news(position)
+                if news.committed is not None:
+                    return news.committed
+                hinted, skipped = news.hinted_commit, dict(news.skipped)
+                news.hinted_commit = ""
+            poll = time.monotonic() >= next_poll
+            if hinted == key or poll:
+                ref = self._read_commit_for(key, ident.rank, snap)
+                if ref is not None:
+                    with gang.cond:
+                        gang.news(position).committed = ref
+                    return ref
+                if poll:
+                    state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, snap.attempt)
+                    skipped.update(
+                        {r: "skip marker in storage" for r in state.skipped if r not in state.manifests}
+                    )
+                    self._check_fence(gang, position, refresh=True)
+                    interval = min(interval * 2, 30.0)
+                    next_poll = time.monotonic() + interval
+            if skipped:
+                raise Aborted(f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it")
+            self._check_fence(gang, position, refresh=False)
+            if self._stopping.is_set():
+                # The MANIFEST is durable: rank 0 may still commit the step; say nothing to peers.
+                raise Aborted(f"step {snap.step}: the sidecar stopped before rank 0 committed it")
+            now = time.monotonic()
+            if now > deadline:
+                raise FailedPrecondition(f"rank 0 did not commit step {snap.step} in time")
+            with gang.cond:
+                if not gang.news(position).hinted_commit and gang.news(position).committed is None:
+                    gang.cond.wait(max(0.0, min(next_poll, deadline) - now))
+
+    def _read_commit_for(self, key: str, rank: int, snap: Snapshot) -> mf.CommitRef | None:
+        """The COMMIT at ``key`` if it exists and lists this rank's MANIFEST of this save."""
+        try:
+            commit, digest = mf.read_commit_at(self.store, key)
+        except ObjectNotFound:
+            return None
+        try:
+            listed = commit.manifest_for(rank).key
+        except NotFound:
+            listed = ""
+        if f"/a{snap.attempt:04d}-{snap.save_id}/rank-{rank}/" not in listed:
+            raise Aborted(f"{key} does not list this rank's MANIFEST of step {snap.step}")
+        return mf.CommitRef(key, digest)
+
+    def _collect_garbage(self, snap: Snapshot, gang: JobGang) -> None:
         """Retention runs after rank 0's commit; a failure here never fails the save."""
         try:
-            mf.collect_garbage(self.store, ident.namespace, ident.job, self.settings.keep)
+            gang.retention.run(snap.attempt, gang.fences)
         except (StrataError, OSError) as exc:
             log.warning(
                 "retention of %s/%s failed (will retry after the next commit): %s",
-                ident.namespace,
-                ident.job,
+                gang.namespace,
+                gang.job,
                 exc,
             )
 
-    def _await_commit(self, snap: Snapshot) -> None:
-        ident = snap.identity
-        deadline = time.monotonic() + self.settings.commit_timeout_s
-        while True:
-            if self._superseded(ident) and not self._uploading_here(ident, snap.step, [0]):
-                raise Aborted(f"step {snap.step} of attempt {ident.attempt} superseded by a restarted gang")
-            state = mf.step_state(self.store, ident.namespace, ident.job, snap.step, ident.attempt)
-            if state.committed:
-                return
-            if state.skipped:
-                raise Aborted(
-                    f"step {snap.step} cannot commit: rank(s) {sorted(state.skipped)} did not save it"
-                )
-            if time.monotonic() > deadline or self._stopping.is_set():
-                raise FailedPrecondition(f"rank 0 did not commit step {snap.step} in time")
-            time.sleep(0.1)
-
-    def _superseded(self, ident: Identity) -> bool:
-        with self._lock:
-            return self._attempts.get((ident.namespace, ident.job), ident.attempt) > ident.attempt
-
-    def _uploading_here(self, ident: Identity, step: int, ranks: list[int]) -> bool:
-        with self._lock:
-            for rank in ranks:
-                held = self._slots.get((ident.namespace, ident.job, rank), [])
-                if not any(
-                    s.step == step and s.state == "uploading" and s.identity.attempt == ident.attempt
-                    for s in held
-                ):
-                    return False
-        return True
-
-    def note_attempt(self, identity: Identity) -> None:
-        """Remember the newest attempt of each job (any call carrying an identity)."""
-        key = (identity.namespace, identity.job)
-        with self._lock:
-            if identity.attempt > self._attempts.get(key, -1):
-                self._attempts[key] = identity.attempt
-
-    def report_skip(self, identity: Identity, step: int, reason: str) -> None:
-        """Leave the marker that makes the job-level commit of ``step`` fail at once."""
-        identity.validate()
-        self.note_attempt(identity)
-        key = mf.skip_key(identity.namespace, identity.job, step, identity.attempt, identity.rank)
+    def _skip(self, identity: Identity, attempt: int, step: int, reason: str) -> None:
+        gang = self.gang(identity.job_key)
+        with gang.cond:
+            news = gang.news((attempt, step))
+            if identity.rank in news.manifests and news.bodies.get(identity.rank):
+                return  # this rank's MANIFEST is durable: the step does not wait for it
+            news.skipped.setdefault(identity.rank, reason)
+            gang.cond.notify_all()
+        self._hint(gang, (attempt, step), skip=pb.SkipHint(rank=identity.rank, reason=reason[:1024]))
+        key = mf.skip_key(identity.namespace, identity.job, step, attempt, identity.rank)
         self.store.put(key, reason.encode()[:4096])
         log.info("rank %d will not save step %d: %s", identity.rank, step, reason)
+
+    def report_skip(self, identity: Identity, step: int, reason: str) -> None:
+        """The trainer will not save ``step``: the job-level commit of it fails at once."""
+        identity.validate()
+        epoch = self.epoch_for(identity)
+        self._skip(identity, epoch.attempt, step, reason)
+
+    def rank_gone(self, identity: Identity, reason: str) -> None:
+        """The trainer's Attach stream ended: it will save nothing more."""
+        gang = self.gang(identity.job_key)
+        with gang.cond:
+            epoch = gang.epoch
+        if epoch is None:
+            return
+        self._announce_gone(identity.job_key, identity.rank, epoch.attempt, reason)
+
+    def _announce_gone(self, job_key: tuple[str, str], rank: int, attempt: int, reason: str) -> None:
+        with self._lock:
+            uploading = {
+                s.step
+                for s in self._slots.get((*job_key, rank), [])
+                if s.attempt == attempt and s.state == "uploading"
+            }
+        gang = self.gang(job_key)
+        with gang.cond:
+            gang.gone.setdefault(attempt, {})[rank] = uploading
+            gang.cond.notify_all()
+        log.info(
+            "rank %d of attempt %d: %s (still uploading steps %s)", rank, attempt, reason, sorted(uploading)
+        )
+        self._hint(
+            gang, (attempt, 0), gone=pb.GoneHint(rank=rank, uploading=sorted(uploading), reason=reason)
+        )
 
     def _remember(self, snap: Snapshot) -> None:
         with self._lock:
@@ -550,7 +907,7 @@ class Engine:
         with self._lock:
             held = self._slots.get(snap.identity.slot, [])
             committed = [s for s in held if s.state == "committed"]
-            newest = max(committed, key=lambda s: s.step)
+            newest = max(committed, key=lambda s: s.position)
             for old in committed:
                 if old is not newest:
                     held.remove(old)
@@ -574,68 +931,116 @@ class Engine:
     # --- restore --------------------------------------------------------------------------
 
     def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
+        """The attempt's restore step (every rank of a generation restores the same one), or
+        an explicit committed ``step``."""
         identity.validate()
-        self.note_attempt(identity)
-        ns, job = identity.namespace, identity.job
-        if step is None:
-            # A stream that completed before the trainer died is being committed right now;
-            # a restarted trainer must see it, so let it finish first.
-            self._settle(identity)
-            target = self._newest_step(identity)
-            if target is None:
-                raise NotFound(f"no committed checkpoint for {ns}/{job}")
-        else:
-            target = step
-        ahead = self._take_prefetched(identity, target)
-        if ahead is not None:
-            return self._served(identity, ahead)
-        memory = self._from_memory(identity, target)
-        if memory is not None:
-            return self._served(identity, memory)
+        ns, job = identity.job_key
+        if step is not None:
+            fences = self.gang(identity.job_key).refresh_fences()
+            attempts = [a for a in mf.step_commits(self.store, ns, job, step) if fences.valid(a, step)]
+            if not attempts:
+                raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
+            return self._served(identity, self._load(identity, (attempts[-1], step)))
         try:
-            return self._served(identity, self._from_storage(identity, target))
-        except (CorruptObject, NotFound) as exc:
-            if step is not None:
+            epoch = self.epoch_for(identity)
+        except StorageError as exc:
+            # Storage is unreachable: one rank alone cannot disagree with anyone, so it may
+            # restore the newest snapshot this sidecar committed for it.
+            held = self._newest_held(identity) if identity.world_size == 1 else None
+            if held is None:
                 raise
+            log.warning("storage unreachable (%s); restoring step %d from memory", exc, held[1])
+            memory = self._from_memory(identity, held)
+            if memory is None:
+                raise
+            return self._served(identity, memory)
+        target = self._newest_of_attempt(identity.job_key, epoch)
+        if target is None:
+            raise NotFound(f"no committed checkpoint for {ns}/{job}")
+        try:
+            return self._served(identity, self._load(identity, target))
+        except (CorruptObject, NotFound) as exc:
             first_error = exc
-        # Loud fallback: the newest step is unusable; walk back through older committed ones.
+        # Loud: the attempt's restore step is unusable here. Mark it, so no later attempt picks it.
         self.metrics.restore_fallbacks.labels(job).inc()
-        log.error(
-            "%s/%s step %d is unusable (%s); falling back to an older committed step",
-            ns,
-            job,
-            target,
-            first_error,
-        )
-        for older in reversed([s for s in mf.committed_steps(self.store, ns, job) if s < target]):
+        log.error("%s/%s step %d is unusable (%s)", ns, job, target[1], first_error)
+        mf.mark_unusable(self.store, ns, job, target, f"rank {identity.rank}: {first_error}")
+        if identity.world_size > 1:
+            raise CorruptObject(
+                str(first_error),
+                f"every rank of an attempt restores the same step, so this gang cannot go on: step "
+                f"{target[1]} is marked unusable and the next gang restart restores an older one",
+            )
+        # A single rank: a new attempt, right away, from the newest usable step.
+        while True:
+            epoch = self._reattempt(identity)
+            older = epoch.restore
+            if older is None:
+                raise CorruptObject(
+                    str(first_error), f"no restorable committed step at or before {target[1]}"
+                )
             try:
                 data = self._from_storage(identity, older)
             except (CorruptObject, NotFound) as exc:
-                log.error("%s/%s step %d is unusable too: %s", ns, job, older, exc)
+                log.error("%s/%s step %d is unusable too: %s", ns, job, older[1], exc)
+                mf.mark_unusable(self.store, ns, job, older, f"rank {identity.rank}: {exc}")
                 continue
-            data.fallback_reason = f"step {target} unusable ({first_error}); restored step {older}"
+            data.fallback_reason = f"step {target[1]} unusable ({first_error}); restored step {older[1]}"
             return self._served(identity, data)
-        raise CorruptObject(str(first_error), f"no restorable committed step at or before {target}")
+
+    def _newest_of_attempt(self, job_key: tuple[str, str], epoch: mf.Epoch) -> Position | None:
+        """A resumed gang restores the attempt's restore step; later in the same attempt, the
+        newest step it committed since (a mid-run restore: pass a step for agreement)."""
+        gang = self.gang(job_key)
+        with gang.cond:
+            own = [p for p, news in gang.steps.items() if p[0] == epoch.attempt and news.committed]
+        return max(own) if own else epoch.restore
+
+    def _reattempt(self, identity: Identity) -> mf.Epoch:
+        """A new attempt for the same generation (world size 1 only), deciding its restore again."""
+        gang = self.gang(identity.job_key)
+        generation = self.generation_of(identity)
+        ns, job = identity.job_key
+        with gang.epoch_lock:
+            while True:
+                fences = gang.refresh_fences()
+                try:
+                    epoch = mf.create_epoch(
+                        self.store, ns, job, generation, 1, self._decide_restore(identity, fences), fences
+                    )
+                except PreconditionFailed:
+                    continue
+                self._adopt(gang, epoch)
+                return epoch
+
+    def _load(self, identity: Identity, target: Position) -> RestoreData:
+        ahead = self._take_prefetched(identity, target)
+        if ahead is not None:
+            return ahead
+        memory = self._from_memory(identity, target)
+        if memory is not None:
+            return memory
+        return self._from_storage(identity, target)
 
     def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
         """Count a restore; later checkpoints of the job carry the count (bit-width escalation)."""
         self.metrics.restores.labels(identity.job, data.source).inc()
-        key = (identity.namespace, identity.job)
+        key = identity.job_key
         with self._lock:
             if data.source != "memory" or data.fallback_reason:
                 # The trainer now holds something other than the snapshot this rank's chain ends
                 # with (an older step, or a stored chain that may be damaged): start a new one.
                 self._chains.pop(identity.slot, None)
+                self._chain_refs.pop(identity.slot, None)
             # Every rank of a gang restart restores once: count the restart, not the ranks.
             if data.restores + 1 > self._restores.get(key, 0):
                 self._restores[key] = data.restores + 1
         return data
 
     def prefetch(self, identity: Identity) -> None:
-        """Read the newest committed step into memory in the background (asynchronous
+        """Read the attempt's restore step into memory in the background (asynchronous
         discovery: the restore that follows finds it ready)."""
         identity.validate()
-        self.note_attempt(identity)
         ready = threading.Event()
         with self._lock:
             current = self._prefetched.get(identity.slot)
@@ -644,113 +1049,119 @@ class Engine:
             self._prefetched[identity.slot] = (None, ready, None)
 
         def load() -> None:
-            step, data = None, None
+            target, data = None, None
             try:
-                self._settle(identity)
-                step = self._newest_step(identity)
-                if step is not None and self._from_memory(identity, step) is None:
-                    data = self._from_storage(identity, step)
-                    log.info("rank %d: prefetched step %d (%d bytes)", identity.rank, step, data.total_bytes)
+                target = self.epoch_for(identity).restore
+                if target is not None and self._from_memory(identity, target) is None:
+                    data = self._from_storage(identity, target)
+                    log.info(
+                        "rank %d: prefetched step %d (%d bytes)", identity.rank, target[1], data.total_bytes
+                    )
             except (StrataError, OSError) as exc:
                 log.warning("rank %d: prefetch failed, restore will retry: %s", identity.rank, exc)
             finally:
                 with self._lock:
                     # Unless a save on this slot dropped the entry meanwhile (training went on).
                     if self._prefetched.get(identity.slot, (None, None, None))[1] is ready:
-                        self._prefetched[identity.slot] = (step, ready, data)
+                        self._prefetched[identity.slot] = (target, ready, data)
                 ready.set()
 
         threading.Thread(target=load, name=f"strata-prefetch-r{identity.rank}", daemon=True).start()
 
-    def _take_prefetched(self, identity: Identity, step: int) -> RestoreData | None:
+    def _take_prefetched(self, identity: Identity, target: Position) -> RestoreData | None:
         with self._lock:
             entry = self._prefetched.get(identity.slot)
         if entry is None:
             return None
         entry[1].wait(self.settings.commit_timeout_s)
         with self._lock:
-            got_step, _, data = self._prefetched.pop(identity.slot, (None, entry[1], None))
-        return data if got_step == step else None
+            got, _, data = self._prefetched.pop(identity.slot, (None, entry[1], None))
+        return data if got == target else None
 
     def _settle(self, identity: Identity) -> None:
-        # Every rank of the job, not just this one: all local ranks must see the same newest step.
+        # Every rank of the job, not just this one: what a completed stream commits must be
+        # seen before the restore step is decided.
         with self._lock:
             pending = [
                 s
                 for (ns, job, _), held in self._slots.items()
-                if (ns, job) == (identity.namespace, identity.job)
+                if (ns, job) == identity.job_key
                 for s in held
                 if s.state == "uploading"
             ]
         for snap in pending:
             snap.done.wait(self.settings.commit_timeout_s)
 
-    def _newest_step(self, identity: Identity) -> int | None:
-        try:
-            return mf.newest_committed(self.store, identity.namespace, identity.job)
-        except StorageError as exc:
-            # Storage unreachable: the newest snapshot this sidecar committed is still good.
-            with self._lock:
-                held = [s for s in self._slots.get(identity.slot, []) if s.state == "committed"]
-            if held:
-                log.warning("storage unreachable (%s); restoring step %d from memory", exc, held[-1].step)
-                return held[-1].step
-            raise
+    def _newest_held(self, identity: Identity) -> Position | None:
+        with self._lock:
+            held = [s.position for s in self._slots.get(identity.slot, []) if s.state == "committed"]
+        return max(held) if held else None
 
-    def _from_memory(self, identity: Identity, step: int) -> RestoreData | None:
+    def _from_memory(self, identity: Identity, target: Position) -> RestoreData | None:
         found = None
         with self._lock:
             for snap in self._slots.get(identity.slot, []):
                 if (
-                    snap.step == step
+                    snap.position == target
                     and snap.state == "committed"
                     and snap.identity.world_size == identity.world_size
                 ):
                     found, buf = snap, memoryview(snap.buffer)
-        if found is None or (found.segment and not self._intact(found, buf)):
+        if found is None:
+            return None
+        if any(t.lossy for t in found.stored):
+            return None  # storage holds the lossy values every other rank restores: serve those
+        if not self._intact(found, buf):
             return None
         return RestoreData(
-            step, found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]), found.restores
+            target[1], found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]), found.restores
         )
 
     def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
-        """A shared segment is writable by its trainer: check it still holds what was uploaded
-        (when the objects are its slices; an encoded checkpoint is trusted as held)."""
-        if not snap.objects:
-            return True
-        start = 0
-        for obj in snap.objects:
-            got = mf.crc32(buf[start : start + obj.size])
-            if got != obj.crc32:
+        """A shared segment is writable by its trainer: check every tensor still holds what was
+        saved (the same crc32 a storage restore checks) before serving it."""
+        for t in snap.stored:
+            got = mf.crc32(buf[t.offset : t.offset + t.nbytes])
+            if t.crc32 and got != t.crc32:
                 log.error(
-                    "rank %d: step %d in shared memory changed since upload (%s: crc32 %s != %s); "
+                    "rank %d: step %d in memory changed since it was saved (%s: crc32 %s != %s); "
                     "reading it from storage instead",
                     snap.identity.rank,
                     snap.step,
-                    obj.key,
+                    t.name,
                     got,
-                    obj.crc32,
+                    t.crc32,
                 )
                 return False
-            start += obj.size
-        return start == len(buf)
+        return True
 
-    def _from_storage(self, identity: Identity, step: int) -> RestoreData:
-        ns, job = identity.namespace, identity.job
-        commit = mf.read_commit(self.store, ns, job, step)
+    def _from_storage(self, identity: Identity, target: Position) -> RestoreData:
+        ns, job = identity.job_key
+        key = mf.commit_key(ns, job, target[1], target[0])
+        commit = mf.Commit.from_json(self.store.get(key), key)
         if commit.world_size != identity.world_size:
             raise FailedPrecondition(
-                f"step {step} was saved by {commit.world_size} ranks; this job runs {identity.world_size}. "
-                "Changing the world size needs resharding, which this version does not do"
+                f"step {target[1]} was saved by {commit.world_size} ranks; this job runs "
+                f"{identity.world_size}. Changing the world size needs resharding, which this version "
+                "does not do"
             )
         manifest = mf.load_manifest(self.store, commit, identity.rank)
+        refs = {r.step: r for r in manifest.required_commits}
 
         def load(older: int) -> mf.Manifest:
-            return mf.load_manifest(self.store, mf.read_commit(self.store, ns, job, older), identity.rank)
+            ref = refs.get(older)
+            if ref is None:
+                raise NotFound(f"step {target[1]} names no COMMIT for its base step {older}")
+            return mf.load_manifest(self.store, mf.load_ref(self.store, ref), identity.rank)
 
         pieces = read_snapshot(self.store, manifest, load, self._uploads)
+        if len(pieces) == 1 and manifest.checkpoint == "diff":
+            view = pieces[0]
+            for t in manifest.tensors:  # the chain replayed must give back what was saved
+                if t.crc32 and not t.lossy and mf.crc32(view[t.offset : t.offset + t.nbytes]) != t.crc32:
+                    raise CorruptObject(f"step {target[1]}", f"{t.name} restored differs from what was saved")
         return RestoreData(
-            step,
+            target[1],
             manifest.tensors,
             manifest.tree,
             manifest.total_bytes,
@@ -764,15 +1175,15 @@ class Engine:
 
     def list_checkpoints(self, namespace: str, job: str) -> list[tuple[mf.Commit, bool]]:
         out = []
-        for step in mf.committed_steps(self.store, namespace, job):
-            commit = mf.read_commit(self.store, namespace, job, step)
-            out.append((commit, self.in_memory(namespace, job, step)))
+        for attempt, step in mf.valid_commits(self.store, namespace, job):
+            commit = mf.read_commit(self.store, namespace, job, step, attempt)
+            out.append((commit, self.in_memory(namespace, job, (attempt, step))))
         return out
 
-    def in_memory(self, namespace: str, job: str, step: int) -> bool:
+    def in_memory(self, namespace: str, job: str, position: Position) -> bool:
         with self._lock:
             return any(
-                s.step == step and s.state == "committed"
+                s.position == position and s.state == "committed"
                 for (ns, jb, _), held in self._slots.items()
                 if ns == namespace and jb == job
                 for s in held

@@ -58,6 +58,13 @@ class ObjectNotFound(StorageError, NotFound):
     temporary = False
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write lost: the object exists (If-None-Match) or changed (If-Match)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    temporary = False
+
+
 class CorruptObject(StrataError):
     """A stored object's size or checksum does not match what its manifest says."""
 

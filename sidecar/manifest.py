@@ -2,19 +2,31 @@
 
 Layout under the store root (S3 and file backends alike)::
 
-    <namespace>/<job>/steps/<step:012d>/<attempt>/rank-<r>/obj-<n>   data objects
-    <namespace>/<job>/steps/<step:012d>/<attempt>/rank-<r>/MANIFEST  per rank, after its objects
-    <namespace>/<job>/steps/<step:012d>/COMMIT                       job level, last
-    <namespace>/<job>/LATEST                                         pointer, a verified hint
+    <namespace>/<job>/steps/<step:012d>/a<attempt>-<save id>/rank-<r>/obj-<n>   data objects
+    <namespace>/<job>/steps/<step:012d>/a<attempt>-<save id>/rank-<r>/MANIFEST  per rank, after its objects
+    <namespace>/<job>/steps/<step:012d>/a<attempt>/COMMIT                       job level, create-only
+    <namespace>/<job>/EPOCH/<attempt:08d>                                       one per attempt, create-only
+    <namespace>/<job>/LATEST                                                    (attempt, step): a hint
 
-``<attempt>`` is ``a<job attempt>-<save id>``: unique per save attempt, so a
-retried or resumed save never overwrites anything. Only LATEST is rewritten.
-A step exists for readers only through its COMMIT, and readers trust only the
-manifests (key and sha256) that COMMIT lists.
+Who owns what. The launcher or operator names each gang *generation* (a run
+identity and its restart count). Storage allocates the *attempt*: the rank-0
+sidecar of a generation creates the next ``EPOCH/<n>`` record (create-only)
+naming its generation and the restore step R every rank of it loads. Fencing:
+a commit of step s by attempt a is valid only if s <= R_b for every later
+attempt b, so a superseded gang (a zombie) can still write, but what it writes
+above the new restore step is never read, and a rollback stays rolled back.
+COMMIT is attempt-scoped and create-only, so a zombie's void commit never
+blocks the new attempt from committing the same step. "Newest" orders valid
+commits by (attempt, step): a rollback is a newer attempt.
+
+A step exists for readers only through a valid COMMIT, and readers trust only
+the manifests (key and sha256) that COMMIT lists. A differential manifest names
+its base by the base's COMMIT key and sha256.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -24,14 +36,25 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sidecar.errors import Aborted, CorruptObject, FailedPrecondition, NotFound, ObjectNotFound
+from sidecar.errors import (
+    Aborted,
+    CorruptObject,
+    FailedPrecondition,
+    NotFound,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+)
 from sidecar.store.base import Store
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,251}[a-z0-9])?$")
 _STEP_DIR_RE = re.compile(r"/steps/(\d{12})/$")
+_COMMIT_DIR_RE = re.compile(r"^a(\d{4,})/$")
+_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/a(\d{4,})/COMMIT$")
+_EPOCH_RE = re.compile(r"/EPOCH/(\d{8,})$")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -53,16 +76,36 @@ def rank_prefix(namespace: str, job: str, step: int, attempt: int, save_id: str,
     return f"{step_prefix(namespace, job, step)}a{attempt:04d}-{save_id}/rank-{rank}/"
 
 
-def commit_key(namespace: str, job: str, step: int) -> str:
-    return step_prefix(namespace, job, step) + "COMMIT"
+def commit_key(namespace: str, job: str, step: int, attempt: int) -> str:
+    return f"{step_prefix(namespace, job, step)}a{attempt:04d}/COMMIT"
+
+
+def parse_commit_key(key: str) -> tuple[int, int]:
+    """(attempt, step) of a COMMIT key."""
+    m = _COMMIT_KEY_RE.search("/" + key)
+    if not m:
+        raise ValueError(f"{key!r} is not a COMMIT key")
+    return int(m.group(2)), int(m.group(1))
 
 
 def latest_key(namespace: str, job: str) -> str:
     return job_prefix(namespace, job) + "LATEST"
 
 
+def epoch_prefix(namespace: str, job: str) -> str:
+    return job_prefix(namespace, job) + "EPOCH/"
+
+
+def epoch_key(namespace: str, job: str, attempt: int) -> str:
+    return f"{epoch_prefix(namespace, job)}{attempt:08d}"
+
+
 def crc32(data: bytes | bytearray | memoryview) -> str:
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def sha256(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -96,11 +139,34 @@ class TensorEntry:
     #: How a diff found its rows: "lookups" (client tracking), "values" (byte comparison),
     #: "values: tracking missed a row" (a spot check caught an untracked change).
     tracking: str = ""
+    #: crc32 of the tensor's bytes as the trainer saved them: a lossless restore, from memory or
+    #: from storage, must reproduce it ("" when not recorded).
+    crc32: str = ""
 
     def stored(self) -> tuple[int, int]:
         if self.stored_offset < 0:
             return self.offset, self.nbytes
         return self.stored_offset, self.stored_bytes
+
+    @property
+    def lossy(self) -> bool:
+        return bool(self.bits or self.cast)
+
+
+@dataclass(frozen=True)
+class CommitRef:
+    """A committed step, named by its COMMIT's key and the sha256 of its body."""
+
+    key: str
+    sha256: str
+
+    @property
+    def attempt(self) -> int:
+        return parse_commit_key(self.key)[0]
+
+    @property
+    def step(self) -> int:
+        return parse_commit_key(self.key)[1]
 
 
 @dataclass
@@ -119,14 +185,18 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     kind: str = "strata.rank-manifest"
-    #: "full", or "diff": diff tensors apply on top of ``base_step`` restored.
+    #: "full", or "diff": diff tensors apply on top of ``base_commit`` restored.
     checkpoint: str = "full"
     base_step: int | None = None
+    base_commit: CommitRef | None = None
     #: Every older step a restore of this one reads (GC keeps them while this one is kept).
     requires: list[int] = field(default_factory=list)
+    required_commits: list[CommitRef] = field(default_factory=list)
     policy: str = ""
     #: Restores the job had seen when this was written (drives bit-width escalation).
     restores: int = 0
+    #: The gang generation that wrote it.
+    generation: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False).encode()
@@ -138,6 +208,9 @@ class Manifest:
             _check_format(raw, "strata.rank-manifest", key)
             raw["tensors"] = [TensorEntry(**t) for t in raw["tensors"]]
             raw["objects"] = [ObjectEntry(**o) for o in raw["objects"]]
+            if raw.get("base_commit") is not None:
+                raw["base_commit"] = CommitRef(**raw["base_commit"])
+            raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
             return cls(**raw)
         except (TypeError, KeyError, ValueError) as exc:
             raise CorruptObject(key, f"not a valid manifest ({exc})") from None
@@ -163,6 +236,8 @@ class Commit:
     committed_at: float = field(default_factory=time.time)
     #: Older steps whose objects this one needs (bases of differential checkpoints); GC keeps them.
     requires: list[int] = field(default_factory=list)
+    required_commits: list[CommitRef] = field(default_factory=list)
+    generation: str = ""
     format_version: int = FORMAT_VERSION
     kind: str = "strata.commit"
 
@@ -175,9 +250,14 @@ class Commit:
             raw = json.loads(data)
             _check_format(raw, "strata.commit", key)
             raw["manifests"] = [ManifestRef(**m) for m in raw["manifests"]]
+            raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
             return cls(**raw)
         except (TypeError, KeyError, ValueError) as exc:
             raise CorruptObject(key, f"not a valid COMMIT ({exc})") from None
+
+    @property
+    def key(self) -> str:
+        return commit_key(self.namespace, self.job, self.step, self.attempt)
 
     def manifest_for(self, rank: int) -> ManifestRef:
         for ref in self.manifests:
@@ -191,8 +271,151 @@ def _check_format(raw: Any, kind: str, key: str) -> None:
         raise ValueError(f"expected kind {kind!r}")
     if raw.get("format_version") != FORMAT_VERSION:
         raise CorruptObject(
-            key, f"format_version {raw.get('format_version')!r} is not supported (this build reads 1)"
+            key,
+            f"format_version {raw.get('format_version')!r} is not supported "
+            f"(this build reads {FORMAT_VERSION})",
         )
+
+
+# --- generations, epochs and fences ----------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Generation:
+    """A gang generation: the run's identity and its restart count ("RUN/RESTART")."""
+
+    run: str
+    restart: int
+
+    @classmethod
+    def parse(cls, text: str) -> Generation:
+        run, sep, restart = text.strip().rpartition("/")
+        if not sep or not run or not restart.isdigit() or len(run) > 200 or any(c.isspace() for c in run):
+            raise ValueError(f"generation {text.strip()!r} must look like RUN/RESTART, e.g. 7f3c9a/2")
+        return cls(run, int(restart))
+
+    def __str__(self) -> str:
+        return f"{self.run}/{self.restart}"
+
+
+@dataclass
+class Epoch:
+    """``EPOCH/<attempt>``: an attempt of the job, allocated by storage."""
+
+    attempt: int
+    generation: str
+    world_size: int
+    #: The step (and the attempt that committed it) every rank of this attempt restores;
+    #: None when there was nothing to restore.
+    restore_step: int | None
+    restore_attempt: int | None
+    #: restore steps of every earlier attempt, [[attempt, step or null], ...] (the fences)
+    history: list[list[int | None]] = field(default_factory=list)
+    created_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+    kind: str = "strata.epoch"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, key: str = "EPOCH") -> Epoch:
+        try:
+            raw = json.loads(data)
+            _check_format(raw, "strata.epoch", key)
+            return cls(**raw)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise CorruptObject(key, f"not a valid EPOCH record ({exc})") from None
+
+    @property
+    def restore(self) -> tuple[int, int] | None:
+        if self.restore_step is None or self.restore_attempt is None:
+            return None
+        return (self.restore_attempt, self.restore_step)
+
+
+@dataclass
+class Fences:
+    """Every attempt's restore step, as of the newest epoch read: which commits are valid."""
+
+    #: attempt -> its restore step (None: it restored nothing)
+    restores: dict[int, int | None] = field(default_factory=dict)
+    newest: Epoch | None = None
+
+    @property
+    def newest_attempt(self) -> int:
+        return -1 if self.newest is None else self.newest.attempt
+
+    def floor(self, attempt: int) -> int | None:
+        """The largest step attempt ``attempt`` may have validly committed (None: no bound)."""
+        bound: int | None = None
+        for b, r in self.restores.items():
+            if b > attempt:
+                r = -1 if r is None else r
+                bound = r if bound is None else min(bound, r)
+        return bound
+
+    def valid(self, attempt: int, step: int) -> bool:
+        bound = self.floor(attempt)
+        return bound is None or step <= bound
+
+    def superseded(self, attempt: int) -> bool:
+        return self.newest_attempt > attempt
+
+
+def read_fences(store: Store, namespace: str, job: str, known: Fences | None = None) -> Fences:
+    """The fences as of the newest epoch: one LIST (after the newest known record), plus one
+    GET when there is a newer record (it carries the history of all earlier ones)."""
+    start_after = (
+        None if known is None or known.newest is None else epoch_key(namespace, job, known.newest.attempt)
+    )
+    listing = store.list(epoch_prefix(namespace, job), start_after=start_after)
+    numbered = [(int(m.group(1)), o.key) for o in listing.objects if (m := _EPOCH_RE.search("/" + o.key))]
+    if not numbered:
+        return known if known is not None else Fences()
+    attempt, key = max(numbered)
+    epoch = Epoch.from_json(store.get(key), key)
+    if epoch.attempt != attempt:
+        raise CorruptObject(key, f"EPOCH record says attempt {epoch.attempt}")
+    restores: dict[int, int | None] = {int(a): r for a, r in epoch.history if a is not None}
+    restores[epoch.attempt] = epoch.restore_step
+    return Fences(restores, epoch)
+
+
+def create_epoch(
+    store: Store,
+    namespace: str,
+    job: str,
+    generation: Generation,
+    world_size: int,
+    restore: tuple[int, int] | None,
+    fences: Fences,
+) -> Epoch:
+    """Create the next EPOCH record (create-only) naming ``generation`` and its restore point.
+
+    Raises PreconditionFailed when another writer took that number first: the caller
+    re-reads the fences and decides again.
+    """
+    attempt = fences.newest_attempt + 1
+    history = [[a, r] for a, r in sorted(fences.restores.items())]
+    epoch = Epoch(
+        attempt,
+        str(generation),
+        world_size,
+        None if restore is None else restore[1],
+        None if restore is None else restore[0],
+        history,
+    )
+    store.put(epoch_key(namespace, job, attempt), epoch.to_json(), if_none_match=True)
+    log.info(
+        "%s/%s: attempt %d for generation %s restores %s",
+        namespace,
+        job,
+        attempt,
+        generation,
+        "nothing" if restore is None else f"step {restore[1]} (attempt {restore[0]})",
+    )
+    return epoch
 
 
 # --- commit protocol -------------------------------------------------------------------------
@@ -203,7 +426,7 @@ def write_manifest(store: Store, prefix: str, manifest: Manifest) -> ManifestRef
     body = manifest.to_json()
     key = prefix + "MANIFEST"
     store.put(key, body)
-    return ManifestRef(manifest.rank, key, hashlib.sha256(body).hexdigest(), len(body))
+    return ManifestRef(manifest.rank, key, sha256(body), len(body))
 
 
 def skip_key(namespace: str, job: str, step: int, attempt: int, rank: int) -> str:
@@ -219,12 +442,13 @@ class StepState:
 
 
 def step_state(store: Store, namespace: str, job: str, step: int, attempt: int) -> StepState:
-    """Everything the commit protocol needs about one step, in one LIST."""
+    """What the commit protocol needs about one step of one attempt, in one LIST (the slow
+    fallback when hints from other sidecars do not arrive)."""
     prefix = step_prefix(namespace, job, step)
     state = StepState(False, {}, [])
     for obj in store.list(prefix).objects:
         rest = obj.key[len(prefix) :].split("/")
-        if rest == ["COMMIT"]:
+        if rest == [f"a{attempt:04d}", "COMMIT"]:
             state.committed = True
         elif len(rest) == 3 and rest[0].startswith(f"a{attempt:04d}-") and rest[1].startswith("rank-"):
             rank = int(rest[1].removeprefix("rank-"))
@@ -236,6 +460,68 @@ def step_state(store: Store, namespace: str, job: str, step: int, attempt: int) 
     return state
 
 
+def build_commit(
+    namespace: str,
+    job: str,
+    step: int,
+    world_size: int,
+    attempt: int,
+    manifests: dict[int, tuple[str, bytes]],
+    generation: str = "",
+) -> Commit:
+    """The COMMIT listing ``manifests`` (rank -> (key, body as stored)), checked for consistency."""
+    refs: list[ManifestRef] = []
+    requires: set[int] = set()
+    required: dict[str, CommitRef] = {}
+    total = 0
+    for rank in range(world_size):
+        key, body = manifests[rank]
+        manifest = Manifest.from_json(body, key)
+        if (manifest.step, manifest.rank, manifest.attempt) != (step, rank, attempt):
+            raise FailedPrecondition(
+                f"step {step}: {key} holds step {manifest.step} rank {manifest.rank} "
+                f"attempt {manifest.attempt}, not rank {rank} of attempt {attempt}"
+            )
+        if manifest.world_size != world_size:
+            raise FailedPrecondition(
+                f"step {step}: rank {rank} saved with world size {manifest.world_size}, expected {world_size}"
+            )
+        total += manifest.total_bytes
+        requires.update(manifest.requires)
+        required.update((r.key, r) for r in manifest.required_commits)
+        refs.append(ManifestRef(rank, key, sha256(body), len(body)))
+    return Commit(
+        namespace,
+        job,
+        step,
+        world_size,
+        attempt,
+        total,
+        refs,
+        requires=sorted(requires),
+        required_commits=sorted(required.values(), key=lambda r: r.key),
+        generation=generation,
+    )
+
+
+def put_commit(store: Store, commit: Commit) -> CommitRef:
+    """Write COMMIT create-only. A 412 is fine when the object there is this very commit (a
+    retried PUT whose first attempt succeeded); anything else there raises PreconditionFailed."""
+    body = commit.to_json()
+    key = commit.key
+    try:
+        store.put(key, body, if_none_match=True)
+    except PreconditionFailed:
+        try:
+            there = Commit.from_json(store.get(key), key)
+        except (ObjectNotFound, CorruptObject):
+            raise PreconditionFailed(f"{key} exists and is not readable as a COMMIT") from None
+        if there.manifests != commit.manifests:
+            raise PreconditionFailed(f"{key} was already written by another writer") from None
+        body = store.get(key)
+    return CommitRef(key, sha256(body))
+
+
 def write_commit(
     store: Store,
     namespace: str,
@@ -245,55 +531,73 @@ def write_commit(
     attempt: int,
     state: StepState | None = None,
 ) -> Commit:
-    """Write the job-level COMMIT once every rank's MANIFEST exists.
-
-    Raises FailedPrecondition while ranks are missing (the caller polls) and
-    Aborted when a rank reported it will not save the step (no point waiting).
-    """
+    """Write the job-level COMMIT once every rank's MANIFEST of the attempt exists (found by
+    LIST), then advance LATEST. Raises FailedPrecondition while ranks are missing and Aborted
+    when a rank that has no MANIFEST reported it will not save the step."""
     state = state or step_state(store, namespace, job, step, attempt)
-    if state.skipped:
-        raise Aborted(f"step {step} cannot commit: rank(s) {sorted(state.skipped)} did not save it")
-    keys = state.manifests
-    missing = sorted(set(range(world_size)) - set(keys))
+    missing = sorted(set(range(world_size)) - set(state.manifests))
+    skipped = sorted(set(state.skipped) & set(missing))  # a MANIFEST wins over a skip marker
+    if skipped:
+        raise Aborted(f"step {step} cannot commit: rank(s) {skipped} did not save it")
     if missing:
         raise FailedPrecondition(f"step {step}: no MANIFEST yet for ranks {missing}")
-    refs: list[ManifestRef] = []
-    requires: set[int] = set()
-    total = 0
-    for rank in range(world_size):
-        body = store.get(keys[rank])
-        manifest = Manifest.from_json(body, keys[rank])
-        if manifest.world_size != world_size:
-            raise FailedPrecondition(
-                f"step {step}: rank {rank} saved with world size {manifest.world_size}, expected {world_size}"
-            )
-        total += manifest.total_bytes
-        requires.update(manifest.requires)
-        refs.append(ManifestRef(rank, keys[rank], hashlib.sha256(body).hexdigest(), len(body)))
-    commit = Commit(namespace, job, step, world_size, attempt, total, refs, requires=sorted(requires))
-    store.put(commit_key(namespace, job, step), commit.to_json())
-    _advance_latest(store, namespace, job, step)
+    bodies = {r: (state.manifests[r], store.get(state.manifests[r])) for r in range(world_size)}
+    commit = build_commit(namespace, job, step, world_size, attempt, bodies)
+    put_commit(store, commit)
+    advance_latest(store, namespace, job, attempt, step)
     return commit
 
 
-def _advance_latest(store: Store, namespace: str, job: str, step: int) -> None:
-    """LATEST only moves forward; a race can leave it behind, which readers tolerate."""
+def advance_latest(store: Store, namespace: str, job: str, attempt: int, step: int, etag: str = "") -> str:
+    """Move LATEST forward to (attempt, step) with compare-and-swap; never backward.
+
+    ``etag``: LATEST's ETag as this writer last left it (saves a GET when nobody else wrote
+    since). Returns LATEST's ETag afterwards ("" when it was left alone)."""
     key = latest_key(namespace, job)
+    body = json.dumps(
+        {"attempt": attempt, "step": step, "commit": commit_key(namespace, job, step, attempt)}
+    ).encode()
+    for _ in range(8):
+        if etag:
+            try:
+                return store.put(key, body, if_match=etag)
+            except PreconditionFailed:
+                etag = ""  # someone else wrote it: read and compare
+                continue
+        try:
+            current, etag = store.get_versioned(key)
+        except ObjectNotFound:
+            try:
+                return store.put(key, body, if_none_match=True)
+            except PreconditionFailed:
+                continue
+        here = _latest_position(current)
+        if here is not None and here >= (attempt, step):
+            return ""
+    log.warning("%s/%s: LATEST contended; left as it is (a hint: discovery verifies it)", namespace, job)
+    return ""
+
+
+def _latest_position(body: bytes) -> tuple[int, int] | None:
     try:
-        current = json.loads(store.get(key)).get("step", -1)
-    except (ObjectNotFound, ValueError, AttributeError):
-        current = -1
-    if step > current:
-        store.put(key, json.dumps({"step": step, "commit": commit_key(namespace, job, step)}).encode())
+        raw = json.loads(body)
+        return (int(raw["attempt"]), int(raw["step"]))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
-def read_commit(store: Store, namespace: str, job: str, step: int) -> Commit:
-    key = commit_key(namespace, job, step)
-    return Commit.from_json(store.get(key), key)
+def read_commit_at(store: Store, key: str) -> tuple[Commit, str]:
+    """The COMMIT at ``key`` and the sha256 of its body."""
+    body = store.get(key)
+    return Commit.from_json(body, key), sha256(body)
 
 
-def is_committed(store: Store, namespace: str, job: str, step: int) -> bool:
-    return store.head(commit_key(namespace, job, step)) is not None
+def load_ref(store: Store, ref: CommitRef) -> Commit:
+    """The COMMIT a reference names, checked against its sha256."""
+    body = store.get(ref.key)
+    if sha256(body) != ref.sha256:
+        raise CorruptObject(ref.key, "sha256 differs from the one the referring manifest recorded")
+    return Commit.from_json(body, ref.key)
 
 
 def _step_dirs(store: Store, namespace: str, job: str, start_after: str | None = None) -> list[int]:
@@ -306,40 +610,128 @@ def _step_dirs(store: Store, namespace: str, job: str, start_after: str | None =
     return sorted(steps)
 
 
-def committed_steps(store: Store, namespace: str, job: str) -> list[int]:
-    """Every committed step, oldest first (a full listing: for ls and fallback, not the hot path)."""
-    return [s for s in _step_dirs(store, namespace, job) if is_committed(store, namespace, job, s)]
+def step_commits(store: Store, namespace: str, job: str, step: int) -> list[int]:
+    """Attempts that wrote a COMMIT of ``step`` (valid or not), in one LIST: a commit directory
+    ``a<attempt>/`` holds nothing but its COMMIT."""
+    prefix = step_prefix(namespace, job, step)
+    listing = store.list(prefix, delimiter="/")
+    out = []
+    for p in listing.prefixes:
+        m = _COMMIT_DIR_RE.match(p[len(prefix) :])
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def valid_commits(
+    store: Store, namespace: str, job: str, fences: Fences | None = None
+) -> list[tuple[int, int]]:
+    """Every valid commit as (attempt, step), oldest first: a full listing, for ls, retention
+    and fallbacks, not the restart path."""
+    fences = fences if fences is not None else read_fences(store, namespace, job)
+    out = []
+    for step in _step_dirs(store, namespace, job):
+        out.extend((a, step) for a in step_commits(store, namespace, job, step) if fences.valid(a, step))
+    return sorted(out)
+
+
+def committed_steps(store: Store, namespace: str, job: str, fences: Fences | None = None) -> list[int]:
+    """Steps with a valid commit, oldest first (a full listing)."""
+    return sorted({s for _, s in valid_commits(store, namespace, job, fences)})
+
+
+def unusable_prefix(namespace: str, job: str) -> str:
+    return job_prefix(namespace, job) + "UNUSABLE/"
+
+
+def mark_unusable(store: Store, namespace: str, job: str, position: tuple[int, int], reason: str) -> None:
+    """Record that a rank could not restore (attempt, step): no later attempt restores it."""
+    attempt, step = position
+    key = f"{unusable_prefix(namespace, job)}{step:012d}-a{attempt:04d}"
+    try:
+        store.put(key, reason.encode()[:4096])
+    except StorageError as exc:
+        log.warning("could not mark step %d unusable: %s", step, exc)
+
+
+def unusable_commits(store: Store, namespace: str, job: str) -> set[tuple[int, int]]:
+    """Commits some rank failed to restore (one LIST, normally empty)."""
+    out = set()
+    for o in store.list(unusable_prefix(namespace, job)).objects:
+        m = re.search(r"/(\d{12})-a(\d{4,})$", "/" + o.key)
+        if m:
+            out.add((int(m.group(2)), int(m.group(1))))
+    return out
+
+
+def newest_valid(
+    store: Store,
+    namespace: str,
+    job: str,
+    fences: Fences | None = None,
+    exclude: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset(),
+) -> tuple[int, int] | None:
+    """The newest valid commit, (attempt, step), in a constant number of requests: GET LATEST,
+    one LIST of newer step directories, one LIST per newer step, one HEAD of LATEST's COMMIT.
+    A full listing only when LATEST is missing, unreadable or names a void commit."""
+    fences = fences if fences is not None else read_fences(store, namespace, job)
+    try:
+        hint = _latest_position(store.get(latest_key(namespace, job)))
+    except ObjectNotFound:
+        log.info("%s/%s: LATEST missing; scanning all steps", namespace, job)
+        hint = None
+    else:
+        if hint is None:
+            log.warning("%s/%s: LATEST is unreadable; scanning all steps", namespace, job)
+    if hint is not None and fences.valid(*hint) and hint not in exclude:
+        newer = [
+            (a, s)
+            for s in _step_dirs(store, namespace, job, start_after=step_prefix(namespace, job, hint[1]))
+            for a in step_commits(store, namespace, job, s)
+            if a >= hint[0] and fences.valid(a, s) and (a, s) not in exclude
+        ]
+        if newer:
+            return max(newer)
+        if store.head(commit_key(namespace, job, hint[1], hint[0])) is not None:
+            return hint
+        log.warning("%s/%s: LATEST names step %d without a COMMIT; scanning", namespace, job, hint[1])
+    elif hint is not None:
+        log.info("%s/%s: LATEST names a fenced-off or unusable commit; scanning", namespace, job)
+    found = [p for p in valid_commits(store, namespace, job, fences) if p not in exclude]
+    return max(found) if found else None
 
 
 def newest_committed(store: Store, namespace: str, job: str) -> int | None:
-    """The newest committed step in O(1) requests: GET LATEST, one LIST of newer step
-    prefixes, a HEAD of each newer step's COMMIT. A full listing only when LATEST is missing."""
+    """The step of the newest valid commit."""
+    found = newest_valid(store, namespace, job)
+    return None if found is None else found[1]
+
+
+def read_commit(store: Store, namespace: str, job: str, step: int, attempt: int | None = None) -> Commit:
+    """The COMMIT of ``step`` by ``attempt``; by default the newest valid one of that step."""
+    if attempt is None:
+        fences = read_fences(store, namespace, job)
+        attempts = [a for a in step_commits(store, namespace, job, step) if fences.valid(a, step)]
+        if not attempts:
+            raise ObjectNotFound(f"no valid COMMIT of step {step} for {namespace}/{job}")
+        attempt = attempts[-1]
+    key = commit_key(namespace, job, step, attempt)
+    return Commit.from_json(store.get(key), key)
+
+
+def is_committed(store: Store, namespace: str, job: str, step: int) -> bool:
     try:
-        hint = int(json.loads(store.get(latest_key(namespace, job)))["step"])
+        read_commit(store, namespace, job, step)
     except ObjectNotFound:
-        log.info("%s/%s: LATEST missing; scanning all steps", namespace, job)
-        steps = committed_steps(store, namespace, job)
-        return steps[-1] if steps else None
-    except (ValueError, KeyError, TypeError):
-        log.warning("%s/%s: LATEST is unreadable; scanning all steps", namespace, job)
-        steps = committed_steps(store, namespace, job)
-        return steps[-1] if steps else None
-    newer = _step_dirs(store, namespace, job, start_after=step_prefix(namespace, job, hint))
-    for step in reversed(newer):
-        if is_committed(store, namespace, job, step):
-            return step
-    if is_committed(store, namespace, job, hint):
-        return hint
-    log.warning("%s/%s: LATEST names step %d without a COMMIT; scanning", namespace, job, hint)
-    older = [s for s in committed_steps(store, namespace, job) if s < hint]
-    return older[-1] if older else None
+        return False
+    return True
 
 
 def load_manifest(store: Store, commit: Commit, rank: int) -> Manifest:
     """The rank's manifest, checked against the sha256 that COMMIT recorded."""
     ref = commit.manifest_for(rank)
     body = store.get(ref.key)
-    if hashlib.sha256(body).hexdigest() != ref.sha256:
+    if sha256(body) != ref.sha256:
         raise CorruptObject(ref.key, "sha256 differs from the one recorded in COMMIT")
     return Manifest.from_json(body, ref.key)
 
@@ -353,44 +745,93 @@ def read_object(store: Store, entry: ObjectEntry) -> bytes:
     return data
 
 
-def collect_garbage(store: Store, namespace: str, job: str, keep: int) -> list[int]:
-    """Delete every step older than the ``keep`` newest committed ones, except the bases
-    and diffs those require. Returns the deleted steps.
+# --- retention -------------------------------------------------------------------------------
 
-    Safe against concurrent saves: only steps strictly older than the oldest kept
-    committed step are touched, and every new save is newer than the newest
-    committed step. A step's COMMIT goes first, so readers never see a COMMIT
-    whose objects are half deleted.
+
+class Retention:
+    """Deletes what the ``keep`` newest valid commits do not need, for one job.
+
+    Only the rank-0 sidecar of the newest attempt runs it, and it re-reads the fences
+    first: a superseded sidecar deletes nothing. Kept: the ``keep`` newest valid commits
+    in (attempt, step) order and every commit they require. Deleted: whole step
+    directories older than the oldest kept step that hold nothing kept or required
+    (saves in progress are always newer than the newest commit). A step's COMMITs go
+    before its objects, so readers never see a COMMIT whose objects are half deleted.
+
+    What it learnt of a step's commits is cached (COMMIT objects never change), so a
+    steady state costs about four requests per commit.
     """
-    if keep < 1:
-        return []
-    steps = _step_dirs(store, namespace, job)
-    committed = [s for s in steps if is_committed(store, namespace, job, s)]
-    if len(committed) <= keep:
-        return []
-    kept = committed[-keep:]
-    needed = set(kept)
-    for step in kept:
-        needed.update(read_commit(store, namespace, job, step).requires)
-    # Bases older than the oldest kept step stay; anything else older than it goes (a save in
-    # progress is always newer than the newest committed step, so never among these).
-    oldest_kept = kept[0]
-    deleted = []
-    for step in steps:
-        if step >= oldest_kept or step in needed:
-            continue
-        store.delete([commit_key(namespace, job, step)])
-        keys = [o.key for o in store.list(step_prefix(namespace, job, step)).objects]
-        store.delete(keys)
-        deleted.append(step)
-    if deleted:
-        log.info(
-            "%s/%s: deleted %d old steps (%d..%d), keeping %s",
-            namespace,
-            job,
-            len(deleted),
-            deleted[0],
-            deleted[-1],
-            kept,
+
+    def __init__(self, store: Store, namespace: str, job: str, keep: int) -> None:
+        self.store, self.namespace, self.job, self.keep = store, namespace, job, keep
+        self._commits: dict[int, list[int]] = {}  # step -> attempts with a COMMIT
+        self._requires: dict[tuple[int, int], set[int]] = {}
+
+    def note_commit(self, commit: Commit) -> None:
+        attempts = self._commits.setdefault(commit.step, [])
+        if commit.attempt not in attempts:
+            bisect.insort(attempts, commit.attempt)
+        self._requires[(commit.attempt, commit.step)] = set(commit.requires) | {
+            r.step for r in commit.required_commits
+        }
+
+    def run(self, attempt: int, fences: Fences | None = None) -> list[int]:
+        """Returns the deleted steps; [] when ``attempt`` is superseded or keep is 0."""
+        if self.keep < 1:
+            return []
+        fences = read_fences(self.store, self.namespace, self.job, fences)
+        if fences.superseded(attempt):
+            log.info(
+                "%s/%s: attempt %d is superseded; retention deletes nothing",
+                self.namespace,
+                self.job,
+                attempt,
+            )
+            return []
+        steps = _step_dirs(self.store, self.namespace, self.job)
+        for step in steps:
+            if step not in self._commits:
+                self._commits[step] = step_commits(self.store, self.namespace, self.job, step)
+        for gone in set(self._commits) - set(steps):
+            del self._commits[gone]
+        valid = sorted(
+            (a, s) for s, attempts in self._commits.items() for a in attempts if fences.valid(a, s)
         )
-    return deleted
+        if len(valid) <= self.keep:
+            return []
+        kept = valid[-self.keep :]
+        needed = {s for _, s in kept}
+        for position in kept:
+            if position not in self._requires:
+                commit = read_commit(self.store, self.namespace, self.job, position[1], position[0])
+                self.note_commit(commit)
+            needed |= self._requires[position]
+        oldest_kept = min(s for _, s in kept)
+        deleted = []
+        for step in steps:
+            if step >= oldest_kept or step in needed:
+                continue
+            self.store.delete(
+                [commit_key(self.namespace, self.job, step, a) for a in self._commits.get(step, [])]
+            )
+            keys = [o.key for o in self.store.list(step_prefix(self.namespace, self.job, step)).objects]
+            self.store.delete(keys)
+            self._commits.pop(step, None)
+            deleted.append(step)
+        if deleted:
+            log.info(
+                "%s/%s: deleted %d old steps (%d..%d), keeping %s",
+                self.namespace,
+                self.job,
+                len(deleted),
+                deleted[0],
+                deleted[-1],
+                [s for _, s in kept],
+            )
+        return deleted
+
+
+def collect_garbage(store: Store, namespace: str, job: str, keep: int) -> list[int]:
+    """One retention pass as the newest attempt would run it (see :class:`Retention`)."""
+    fences = read_fences(store, namespace, job)
+    return Retention(store, namespace, job, keep).run(fences.newest_attempt, fences)

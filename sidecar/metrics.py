@@ -101,6 +101,24 @@ class Metrics:
             ["training_job"],
             registry=r,
         )
+        self.conditional_writes = Gauge(
+            "strata_storage_conditional_writes",
+            "1 when storage honours If-None-Match/If-Match (probed at start), else 0: without them "
+            "two writers of one COMMIT or EPOCH are not told apart.",
+            registry=r,
+        )
+        self.superseded = Counter(
+            "strata_superseded_total",
+            "Saves that stopped because a newer attempt of the job fenced them off.",
+            ["training_job"],
+            registry=r,
+        )
+        self.attempt = Gauge(
+            "strata_attempt",
+            "The storage-allocated attempt this sidecar's ranks run as.",
+            ["training_job"],
+            registry=r,
+        )
         self.held_bytes = Gauge("strata_held_snapshot_bytes", "Snapshot bytes held in memory.", registry=r)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:

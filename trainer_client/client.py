@@ -95,7 +95,12 @@ class CheckpointClient:
         self.settings = settings or ClientSettings.from_env(job=job, **overrides)
         s = self.settings
         self._identity = pb.Identity(
-            namespace=s.namespace, job=s.job, rank=s.rank, world_size=s.world_size, attempt=s.attempt
+            namespace=s.namespace,
+            job=s.job,
+            rank=s.rank,
+            world_size=s.world_size,
+            attempt=s.attempt,
+            generation=s.generation,
         )
         self._channel = grpc.insecure_channel(s.target, options=channel_options(s.max_message_bytes))
         self._stub = pb_grpc.CheckpointerStub(self._channel)
@@ -123,6 +128,10 @@ class CheckpointClient:
         self.stats = {"saves": 0, "skipped": 0, "failed": 0, "first_save_stall_s": 0.0, "last_stall_s": 0.0}
         for opt in optimizers:
             self.register_optimizer(opt)
+        # Held open while this client lives: the sidecar (and through it the other ranks' sidecars)
+        # learns at once when this trainer is gone, instead of waiting for a commit timeout.
+        self._attach = self._stub.Attach(pb.AttachRequest(identity=self._identity), metadata=self._metadata)
+        threading.Thread(target=self._hold_attach, name="strata-attach", daemon=True).start()
         if self.settings.resume != "never":
             # Asynchronous discovery: the sidecar starts reading the newest step while the
             # trainer builds its model; resume() then finds it in memory.
@@ -152,6 +161,14 @@ class CheckpointClient:
                     "(set STRATA_SOCKET or STRATA_ADDRESS)"
                 ) from None
             raise SidecarUnavailable(f"sidecar refused the handshake: {exc.details()}") from None
+
+    def _hold_attach(self) -> None:
+        try:
+            for event in self._attach:
+                log.debug("running as attempt %d", event.attempt)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.debug("attach stream ended: %s", exc.code())
 
     def _shared_memory(self) -> SegmentFactory | None:
         """Shared-memory saves when the policy allows and the sidecar offers them on this host."""
@@ -200,6 +217,7 @@ class CheckpointClient:
         self._tracker.close()
         self._sender.shutdown(wait=wait)
         self._waiter.shutdown(wait=wait)
+        self._attach.cancel()
         self._channel.close()
         for b in self._buffers:
             b.reset()

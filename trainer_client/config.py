@@ -8,6 +8,7 @@ launch``, the Kubernetes webhook) sets: ``RANK``/``WORLD_SIZE`` are honoured,
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,6 +17,11 @@ from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_
 RESUME_POLICIES = ("auto", "never", "require")
 BUSY_POLICIES = ("skip", "wait")
 SHM_POLICIES = ("auto", "on", "off")
+
+
+def _torchelastic_generation() -> str | None:
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" if run else None
 
 
 def _env(*names: str) -> str | None:
@@ -32,6 +38,9 @@ class ClientSettings:
     rank: int = 0
     world_size: int = 1
     attempt: int = 0
+    #: gang generation "RUN/RESTART" (STRATA_GENERATION; torchrun's run id and restart count); a
+    #: single rank without one gets a generation of its own per process
+    generation: str = ""
     #: unix socket of the sidecar; ignored when ``address`` is set
     socket: str = field(default_factory=default_socket_path)
     #: host:port of a TCP sidecar (needs ``token``)
@@ -56,6 +65,7 @@ class ClientSettings:
             "rank": _env("STRATA_RANK", "RANK"),
             "world_size": _env("STRATA_WORLD_SIZE", "WORLD_SIZE"),
             "attempt": _env("STRATA_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"),
+            "generation": _env("STRATA_GENERATION") or _torchelastic_generation(),
             "socket": _env("STRATA_SOCKET"),
             "address": _env("STRATA_ADDRESS"),
             "token": _env("STRATA_TOKEN"),
@@ -78,6 +88,8 @@ class ClientSettings:
                 raise ValueError(f"{name}: cannot parse {raw!r} from the environment as {kind}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
+        if not settings.generation and settings.world_size == 1:
+            settings.generation = f"solo-{uuid.uuid4().hex[:16]}/0"
         settings.validate()
         return settings
 

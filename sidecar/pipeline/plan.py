@@ -5,12 +5,20 @@ of committed steps, the previous snapshot still in memory), then encodes tensor 
 tensor, lazily, so the upload of one tensor's objects overlaps the encoding of the
 next. :func:`read_snapshot` restores a step: it follows ``base_step`` back to the
 full checkpoint and applies each step's tensors in order, oldest first.
+
+With quantization the stored checkpoint is lossy, so the snapshot held in memory (exact)
+is not what a restore from storage gives. The encoder therefore also hands back the stored
+form of every lossy tensor (:attr:`Outcome.held`, about bits/32 of a float32 table plus
+the diffs' rows), and :func:`decode_held` replays it over the exact snapshot: a restore
+served from memory is then bitwise the one storage would serve.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +35,37 @@ from sidecar.store.base import Store
 log = logging.getLogger(__name__)
 
 Layout = tuple[tuple[str, str, tuple[int, ...], int], ...]
+
+
+def check_sample_size(untracked: int, fraction: float, confidence: float) -> int:
+    """How many of ``untracked`` rows to compare so that, if at least ``ceil(fraction *
+    untracked)`` of them changed, the check finds one with probability >= ``confidence``.
+
+    Let U = ``untracked``, f = ``fraction``, c = ``confidence`` and m >= ceil(f*U) the
+    changed rows among them. A uniform sample of k rows drawn without replacement misses
+    every changed row with probability
+
+        P(miss) = prod_{i=0}^{k-1} (U - m - i) / (U - i)
+                <= ((U - m) / U)^k <= (1 - f)^k,
+
+    each factor being at most (U - m)/U <= 1 - f. So (1 - f)^k <= 1 - c suffices:
+
+        k = ceil(ln(1 - c) / ln(1 - f)),
+
+    capped at U, where the check is exhaustive and misses nothing. This is the bound for
+    sampling with replacement; without replacement it is conservative (f = 0.001,
+    c = 0.999: 6,905 rows, where the exact product needs about 6,880 of a million).
+    Fewer than ceil(f*U) changed rows may go unnoticed. f = 1 is read as "compare every
+    untracked row" (the bound alone would ask for a single one).
+    """
+    if untracked <= 0:
+        return 0
+    if not 0 < fraction <= 1 or not 0 < confidence < 1:
+        raise ValueError(f"check fraction {fraction} must be in (0, 1] and confidence {confidence} in (0, 1)")
+    if fraction >= 1:
+        return untracked
+    k = math.ceil(math.log1p(-confidence) / math.log1p(-fraction))
+    return min(max(k, 1), untracked)
 
 
 def layout_of(tensors: list[mf.TensorEntry]) -> Layout:
@@ -61,6 +100,9 @@ class Outcome:
     size_fraction: float = 1.0
     max_error: float = 0.0
     tracking_mismatches: int = 0
+    #: the stored bytes (exactly as written into the objects) of every tensor stored lossily,
+    #: and of every tensor named in the encoder's ``hold``: what :func:`decode_held` replays
+    held: dict[str, bytes] = field(default_factory=dict)
 
 
 class SnapshotEncoder:
@@ -84,8 +126,20 @@ class SnapshotEncoder:
         previous: memoryview | None = None,
         touched: dict[str, bytes] | None = None,
         workers: int = 1,
-        spot_checks: int = 256,
+        check_fraction: float = 0.001,
+        check_confidence: float = 0.999,
+        check_rows: int | None = None,
+        hold: frozenset[str] = frozenset(),
     ) -> None:
+        """``touched`` maps a tracked tensor to the client's bitmap of looked-up rows; its
+        other rows are spot-checked, sized by :func:`check_sample_size` from
+        ``check_fraction`` and ``check_confidence`` (``check_rows`` forces the sample size,
+        for tests).
+
+        ``hold`` names tensors whose stored form the caller already holds for this chain:
+        they are held again (``outcome.held``) even where this step stores them exactly, so
+        the chain of held forms has no gap (a table lossy in the full checkpoint whose
+        diff fell back to exact rows, say). Lossily stored tensors are held regardless."""
         self.step = step
         self.tensors = tensors
         self.buffer = buffer
@@ -99,8 +153,18 @@ class SnapshotEncoder:
         self._since: dict[str, np.ndarray] = {}
         self._warned: set[str] = set()
         self._touched = touched or {}
-        self._spot_checks = spot_checks
+        if not 0 < check_fraction <= 1 or not 0 < check_confidence < 1:
+            raise ValueError(
+                f"check_fraction {check_fraction} must be in (0, 1] and check_confidence "
+                f"{check_confidence} in (0, 1)"
+            )
+        if check_rows is not None and check_rows < 0:
+            raise ValueError(f"check_rows must be >= 0, got {check_rows}")
+        self._check_fraction = check_fraction
+        self._check_confidence = check_confidence
+        self._check_rows = check_rows
         self._tracking: dict[str, str] = {}
+        self._hold = hold
         layout = layout_of(tensors)
         self._layout = layout
         usable = (
@@ -167,7 +231,11 @@ class SnapshotEncoder:
         o.changed_ratio = sum(int(m.sum()) for m in write.values()) / rows if rows else 0.0
 
     def _changed(self, name: str, cur: np.ndarray, old: np.ndarray) -> np.ndarray:
-        """Rows that changed: the client's lookup bitmap, spot-checked, or a byte comparison."""
+        """Rows that changed: the client's lookup bitmap, spot-checked, or a byte comparison.
+
+        The untracked rows are sampled (see :func:`check_sample_size`) and compared; if
+        any of them changed, the bitmap is not trusted and the whole tensor is compared.
+        """
         bitmap = self._touched.get(name)
         if bitmap is None:
             self._tracking[name] = "values"
@@ -175,10 +243,18 @@ class SnapshotEncoder:
         looked_up = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=len(cur), bitorder="little")
         mask = looked_up.astype(np.bool_)
         others = np.flatnonzero(~mask)
-        if len(others) > self._spot_checks:
-            # Deterministic per step and tensor, so a rerun checks the same rows.
-            rng = np.random.default_rng([self.step, len(name), *name.encode()[:16]])
-            others = rng.choice(others, self._spot_checks, replace=False)
+        untracked = len(others)
+        if self._check_rows is not None:
+            k = min(self._check_rows, untracked)
+        else:
+            k = check_sample_size(untracked, self._check_fraction, self._check_confidence)
+        if k < untracked:
+            # Deterministic per step and tensor, so a rerun checks the same rows, and
+            # different from step to step. Sorted, so the gather walks memory forwards.
+            rng = np.random.default_rng([self.step % (1 << 63), _name_seed(name)])
+            picked = rng.choice(untracked, k, replace=False)
+            picked.sort()
+            others = others[picked]
         if enc.changed_rows(cur[others], old[others]).any():
             log.warning(
                 "step %d: %s changed in rows it did not look up (weight decay? an edit outside "
@@ -189,7 +265,12 @@ class SnapshotEncoder:
             self.outcome.tracking_mismatches += 1
             self._tracking[name] = "values: tracking missed a row"
             return enc.changed_rows(cur, old)
-        self._tracking[name] = "lookups"
+        if not untracked:
+            self._tracking[name] = "lookups (every row looked up)"
+        elif k == untracked:
+            self._tracking[name] = f"lookups (checked all {untracked} untracked rows)"
+        else:
+            self._tracking[name] = f"lookups (checked {k} of {untracked} untracked rows)"
         return mask
 
     # --- encoding -------------------------------------------------------------------------
@@ -202,6 +283,11 @@ class SnapshotEncoder:
             # Stored as received, alignment padding included: no copy at all.
             o.tensors = [replace(t) for t in self.tensors]
             o.stored_bytes = len(self.buffer)
+            o.held = {
+                t.name: bytes(self.buffer[t.offset : t.offset + t.nbytes])
+                for t in self.tensors
+                if t.name in self._hold
+            }
             yield self.buffer
             return
         pos = 0
@@ -220,6 +306,9 @@ class SnapshotEncoder:
                 tracking=self._tracking.get(t.name, "") if encoded.changed >= 0 else "",
             )
             o.tensors.append(entry)
+            if entry.bits or entry.cast or t.name in self._hold:
+                # A copy: pieces may be views of the snapshot buffer, which is replaced later.
+                o.held[t.name] = b"".join(encoded.pieces)
             if encoded.error is not None:
                 o.max_error = max(o.max_error, encoded.error)
             pos += encoded.nbytes
@@ -260,6 +349,10 @@ class SnapshotEncoder:
         size = o.size_fraction
         steps = (*chain.steps, self.step) if self.policy == "consecutive" else (chain.full_step, self.step)
         return replace(chain, steps=steps, since_full=self._since, sizes=(*chain.sizes, size))
+
+
+def _name_seed(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 # --- restore -------------------------------------------------------------------------------------
@@ -326,6 +419,70 @@ def read_snapshot(
             except ValueError as exc:
                 raise CorruptObject(f"step {m.step}", f"{t.name}: {exc}") from None
     return [view]
+
+
+def decode_held(
+    view: memoryview,
+    layers: list[tuple[list[mf.TensorEntry], dict[str, bytes]]],
+    *,
+    steps: Sequence[int] | None = None,
+) -> None:
+    """Turn the exact newest snapshot in ``view`` into what a restore from storage gives.
+
+    ``view`` is a writable buffer of the snapshot's size holding the exact bytes of the
+    newest committed snapshot; ``layers`` its chain, oldest (the full checkpoint) first,
+    each as (that step's tensor entries as stored, that step's :attr:`Outcome.held`).
+    Every held tensor is decoded from its held forms layer by layer, as
+    :func:`read_snapshot` decodes stored bytes, so it comes out bitwise equal to a
+    storage restore; tensors never held keep the exact bytes (lossless storage restores
+    them exactly). ``steps`` (the layers' step numbers) only names steps in errors.
+
+    Raises ``ValueError`` naming the tensor and step when the held forms cannot
+    reproduce storage: a lossy entry without a held form, a layer missing one for a
+    tensor an earlier layer held, a held form of the wrong size or naming no tensor of
+    the layer. Those are found before ``view`` is touched; a held form that fails to
+    decode leaves ``view`` partly decoded. Either way the caller restores from storage.
+    """
+    if steps is not None and len(steps) != len(layers):
+        raise ValueError(f"{len(steps)} step numbers for {len(layers)} layers")
+
+    def label(i: int) -> str:
+        where = f"step {steps[i]}" if steps is not None else f"layer {i}"
+        return where + (" (the full checkpoint)" if i == 0 else "")
+
+    started: set[str] = set()
+    for i, (tensors, held) in enumerate(layers):
+        names = {t.name for t in tensors}
+        unknown = sorted(held.keys() - names)
+        if unknown:
+            raise ValueError(f"{label(i)} holds {unknown[0]}, a tensor its manifest does not list")
+        for t in tensors:
+            payload = held.get(t.name)
+            if payload is None:
+                if t.name in started:
+                    raise ValueError(f"{t.name}: {label(i)} has no held form, yet an earlier step held one")
+                if t.lossy:
+                    raise ValueError(f"{t.name}: {label(i)} stored it lossily, but holds no stored form")
+                continue
+            size = t.stored()[1]
+            if len(payload) != size:
+                raise ValueError(
+                    f"{t.name}: {label(i)} holds {len(payload)} bytes of a {size}-byte stored form"
+                )
+            if t.offset < 0 or t.offset + t.nbytes > len(view):
+                raise ValueError(f"{t.name}: {label(i)} places it beyond the {len(view)}-byte snapshot")
+            started.add(t.name)
+    for i, (tensors, held) in enumerate(layers):
+        for t in tensors:
+            payload = held.get(t.name)
+            if payload is None:
+                continue
+            try:
+                enc.decode_into(
+                    view[t.offset : t.offset + t.nbytes], payload, t.encoding, t.dtype, t.shape, t.cast
+                )
+            except ValueError as exc:
+                raise ValueError(f"{t.name}: the form {label(i)} holds does not decode: {exc}") from None
 
 
 def _objects(store: Store, manifest: mf.Manifest, executor: Executor) -> list[bytes]:

@@ -14,11 +14,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sidecar.api import channel_options, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
+from sidecar.gang import PeerServicer, Peers
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
 from sidecar.server.servicer import CheckpointerServicer
 from sidecar.store import open_store
 from sidecar.store.base import Store
+from sidecar.store.probe import conditional_writes_unsupported
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "strata.v1.Checkpointer"
@@ -32,10 +34,13 @@ class SidecarServer:
         self.settings = settings
         self.store = store or open_settings_store(settings)
         self.metrics = metrics or Metrics()
-        self.engine = Engine(settings, self.store, self.metrics)
+        check_conditional_writes(self.store, settings, self.metrics)
+        peers = Peers([p.strip() for p in settings.peers.split(",") if p.strip()])
+        self.engine = Engine(settings, self.store, self.metrics, peers)
         self.health = health.HealthServicer()
+        # Every trainer holds one Attach stream open (a thread each) besides its blocking calls.
         self._grpc = grpc.server(
-            ThreadPoolExecutor(max_workers=16, thread_name_prefix="strata-grpc"),
+            ThreadPoolExecutor(max_workers=64, thread_name_prefix="strata-grpc"),
             interceptors=[ErrorInterceptor(settings.token)],
             options=channel_options(settings.max_message_bytes),
         )
@@ -43,7 +48,12 @@ class SidecarServer:
             CheckpointerServicer(self.engine, settings.storage, settings.max_message_bytes), self._grpc
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self._peer_grpc: grpc.Server | None = None
+        if settings.peer_port:
+            self._peer_grpc = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="strata-peer"))
+            pb_grpc.add_PeerServicer_to_server(PeerServicer(self.engine.on_hint), self._peer_grpc)
         self.socket_path = settings.socket
+        self.peer_port = 0
         self.tcp_port = 0
         self.metrics_port = 0
 
@@ -60,6 +70,11 @@ class SidecarServer:
             self.tcp_port = self._grpc.add_insecure_port(f"{self.settings.tcp_host}:{self.settings.tcp_port}")
         self._grpc.start()
         os.chmod(path, self.settings.socket_mode)
+        if self._peer_grpc is not None:
+            self.peer_port = self._peer_grpc.add_insecure_port(
+                f"{self.settings.peer_host}:{self.settings.peer_port}"
+            )
+            self._peer_grpc.start()
         if self.settings.metrics_port:
             self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         for name in ("", SERVICE_NAME):
@@ -80,6 +95,8 @@ class SidecarServer:
         self.health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
         self.engine.close()
+        if self._peer_grpc is not None:
+            self._peer_grpc.stop(0).wait()
         self.metrics.shutdown()
         self.store.close()
         Path(self.socket_path).unlink(missing_ok=True)
@@ -94,6 +111,27 @@ def open_settings_store(settings: SidecarSettings) -> Store:
         region=settings.s3_region,
         concurrency=settings.upload_concurrency,
         max_attempts=settings.storage_attempts,
+    )
+
+
+def check_conditional_writes(store: Store, settings: SidecarSettings, metrics: Metrics) -> None:
+    """Probe If-None-Match/If-Match once at start: the commit protocol's create-only COMMIT and
+    EPOCH records and LATEST's compare-and-swap rest on them."""
+    problem = conditional_writes_unsupported(store, "")
+    metrics.conditional_writes.set(0 if problem else 1)
+    if problem is None:
+        return
+    if settings.conditional_writes == "require":
+        raise ValueError(
+            f"storage {settings.storage} does not honour conditional writes ({problem}); use storage "
+            "that does (S3, MinIO, SeaweedFS 4.x) or start with --conditional-writes warn"
+        )
+    log.warning(
+        "storage %s does not honour conditional writes (%s): running anyway (--conditional-writes warn). "
+        "Two writers of one EPOCH or COMMIT can no longer be told apart; fencing still keeps a superseded "
+        "gang's commits from being read as long as attempts are not allocated twice",
+        settings.storage,
+        problem,
     )
 
 

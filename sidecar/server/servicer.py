@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,7 +26,7 @@ _COMMIT_STATES = {
 
 
 def _identity(msg: pb.Identity) -> Identity:
-    return Identity(msg.namespace, msg.job, msg.rank, msg.world_size, msg.attempt)
+    return Identity(msg.namespace, msg.job, msg.rank, msg.world_size, msg.attempt, msg.generation)
 
 
 def _info(commit: Commit, in_memory: bool) -> pb.CheckpointInfo:
@@ -34,7 +35,7 @@ def _info(commit: Commit, in_memory: bool) -> pb.CheckpointInfo:
         world_size=commit.world_size,
         total_bytes=commit.total_bytes,
         committed_at=commit.committed_at,
-        commit_key=f"steps/{commit.step:012d}/COMMIT",
+        commit_key=commit.key,
         in_memory=in_memory,
     )
 
@@ -56,7 +57,9 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
         check_protocol(request.protocol_version)
         if request.HasField("identity") and request.identity.job:
-            self.engine.note_attempt(_identity(request.identity))
+            identity = _identity(request.identity)
+            identity.validate()
+            self.engine.generation_of(identity)  # a trainer without a usable generation learns it now
         shm_dir = self.engine.segments.directory
         return pb.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,
@@ -148,7 +151,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self, request: pb.DescribeCheckpointRequest, context: grpc.ServicerContext
     ) -> pb.DescribeCheckpointResponse:
         commit, body = self.engine.describe(request.namespace, request.job, request.step, request.rank)
-        in_memory = self.engine.in_memory(request.namespace, request.job, request.step)
+        in_memory = self.engine.in_memory(request.namespace, request.job, (commit.attempt, commit.step))
         return pb.DescribeCheckpointResponse(info=_info(commit, in_memory), manifest_json=body.decode())
 
     def ReportSkip(
@@ -160,6 +163,21 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
         self.engine.prefetch(_identity(request.identity))
         return pb.PrefetchResponse()
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.AttachEvent]:
+        identity = _identity(request.identity)
+        identity.validate()
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        epoch = self.engine.epoch_for(identity)
+        yield pb.AttachEvent(attempt=epoch.attempt)
+        try:
+            while not ended.wait(1.0) and context.is_active():
+                if self.engine.stopping:
+                    return
+        finally:
+            if not self.engine.stopping:
+                self.engine.rank_gone(identity, "its trainer went away")
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return pb.StatusResponse(

@@ -16,6 +16,9 @@ Buffer = bytes | bytearray | memoryview
 class ObjectInfo:
     key: str
     size: int
+    #: The object's ETag where it came cheaply (head()); "" in listings. Not part of
+    #: equality: an ObjectInfo names an object and its size, whichever call produced it.
+    etag: str = field(default="", compare=False)
 
 
 @dataclass
@@ -35,9 +38,19 @@ class Store(ABC):
       URL). A valid key is non-empty, has no leading '/', no empty, '.' or '..'
       segment and no NUL; anything else raises ValueError before any request.
     - put() makes an object visible whole or not at all, never partially, to
-      every reader of the same store. put() on an existing key replaces it: the
-      store never refuses an overwrite. The caller enforces never-overwrite
-      (object keys are unique per save attempt; only LATEST is rewritten).
+      every reader of the same store, and returns the new object's ETag (an
+      opaque string). An unconditional put() on an existing key replaces it.
+      Conditional puts refuse with errors.PreconditionFailed, writing nothing:
+      `if_none_match=True` creates only (refused when the key exists);
+      `if_match=etag` replaces only the object with that ETag (refused when it
+      changed or is missing). Among conditional puts racing on one key exactly
+      one wins each round. Giving both conditions is a ValueError. An
+      unconditional put racing a conditional one on the same key is not
+      ordered against it; callers do not mix the two on one key.
+    - ETags: get_versioned() and head() return the ETag put() returned. On the
+      file and memory backends every successful put() makes a new ETag, even
+      for identical content; on S3 the ETag is the server's (an MD5 of the
+      content for single-part objects), so rewriting identical bytes keeps it.
     - get()/get_range() raise errors.ObjectNotFound for a missing key; every
       other backend failure raises errors.StorageError (after the backend's
       own retries).
@@ -47,7 +60,8 @@ class Store(ABC):
       next segment after `prefix` roll up into one common prefix.
     - delete() ignores missing keys.
     - requests counts backend requests by kind ("put", "get", "head", "list",
-      "delete"), for metrics and for tests that bound request counts.
+      "delete"; a conditional put is a "put"), for metrics and for tests that
+      bound request counts.
 
     Call order: open (open_store), then any operations from any number of
     threads, then close() once. Backends are thread-safe.
@@ -73,12 +87,21 @@ class Store(ABC):
             self.requests[op] += n
 
     @abstractmethod
-    def put(self, key: str, data: Buffer) -> None:
-        """Store `data` under `key`, atomically; replaces an existing object."""
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        """Store `data` under `key`, atomically, and return its ETag.
+
+        Unconditionally it replaces an existing object; `if_none_match` (create
+        only) and `if_match` (replace that version only) raise
+        errors.PreconditionFailed instead when their condition does not hold.
+        """
 
     @abstractmethod
     def get(self, key: str) -> bytes:
         """The whole object; errors.ObjectNotFound when missing."""
+
+    @abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The whole object and its ETag, read together; errors.ObjectNotFound when missing."""
 
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -86,7 +109,7 @@ class Store(ABC):
 
     @abstractmethod
     def head(self, key: str) -> ObjectInfo | None:
-        """Size of the object, or None when missing."""
+        """Size and ETag of the object, or None when missing."""
 
     @abstractmethod
     def list(
@@ -138,6 +161,14 @@ def validate_prefix(prefix: str) -> str:
         return prefix
     validate_key(prefix[:-1] if prefix.endswith("/") else prefix)
     return prefix
+
+
+def check_conditions(if_none_match: bool, if_match: str | None) -> None:
+    """Reject condition combinations no backend can honour, before any request."""
+    if if_none_match and if_match is not None:
+        raise ValueError("put() takes if_none_match or if_match, not both")
+    if if_match is not None and not if_match:
+        raise ValueError("if_match must be a non-empty ETag")
 
 
 def validate_range(start: int, length: int) -> None:

@@ -1,13 +1,23 @@
 """A directory as a store: one file per key, written the way DCP's filesystem
 writer does (temporary file in the same directory, fsync, rename, fsync the
-directory), so a crash leaves either the old object or the new one."""
+directory), so a crash leaves either the old object or the new one.
+
+Conditional puts lock the key (flock on a lock file beside it) so that they
+exclude each other; create-only ones publish with link(), which, unlike
+rename(), never replaces an existing file. ETags come from the file's inode
+number, mtime and size: a new file for every put, so a new ETag.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
 import os
 import stat
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,6 +30,7 @@ from sidecar.store.base import (
     ObjectInfo,
     Store,
     build_listing,
+    check_conditions,
     check_list_args,
     validate_key,
     validate_prefix,
@@ -41,6 +52,57 @@ def _fsync_dir(path: Path) -> None:
     try:
         os.fsync(fd)
     finally:
+        os.close(fd)
+
+
+def _etag(st: os.stat_result) -> str:
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+_clock_lock = threading.Lock()
+_last_ns = 0
+
+
+def _unique_ns() -> int:
+    """Wall-clock nanoseconds, strictly increasing within this process."""
+    global _last_ns
+    with _clock_lock:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+@contextlib.contextmanager
+def _key_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on the lock file of the key at `path`.
+
+    The lock file is unlinked on release, so it neither shows up anywhere nor
+    keeps delete() from pruning the directory. Whoever opened the old file and
+    was waiting on it sees, once it holds the lock, that the path now names
+    another file (or none) and starts over, so two holders never coexist.
+    (A crash while holding it leaves the file behind, like a crashed put's
+    temporary file: list() skips both.)
+    """
+    digest = hashlib.blake2b(os.fsencode(path.name), digest_size=8).hexdigest()
+    lock = path.with_name(f"{TMP_MARK}lock-{digest}")  # hashed: a long key name must still fit
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if current:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)  # while still holding it; see above
         os.close(fd)
 
 
@@ -73,16 +135,22 @@ class FileStore(Store):
 
     # -- writes -----------------------------------------------------------------
 
-    def put(self, key: str, data: Buffer) -> None:
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         path = self._path(key)
+        check_conditions(if_none_match, if_match)
         self._count("put")
         # A concurrent delete() may prune the (then empty) parent directory
         # between our mkdir and our open; one retry recreates it.
         for attempt in range(3):
             try:
                 self._makedirs(path.parent)
-                self._write_atomically(path, data)
-                return
+                if not if_none_match and if_match is None:
+                    return self._write_atomically(path, data)
+                # Create-only puts lock too, so the two conditions on one key exclude each other.
+                with _key_lock(path):
+                    if if_match is not None:
+                        return self._replace_if_match(key, path, data, if_match)
+                    return self._create_exclusively(key, path, data)
             except FileNotFoundError as exc:
                 if attempt == 2:
                     raise self._fail("put", key, exc) from exc
@@ -97,6 +165,7 @@ class FileStore(Store):
                 ) from exc
             except OSError as exc:
                 raise self._fail("put", key, exc) from exc
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _makedirs(self, directory: Path) -> None:
         """mkdir -p, fsyncing each new directory's parent so the new entries survive a crash."""
@@ -110,19 +179,63 @@ class FileStore(Store):
                 d.mkdir()
             _fsync_dir(d.parent)
 
-    def _write_atomically(self, path: Path, data: Buffer) -> None:
+    def _write_tmp(self, path: Path, data: Buffer) -> tuple[Path, str]:
+        """A durable temporary file beside `path` holding `data`, and the ETag it will have there."""
         tmp = path.with_name(f"{TMP_MARK}{uuid.uuid4().hex}")
         try:
             with open(tmp, "xb") as f:
                 f.write(data)
                 f.flush()
+                # A fine-grained mtime that never repeats: the kernel stamps files with a
+                # coarse clock, and a freed inode number is soon reused, so two versions
+                # of one size could otherwise share an ETag.
+                ns = _unique_ns()
+                os.utime(f.fileno(), ns=(ns, ns))
                 os.fsync(f.fileno())
+                etag = _etag(os.fstat(f.fileno()))  # rename() and link() keep inode and mtime
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return tmp, etag
+
+    def _write_atomically(self, path: Path, data: Buffer) -> str:
+        tmp, etag = self._write_tmp(path, data)
+        try:
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
         _fsync_dir(path.parent)
+        return etag
+
+    def _replace_if_match(self, key: str, path: Path, data: Buffer, if_match: str) -> str:
+        # Under the key lock: no conditional put can slip in between this check and the rename.
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise errors.PreconditionFailed(f"{self.url}/{key} is missing (If-Match {if_match})") from None
+        if not stat.S_ISREG(st.st_mode) or _etag(st) != if_match:
+            raise errors.PreconditionFailed(f"{self.url}/{key} changed (If-Match {if_match})")
+        return self._write_atomically(path, data)
+
+    def _create_exclusively(self, key: str, path: Path, data: Buffer) -> str:
+        # link() publishes the finished file atomically and fails if the name exists:
+        # open(O_EXCL) on the final path would expose a half-written file, and
+        # rename() would replace whatever an unconditional put left there.
+        tmp, etag = self._write_tmp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            if path.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "is a directory", str(path)) from None
+            raise errors.PreconditionFailed(f"{self.url}/{key} exists (If-None-Match)") from None
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        _fsync_dir(path.parent)
+        return etag
 
     def delete(self, keys: Iterable[str]) -> None:
         paths = [(k, self._path(k)) for k in keys]
@@ -162,6 +275,18 @@ class FileStore(Store):
         except OSError as exc:
             raise self._fail("get", key, exc) from exc
 
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+        self._count("get")
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())  # the file we read, even if a put renames over it now
+                return f.read(), _etag(st)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
+        except OSError as exc:
+            raise self._fail("get", key, exc) from exc
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         validate_range(start, length)
         path = self._path(key)
@@ -184,7 +309,7 @@ class FileStore(Store):
             return None
         except OSError as exc:
             raise self._fail("head", key, exc) from exc
-        return ObjectInfo(key, st.st_size) if stat.S_ISREG(st.st_mode) else None
+        return ObjectInfo(key, st.st_size, _etag(st)) if stat.S_ISREG(st.st_mode) else None
 
     def list(
         self,

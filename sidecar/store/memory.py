@@ -16,6 +16,7 @@ from sidecar.store.base import (
     ObjectInfo,
     Store,
     build_listing,
+    check_conditions,
     check_list_args,
     validate_key,
     validate_prefix,
@@ -24,11 +25,14 @@ from sidecar.store.base import (
 
 
 class _Space:
-    """One named namespace; the lock guards `objects`."""
+    """One named namespace; the lock guards `objects` and `version`."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.objects: dict[str, bytes] = {}
+        #: key -> (body, ETag)
+        self.objects: dict[str, tuple[bytes, str]] = {}
+        #: Bumped by every put, so ETags differ even for identical content.
+        self.version = 0
 
 
 _registry: dict[str, _Space] = {}
@@ -54,21 +58,35 @@ class MemoryStore(Store):
             raise ValueError(f"bad memory store url {url!r}: expected memory://<name>[/<prefix>]")
         return cls(parts.netloc, parts.path)
 
-    def put(self, key: str, data: Buffer) -> None:
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         full = self._root + validate_key(key)
+        check_conditions(if_none_match, if_match)
         blob = bytes(data)  # a copy: the caller may reuse its buffer
         self._count("put")
-        with self._space.lock:
-            self._space.objects[full] = blob
+        space = self._space
+        with space.lock:
+            current = space.objects.get(full)
+            if if_none_match and current is not None:
+                raise errors.PreconditionFailed(f"{self.url}/{key} exists (If-None-Match)")
+            if if_match is not None and (current is None or current[1] != if_match):
+                state = "is missing" if current is None else "changed"
+                raise errors.PreconditionFailed(f"{self.url}/{key} {state} (If-Match {if_match})")
+            space.version += 1
+            etag = f"m{space.version:x}"
+            space.objects[full] = (blob, etag)
+        return etag
 
     def get(self, key: str) -> bytes:
+        return self.get_versioned(key)[0]
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
         full = self._root + validate_key(key)
         self._count("get")
         with self._space.lock:
-            blob = self._space.objects.get(full)
-        if blob is None:
+            found = self._space.objects.get(full)
+        if found is None:
             raise errors.ObjectNotFound(f"no such object: {self.url}/{key}")
-        return blob
+        return found
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         validate_range(start, length)
@@ -78,8 +96,8 @@ class MemoryStore(Store):
         full = self._root + validate_key(key)
         self._count("head")
         with self._space.lock:
-            blob = self._space.objects.get(full)
-        return None if blob is None else ObjectInfo(key, len(blob))
+            found = self._space.objects.get(full)
+        return None if found is None else ObjectInfo(key, len(found[0]), found[1])
 
     def list(
         self,
@@ -94,7 +112,7 @@ class MemoryStore(Store):
         full_prefix = self._root + prefix
         with self._space.lock:
             keys = sorted(k for k in self._space.objects if k.startswith(full_prefix))
-            sizes = [len(self._space.objects[k]) for k in keys]
+            sizes = [len(self._space.objects[k][0]) for k in keys]
         lo = 0
         if start_after is not None:
             lo = bisect.bisect_right(keys, self._root + start_after)

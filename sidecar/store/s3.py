@@ -4,6 +4,12 @@ Large objects go up with multipart upload, parts in parallel from slices of
 the caller's buffer; S3 makes a multipart object visible only at
 CompleteMultipartUpload, which keeps put() all-or-nothing.
 
+Conditional puts send If-None-Match: * or If-Match: "<etag>" on PutObject, or
+on CompleteMultipartUpload for large bodies. ETags are returned without their
+quotes. SeaweedFS 4.x honours both headers atomically (quoted or unquoted
+If-Match), answering 412 PreconditionFailed, also for If-Match on a missing
+key, where AWS may answer 404.
+
 SeaweedFS quirks (4.x, measured): listings come in tree order, which differs
 from S3's byte order only when a key segment holds a byte below '/' (e.g. "a-c"
 sorts after "a/b" there); and StartAfter="a/c" skips every key under "a/c/"
@@ -32,6 +38,7 @@ from sidecar.store.base import (
     Listing,
     ObjectInfo,
     Store,
+    check_conditions,
     check_list_args,
     validate_key,
     validate_prefix,
@@ -42,6 +49,8 @@ MiB = 1 << 20
 _MAX_PARTS = 10_000  # S3's limit per multipart upload
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
+#: A conditional write lost (412), or raced another conditional write on the key (409).
+_PRECONDITION = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 #: Operation name -> request kind. Every write-class request counts as "put",
 #: matching how S3 bills them (PUT, COPY, POST and LIST share a price tier).
@@ -61,6 +70,18 @@ _KINDS = {
 }
 
 _T = TypeVar("_T")
+
+
+def _unquote(etag: str) -> str:
+    return etag.strip('"')
+
+
+def _conditions(if_none_match: bool, if_match: str | None) -> dict[str, str]:
+    if if_none_match:
+        return {"IfNoneMatch": "*"}
+    if if_match is not None:
+        return {"IfMatch": f'"{_unquote(if_match)}"'}  # RFC 7232's quoted form
+    return {}
 
 
 class S3Store(Store):
@@ -162,22 +183,49 @@ class S3Store(Store):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in _MISSING:
                 raise errors.ObjectNotFound(f"no such object: s3://{self.bucket}/{key}") from exc
+            if code in _PRECONDITION:
+                raise errors.PreconditionFailed(
+                    f"S3 {op} s3://{self.bucket}/{key}: precondition failed ({code})"
+                ) from exc
             raise errors.StorageError(f"S3 {op} s3://{self.bucket}/{key} failed: {exc}") from exc
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             raise errors.StorageError(f"S3 {op} s3://{self.bucket}/{key} failed: {exc}") from exc
 
     # -- writes -----------------------------------------------------------------
 
-    def put(self, key: str, data: Buffer) -> None:
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         full = self._root + validate_key(key)
+        check_conditions(if_none_match, if_match)
+        conditions = _conditions(if_none_match, if_match)
         view = memoryview(data).cast("B")
-        if view.nbytes < self.multipart_threshold:
-            body = data if isinstance(data, bytes) else view.tobytes()
-            self._call("put", full, lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=body))
-        else:
-            self._put_multipart(full, view)
+        # botocore retries a conditional PUT like any other. When the first attempt
+        # succeeded but its response was lost, the retry comes back 412 against our
+        # own object: the caller must read the object back to tell its write from another's.
+        try:
+            if view.nbytes < self.multipart_threshold:
+                body = data if isinstance(data, bytes) else view.tobytes()
+                resp = self._call(
+                    "put",
+                    full,
+                    lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=body, **conditions),
+                )
+            else:
+                resp = self._put_multipart(full, view, conditions)
+        except errors.ObjectNotFound as exc:
+            if if_match is None:
+                raise
+            # AWS answers If-Match on a missing key with 404 rather than 412.
+            raise errors.PreconditionFailed(
+                f"S3 put s3://{self.bucket}/{full}: precondition failed (object missing)"
+            ) from exc
+        return _unquote(str(resp["ETag"]))
 
-    def _put_multipart(self, full: str, view: memoryview) -> None:
+    def _put_multipart(self, full: str, view: memoryview, conditions: dict[str, str]) -> dict[str, Any]:
+        if conditions and not conditions.keys() <= self._complete_conditions():
+            raise ValueError(
+                f"this botocore cannot send {sorted(conditions)} on CompleteMultipartUpload: conditional "
+                f"puts must stay below multipart_threshold ({self.multipart_threshold} bytes)"
+            )
         size = view.nbytes
         part = max(self.part_bytes, math.ceil(size / _MAX_PARTS))
         created = self._call(
@@ -208,11 +256,16 @@ class S3Store(Store):
             for f in done:
                 f.result()  # re-raises the first failure, if any
             parts = [f.result() for f in futures]
-            self._call(
+            # The condition is checked here, at the one request that makes the object visible.
+            return self._call(
                 "complete_multipart_upload",
                 full,
                 lambda: self._client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **conditions,
                 ),
             )
         except BaseException:
@@ -225,6 +278,11 @@ class S3Store(Store):
             ):
                 self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
             raise
+
+    def _complete_conditions(self) -> set[str]:
+        """The conditional headers this botocore's CompleteMultipartUpload takes (>= 1.35.x: both)."""
+        shape = self._client.meta.service_model.operation_model("CompleteMultipartUpload").input_shape
+        return {"IfNoneMatch", "IfMatch"} & set(shape.members)
 
     def _executor(self) -> ThreadPoolExecutor:
         # Shared by all puts of this store: `concurrency` bounds parts in flight store-wide.
@@ -272,17 +330,21 @@ class S3Store(Store):
 
     # -- reads ------------------------------------------------------------------
 
-    def _read_body(self, full: str, **kwargs: Any) -> bytes:
-        def fetch() -> bytes:
-            body = self._client.get_object(Bucket=self.bucket, Key=full, **kwargs)["Body"]
+    def _read_body(self, full: str, **kwargs: Any) -> tuple[bytes, str]:
+        def fetch() -> tuple[bytes, str]:
+            resp = self._client.get_object(Bucket=self.bucket, Key=full, **kwargs)
+            body = resp["Body"]
             try:
-                return bytes(body.read())
+                return bytes(body.read()), _unquote(str(resp.get("ETag", "")))
             finally:
                 body.close()
 
         return self._call("get", full, fetch)
 
     def get(self, key: str) -> bytes:
+        return self._read_body(self._root + validate_key(key))[0]
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
         return self._read_body(self._root + validate_key(key))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -295,7 +357,7 @@ class S3Store(Store):
                 raise errors.ObjectNotFound(f"no such object: s3://{self.bucket}/{full}")
             return b""
         try:
-            return self._read_body(full, Range=f"bytes={start}-{start + length - 1}")
+            return self._read_body(full, Range=f"bytes={start}-{start + length - 1}")[0]
         except errors.StorageError as exc:
             cause = exc.__cause__
             if isinstance(cause, botocore.exceptions.ClientError) and (
@@ -310,7 +372,7 @@ class S3Store(Store):
             resp = self._call("head", full, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
         except errors.ObjectNotFound:
             return None
-        return ObjectInfo(key, int(resp["ContentLength"]))
+        return ObjectInfo(key, int(resp["ContentLength"]), _unquote(str(resp.get("ETag", ""))))
 
     def list(
         self,

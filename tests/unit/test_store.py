@@ -9,15 +9,17 @@ import array
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sidecar import errors
 from sidecar.store import Listing, ObjectInfo, Store, open_store
+from sidecar.store.base import Buffer
 from sidecar.store.file import TMP_MARK, FileStore
 from sidecar.store.memory import MemoryStore
+from sidecar.store.probe import conditional_writes_unsupported
 
 # Includes keys whose segments hold bytes below '/' ('-'), where byte order and
 # tree order differ: "a-c" < "a/b" byte-wise.
@@ -195,7 +197,10 @@ BAD_KEYS = ["", "/abs", "a//b", "a/", "a/../b", "..", "./a", "a/./b", "nul\x00"]
 def test_invalid_keys_are_rejected_before_any_request(store: Store, key: str) -> None:
     for call in (
         lambda: store.put(key, b"x"),
+        lambda: store.put(key, b"x", if_none_match=True),
+        lambda: store.put(key, b"x", if_match="e"),
         lambda: store.get(key),
+        lambda: store.get_versioned(key),
         lambda: store.get_range(key, 0, 1),
         lambda: store.head(key),
         lambda: store.delete([key]),
@@ -218,6 +223,189 @@ def test_concurrent_puts_all_land(store: Store) -> None:
     assert len(store.list("").objects) == 160
     assert store.get("t7/k19") == b"7-19"
     assert store.requests["put"] == 160
+
+
+# -- conditional writes ----------------------------------------------------------
+
+
+def test_put_returns_the_etag_that_reads_report(store: Store) -> None:
+    etag = store.put("d/k", b"v")
+    assert isinstance(etag, str) and etag
+    assert store.get_versioned("d/k") == (b"v", etag)
+    info = store.head("d/k")
+    assert info is not None and info.etag == etag
+    with pytest.raises(errors.ObjectNotFound, match="d/missing"):
+        store.get_versioned("d/missing")
+
+
+def test_create_only_put_refuses_an_existing_key(store: Store) -> None:
+    first = store.put("d/k", b"first", if_none_match=True)
+    with pytest.raises(errors.PreconditionFailed, match="d/k"):
+        store.put("d/k", b"second", if_none_match=True)
+    assert store.get_versioned("d/k") == (b"first", first)
+    store.put("d/plain", b"unconditional")
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/plain", b"x", if_none_match=True)
+    assert store.get("d/plain") == b"unconditional"
+
+
+def test_if_match_replaces_only_the_version_it_names(store: Store) -> None:
+    old = store.put("d/k", b"1")
+    new = store.put("d/k", b"2", if_match=old)
+    assert new != old
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/k", b"3", if_match=old)  # stale
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/k", b"3", if_match="not-an-etag")
+    assert store.get_versioned("d/k") == (b"2", new)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/missing", b"x", if_match=new)
+    assert store.head("d/missing") is None
+
+
+def test_etag_changes_on_every_put_even_for_identical_content(store: Store) -> None:
+    etags = [store.put("k", b"same")]
+    for _ in range(30):  # enough for a reused inode number within one clock tick
+        etags.append(store.put("k", b"same"))
+    etags.append(store.put("k", b"same", if_match=etags[-1]))
+    assert len(set(etags)) == len(etags)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("k", b"same", if_match=etags[-2])
+
+
+def test_conditions_are_checked_before_any_request(store: Store) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        store.put("k", b"x", if_none_match=True, if_match="e")
+    with pytest.raises(ValueError, match="non-empty"):
+        store.put("k", b"x", if_match="")
+    assert sum(store.requests.values()) == 0
+
+
+def test_conditional_puts_count_as_puts(store: Store) -> None:
+    etag = store.put("k", b"1", if_none_match=True)
+    store.put("k", b"2", if_match=etag)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("k", b"3", if_none_match=True)
+    store.get_versioned("k")
+    assert dict(store.requests) == {"put": 3, "get": 1}
+
+
+def race(n: int, attempt: Callable[[int], object]) -> list[int]:
+    """Run attempt(i) for i in range(n) at once; the i that did not raise PreconditionFailed."""
+    barrier = threading.Barrier(n)
+    won: list[int] = []
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            attempt(i)
+            won.append(i)
+        except errors.PreconditionFailed:
+            pass
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    return won
+
+
+def test_racing_create_only_puts_have_one_winner(store: Store) -> None:
+    for round in range(10):
+        key = f"race/{round}/COMMIT"
+        won = race(8, lambda i, key=key: store.put(key, f"writer {i}".encode(), if_none_match=True))  # type: ignore[misc]
+        assert len(won) == 1
+        assert store.get(key) == f"writer {won[0]}".encode()
+
+
+def test_racing_compare_and_swaps_have_one_winner(store: Store) -> None:
+    etag = store.put("LATEST", b"0")
+    for round in range(10):
+        seen = etag
+        results: dict[int, str] = {}
+
+        def swap(i: int, seen: str = seen) -> None:
+            results[i] = store.put("LATEST", f"{round}-{i}".encode(), if_match=seen)
+
+        won = race(8, swap)
+        assert len(won) == 1
+        body, etag = store.get_versioned("LATEST")
+        assert (body, etag) == (f"{round}-{won[0]}".encode(), results[won[0]])
+
+
+def test_create_only_and_if_match_on_one_key_exclude_each_other(store: Store) -> None:
+    for round in range(10):
+        key = f"mixed/{round}"
+        etag = store.put(key, b"v0")
+        store.delete([key])
+        # The key is missing: the creates race for it, the stale compare-and-swaps all lose.
+        won = race(
+            8,
+            lambda i, key=key, etag=etag: store.put(  # type: ignore[misc]
+                key, f"w{i}".encode(), **({"if_none_match": True} if i % 2 else {"if_match": etag})
+            ),
+        )
+        assert len(won) == 1 and won[0] % 2 == 1
+        assert store.get(key) == f"w{won[0]}".encode()
+
+
+@pytest.mark.parametrize("prefix", ["", "ns/job/", "ns/job"])
+def test_probe_finds_conditional_writes_honoured(store: Store, prefix: str) -> None:
+    store.put("ns/job/keep", b"1")
+    assert conditional_writes_unsupported(store, prefix) is None
+    assert keys(store.list("")) == ["ns/job/keep"]  # the probe object is gone
+    assert store.requests["put"] == 1 + 4
+
+
+class IgnoresConditions(MemoryStore):
+    """A store that accepts conditional headers and ignores them, as some S3 lookalikes do."""
+
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        return super().put(key, data)
+
+
+class RefusesEveryIfMatch(MemoryStore):
+    def put(self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        if if_match is not None:
+            raise errors.PreconditionFailed("no")
+        return super().put(key, data, if_none_match=if_none_match)
+
+
+def test_probe_names_what_a_store_ignores() -> None:
+    ignoring = IgnoresConditions(uuid.uuid4().hex)
+    found = conditional_writes_unsupported(ignoring, "p/")
+    assert found == (
+        "If-None-Match is ignored: a create-only PUT replaced an existing object; "
+        "If-Match is ignored: a PUT with a wrong ETag replaced the object"
+    )
+    assert keys(ignoring.list("")) == []
+    refusing = RefusesEveryIfMatch(uuid.uuid4().hex)
+    found = conditional_writes_unsupported(refusing, "")
+    assert found is not None and found.startswith("If-Match is broken")
+    assert keys(refusing.list("")) == []
+
+
+def test_probe_lets_storage_errors_through_and_still_cleans_up() -> None:
+    class Failing(MemoryStore):
+        calls = 0
+
+        def put(
+            self, key: str, data: Buffer, *, if_none_match: bool = False, if_match: str | None = None
+        ) -> str:
+            self.calls += 1
+            if self.calls == 2:
+                raise errors.StorageError("backend down")
+            return super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    failing = Failing(uuid.uuid4().hex)
+    with pytest.raises(errors.StorageError, match="backend down"):
+        conditional_writes_unsupported(failing, "")
+    assert keys(failing.list("")) == []
 
 
 # -- file backend ----------------------------------------------------------------

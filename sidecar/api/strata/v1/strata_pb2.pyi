@@ -61,12 +61,17 @@ class Identity(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     job: _builtins.str
     rank: _builtins.int
     world_size: _builtins.int
     attempt: _builtins.int
-    """Restart count of the job (the gang shares it)."""
+    """Restart count of the job (the gang shares it), as the trainer knows it."""
+    generation: _builtins.str
+    """The gang generation, "RUN/RESTART", as the trainer declares it (STRATA_GENERATION,
+    torchrun's run id and restart count). A sidecar with a generation file uses the file.
+    """
     def __init__(
         self,
         *,
@@ -75,10 +80,11 @@ class Identity(_message.Message):
         rank: _builtins.int = ...,
         world_size: _builtins.int = ...,
         attempt: _builtins.int = ...,
+        generation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "job", b"job", "namespace", b"namespace", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "generation", b"generation", "job", b"job", "namespace", b"namespace", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -755,6 +761,50 @@ class PrefetchResponse(_message.Message):
 Global___PrefetchResponse: _TypeAlias = PrefetchResponse  # noqa: Y015
 
 @_typing.final
+class AttachRequest(_message.Message):
+    """Held open by every trainer for its lifetime: when it ends (the trainer exited or died),
+    the sidecar knows at once that the rank will save nothing more.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def identity(self) -> Global___Identity: ...
+    def __init__(
+        self,
+        *,
+        identity: Global___Identity | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachRequest: _TypeAlias = AttachRequest  # noqa: Y015
+
+@_typing.final
+class AttachEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    attempt: _builtins.int
+    """The attempt (storage-allocated) this rank runs as, once known."""
+    def __init__(
+        self,
+        *,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttachEvent: _TypeAlias = AttachEvent  # noqa: Y015
+
+@_typing.final
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -797,3 +847,164 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class ManifestHint(_message.Message):
+    """Sidecar <-> sidecar: hints that make commits fast. Storage stays the truth: a receiver
+    verifies every hint that could lead to a commit against storage, so a lost or forged
+    hint can delay a commit (or fail one), never corrupt one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    key: _builtins.str
+    """Key of the rank's MANIFEST of (attempt, step), durable now."""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ManifestHint: _TypeAlias = ManifestHint  # noqa: Y015
+
+@_typing.final
+class CommitHint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Key of the job-level COMMIT of (attempt, step), durable now."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitHint: _TypeAlias = CommitHint  # noqa: Y015
+
+@_typing.final
+class SkipHint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkipHint: _TypeAlias = SkipHint  # noqa: Y015
+
+@_typing.final
+class GoneHint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    UPLOADING_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    reason: _builtins.str
+    @_builtins.property
+    def uploading(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Steps of this attempt whose complete snapshots the rank's sidecar is still uploading;
+        the rank saves nothing else.
+        """
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        uploading: _abc.Iterable[_builtins.int] | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "reason", b"reason", "uploading", b"uploading"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GoneHint: _TypeAlias = GoneHint  # noqa: Y015
+
+@_typing.final
+class HintRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
+    GONE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    job: _builtins.str
+    attempt: _builtins.int
+    step: _builtins.int
+    @_builtins.property
+    def manifest(self) -> Global___ManifestHint: ...
+    @_builtins.property
+    def commit(self) -> Global___CommitHint: ...
+    @_builtins.property
+    def skip(self) -> Global___SkipHint: ...
+    @_builtins.property
+    def gone(self) -> Global___GoneHint: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        job: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        step: _builtins.int = ...,
+        manifest: Global___ManifestHint | None = ...,
+        commit: Global___CommitHint | None = ...,
+        skip: Global___SkipHint | None = ...,
+        gone: Global___GoneHint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "gone", b"gone", "hint", b"hint", "manifest", b"manifest", "skip", b"skip"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "commit", b"commit", "gone", b"gone", "hint", b"hint", "job", b"job", "manifest", b"manifest", "namespace", b"namespace", "skip", b"skip", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_hint: _TypeAlias = _typing.Literal["manifest", "commit", "skip", "gone"]  # noqa: Y015
+    _WhichOneofArgType_hint: _TypeAlias = _typing.Literal["hint", b"hint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_hint) -> _WhichOneofReturnType_hint | None: ...
+
+Global___HintRequest: _TypeAlias = HintRequest  # noqa: Y015
+
+@_typing.final
+class HintResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HintResponse: _TypeAlias = HintResponse  # noqa: Y015

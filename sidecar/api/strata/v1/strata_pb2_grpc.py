@@ -79,6 +79,11 @@ class CheckpointerStub:
                 request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/strata.v1.Checkpointer/Attach',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.AttachRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.AttachEvent.FromString,
+                _registered_method=True)
 
 
 class CheckpointerServicer:
@@ -142,6 +147,12 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +200,11 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchRequest.FromString,
                     response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.AttachRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.AttachEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +450,105 @@ class Checkpointer:
             '/strata.v1.Checkpointer/Prefetch',
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchRequest.SerializeToString,
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.Checkpointer/Attach',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.AttachRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.AttachEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PeerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Hint = channel.unary_unary(
+                '/strata.v1.Peer/Hint',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintResponse.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Hint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Hint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hint,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'strata.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('strata.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Hint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Peer/Hint',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintResponse.FromString,
             options,
             channel_credentials,
             insecure,

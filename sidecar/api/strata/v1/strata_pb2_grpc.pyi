@@ -57,6 +57,7 @@ class CheckpointerStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_strata_pb2.StatusRequest, _strata_pb2.StatusResponse]
     ReportSkip: _grpc.UnaryUnaryMultiCallable[_strata_pb2.ReportSkipRequest, _strata_pb2.ReportSkipResponse]
     Prefetch: _grpc.UnaryUnaryMultiCallable[_strata_pb2.PrefetchRequest, _strata_pb2.PrefetchResponse]
+    Attach: _grpc.UnaryStreamMultiCallable[_strata_pb2.AttachRequest, _strata_pb2.AttachEvent]
 
 @_typing.type_check_only
 class CheckpointerAsyncStub(CheckpointerStub):
@@ -75,6 +76,7 @@ class CheckpointerAsyncStub(CheckpointerStub):
     GetStatus: _aio.UnaryUnaryMultiCallable[_strata_pb2.StatusRequest, _strata_pb2.StatusResponse]  # type: ignore[assignment]
     ReportSkip: _aio.UnaryUnaryMultiCallable[_strata_pb2.ReportSkipRequest, _strata_pb2.ReportSkipResponse]  # type: ignore[assignment]
     Prefetch: _aio.UnaryUnaryMultiCallable[_strata_pb2.PrefetchRequest, _strata_pb2.PrefetchResponse]  # type: ignore[assignment]
+    Attach: _aio.UnaryStreamMultiCallable[_strata_pb2.AttachRequest, _strata_pb2.AttachEvent]  # type: ignore[assignment]
 
 class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -145,4 +147,33 @@ class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_strata_pb2.PrefetchResponse, _abc.Awaitable[_strata_pb2.PrefetchResponse]]: ...
 
+    @_abc_1.abstractmethod
+    def Attach(
+        self,
+        request: _strata_pb2.AttachRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_strata_pb2.AttachEvent], _abc.AsyncIterator[_strata_pb2.AttachEvent]]: ...
+
 def add_CheckpointerServicer_to_server(servicer: CheckpointerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class PeerStub:
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
+    Hint: _grpc.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]
+
+@_typing.type_check_only
+class PeerAsyncStub(PeerStub):
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Hint: _aio.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]  # type: ignore[assignment]
+
+class PeerServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def Hint(
+        self,
+        request: _strata_pb2.HintRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_strata_pb2.HintResponse, _abc.Awaitable[_strata_pb2.HintResponse]]: ...
+
+def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,159 @@
+"""What one sidecar knows about a job's gang: its generation, its attempt (the epoch
+record in storage), the fences, and the hints other sidecars sent.
+
+Hints only speed things up. Every hint that could lead to a commit is checked
+against storage before it is acted on (a MANIFEST hint is read back and parsed,
+a COMMIT hint is read back and must list this rank's MANIFEST), and every wait
+falls back to asking storage after ``--hint-fallback-s``. A lost hint delays a
+commit; a forged one can fail a step, never corrupt one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from sidecar import manifest as mf
+from sidecar.api import pb, pb_grpc
+from sidecar.store.base import Store
+
+log = logging.getLogger(__name__)
+
+Position = tuple[int, int]  # (attempt, step)
+
+
+@dataclass
+class StepNews:
+    """What is known of one (attempt, step) beyond this sidecar's own snapshots."""
+
+    #: rank -> MANIFEST key (hinted or local) and, when local, its body
+    manifests: dict[int, str] = field(default_factory=dict)
+    bodies: dict[int, bytes] = field(default_factory=dict)
+    #: the COMMIT key a hint named (unverified) and the verified reference
+    hinted_commit: str = ""
+    committed: mf.CommitRef | None = None
+    #: rank -> why it will not save this step
+    skipped: dict[int, str] = field(default_factory=dict)
+
+
+class JobGang:
+    """One job's coordination state inside a sidecar. ``cond`` guards every field."""
+
+    def __init__(self, store: Store, namespace: str, job: str, keep: int) -> None:
+        self.store, self.namespace, self.job = store, namespace, job
+        self.cond = threading.Condition()
+        self.generation: mf.Generation | None = None
+        self.epoch: mf.Epoch | None = None
+        self.fences = mf.Fences()
+        self.steps: dict[Position, StepNews] = {}
+        #: attempt -> rank -> steps it is still uploading (the rank saves nothing else)
+        self.gone: dict[int, dict[int, set[int]]] = {}
+        self.latest_etag = ""
+        self.retention = mf.Retention(store, namespace, job, keep)
+        #: serialises epoch creation and adoption for this job
+        self.epoch_lock = threading.Lock()
+
+    def news(self, position: Position) -> StepNews:
+        """Caller holds ``cond``."""
+        news = self.steps.get(position)
+        if news is None:
+            news = self.steps[position] = StepNews()
+            if len(self.steps) > 4096:  # old steps are settled long ago
+                for old in sorted(self.steps)[:1024]:
+                    del self.steps[old]
+        return news
+
+    def refresh_fences(self) -> mf.Fences:
+        fences = mf.read_fences(self.store, self.namespace, self.job, self.fences)
+        with self.cond:
+            if fences.newest_attempt > self.fences.newest_attempt:
+                self.fences = fences
+                self.cond.notify_all()
+            return self.fences
+
+    def void(self, position: Position) -> bool:
+        """A later attempt this sidecar knows of fenced ``position`` off. Caller holds ``cond``."""
+        return not self.fences.valid(*position)
+
+    def apply_hint(self, req: pb.HintRequest) -> None:
+        position = (req.attempt, req.step)
+        kind = req.WhichOneof("hint")
+        with self.cond:
+            if kind == "manifest":
+                self.news(position).manifests.setdefault(req.manifest.rank, req.manifest.key)
+            elif kind == "commit":
+                self.news(position).hinted_commit = req.commit.key
+            elif kind == "skip":
+                self.news(position).skipped.setdefault(req.skip.rank, req.skip.reason or "skipped")
+            elif kind == "gone":
+                self.gone.setdefault(req.attempt, {})[req.gone.rank] = set(req.gone.uploading)
+            self.cond.notify_all()
+
+    def gone_reason(self, position: Position, ranks: list[int]) -> str:
+        """Why some of ``ranks`` will never save ``position`` ("" while they still might)."""
+        attempt, step = position
+        gone = self.gone.get(attempt, {})
+        lost = [r for r in ranks if r in gone and step not in gone[r]]
+        return f"rank(s) {lost} left attempt {attempt} without saving step {step}" if lost else ""
+
+
+class Peers:
+    """Sends hints to the job's other sidecars, in the background and best effort."""
+
+    def __init__(self, addresses: list[str], timeout_s: float = 2.0) -> None:
+        self._timeout = timeout_s
+        self._stubs = [
+            (address, pb_grpc.PeerStub(grpc.insecure_channel(address))) for address in addresses if address
+        ]
+        self._queue: queue.Queue[pb.HintRequest | None] = queue.Queue(maxsize=10_000)
+        self._thread: threading.Thread | None = None
+        if self._stubs:
+            self._thread = threading.Thread(target=self._run, name="strata-peer-hints", daemon=True)
+            self._thread.start()
+
+    def __bool__(self) -> bool:
+        return bool(self._stubs)
+
+    def send(self, req: pb.HintRequest) -> None:
+        if not self._stubs:
+            return
+        try:
+            self._queue.put_nowait(req)
+        except queue.Full:
+            log.warning("peer hint queue full; dropping a hint (commits fall back to storage)")
+
+    def _run(self) -> None:
+        while True:
+            req = self._queue.get()
+            if req is None:
+                return
+            for address, stub in self._stubs:
+                try:
+                    stub.Hint(req, timeout=self._timeout)
+                except grpc.RpcError as exc:
+                    log.debug("hint to %s failed: %s", address, exc.code())
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+
+class PeerServicer(pb_grpc.PeerServicer):
+    """Receives hints; thin: hands them to the engine."""
+
+    def __init__(self, on_hint: object) -> None:
+        self._on_hint = on_hint
+
+    def Hint(self, request: pb.HintRequest, context: grpc.ServicerContext) -> pb.HintResponse:
+        try:
+            mf.check_name("namespace", request.namespace)
+            mf.check_name("job", request.job)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._on_hint(request)  # type: ignore[operator]
+        return pb.HintResponse()
