@@ -2,8 +2,11 @@
 
     strata launch --nproc 4 -- python train.py --epochs 3
 
-Starts SeaweedFS (unless --storage is given) and one sidecar for all ranks,
-then the ranks with torchrun-style environment. When any rank fails, every
+Starts SeaweedFS (unless --storage is given) and --sidecars sidecars (one per
+simulated pod, each serving a contiguous block of ranks, telling each other of
+their commits over TCP loopback), then the ranks with torchrun-style
+environment. The launcher owns the gang generation (a run id plus the restart
+count), written to a generation file every sidecar reads. When any rank fails, every
 other rank is killed at once (surviving gloo/NCCL ranks would otherwise block
 until their timeout), the decision core (sidecar.coordinator) decides, and
 all ranks start again with a fresh rendezvous port; they resume from the
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +49,10 @@ examples:
   strata launch --nproc 2 --max-restarts 5 --hang-timeout-s 600 -- python train.py
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
-STRATA_SOCKET, STRATA_ATTEMPT and STRATA_PG_TIMEOUT_S (use trainer_client.init_process_group()).
+STRATA_SOCKET (its pod's sidecar), STRATA_ATTEMPT, STRATA_GENERATION and STRATA_PG_TIMEOUT_S
+(use trainer_client.init_process_group()).
 Testing hooks: STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first attempt,
-STRATA_SIDECAR_FAULTS only to the first sidecar.
+STRATA_SIDECAR_FAULTS only to the first start of sidecar $STRATA_SIDECAR_FAULTS_INDEX (default 0).
 """
 
 
@@ -65,6 +70,11 @@ class LaunchSettings:
     pg_timeout_s: float
     metrics_port: int
     keep: int = 3
+    sidecars: int = 1
+
+    def sidecar_of(self, rank: int) -> int:
+        """Ranks fill pods in order, as a Job's completion index would."""
+        return rank * self.sidecars // self.nproc
 
 
 def _free_port() -> int:
@@ -82,7 +92,9 @@ def _pump(stream: object, prefix: str) -> None:
 class Gang:
     """The ranks of one attempt."""
 
-    def __init__(self, settings: LaunchSettings, attempt: int, socket_path: str, heartbeat_dir: Path) -> None:
+    def __init__(
+        self, settings: LaunchSettings, attempt: int, sockets: list[str], heartbeat_dir: Path, generation: str
+    ) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         self.heartbeats = [heartbeat_dir / f"rank-{r}" for r in range(settings.nproc)]
         self.started = time.monotonic()
@@ -104,8 +116,9 @@ class Gang:
                 MASTER_PORT=str(port),
                 STRATA_JOB=settings.job,
                 STRATA_NAMESPACE=settings.namespace,
-                STRATA_SOCKET=socket_path,
+                STRATA_SOCKET=sockets[settings.sidecar_of(rank)],
                 STRATA_ATTEMPT=str(attempt),
+                STRATA_GENERATION=generation,
                 STRATA_PG_TIMEOUT_S=str(settings.pg_timeout_s),
                 STRATA_HEARTBEAT_FILE=str(self.heartbeats[rank]),
                 PYTHONUNBUFFERED="1",
@@ -172,12 +185,16 @@ class Launcher:
         )
         self.tracker = RestartTracker(settings.policy, settings.nproc, on_decision=self._record)
         self.seaweed: SeaweedServer | None = None
-        self.sidecar: subprocess.Popen[bytes] | None = None
+        self.sidecars: list[subprocess.Popen[bytes] | None] = [None] * settings.sidecars
         self.sock_dir = Path(tempfile.mkdtemp(prefix="strata-launch-", dir="/tmp"))
-        self.socket_path = str(self.sock_dir / "sidecar.sock")
+        self.sockets = [str(self.sock_dir / f"sidecar-{i}.sock") for i in range(settings.sidecars)]
+        self.peer_ports = [_free_port() for _ in range(settings.sidecars)]
         self.storage = settings.storage
         self.endpoint = settings.s3_endpoint
-        self._sidecar_starts = 0
+        self._sidecar_starts = [0] * settings.sidecars
+        #: the run's identity; the generation is "<run>/<restart count>"
+        self.run_id = uuid.uuid4().hex[:12]
+        self.generation_file = settings.workdir / "generation"
 
     def _record(self, decision: object) -> None:
         from sidecar.coordinator import Decision
@@ -196,44 +213,70 @@ class Launcher:
             seaweed.create_bucket("strata")
             self.storage, self.endpoint = "s3://strata/checkpoints", seaweed.endpoint
             log.info("embedded SeaweedFS S3 at %s (pid %d)", self.endpoint, seaweed.pid)
-        self.start_sidecar()
+        self.write_generation(0)
+        for index in range(self.s.sidecars):
+            self.start_sidecar(index)
         if self.s.metrics_port:
             start_http_server(self.s.metrics_port, addr="127.0.0.1", registry=self.registry)
 
-    def start_sidecar(self) -> None:
+    def write_generation(self, restart: int) -> str:
+        """The one place sidecars read the gang generation from (a downward-API file in a pod)."""
+        generation = f"{self.run_id}/{restart}"
+        tmp = self.generation_file.with_name(".generation.tmp")
+        tmp.write_text(generation + "\n")
+        tmp.replace(self.generation_file)
+        return generation
+
+    def start_sidecar(self, index: int) -> None:
         strata = str(Path(sys.executable).parent / "strata")
         env = dict(os.environ)
         env.pop("STRATA_FAULTS", None)
-        if not self._sidecar_starts:  # testing hook: faults for the first sidecar only
+        fault_index = int(os.environ.get("STRATA_SIDECAR_FAULTS_INDEX", "0"))
+        if not self._sidecar_starts[index] and index == fault_index:  # testing hook: first start only
             env["STRATA_FAULTS"] = os.environ.get("STRATA_SIDECAR_FAULTS", "")
-        self._sidecar_starts += 1
+        self._sidecar_starts[index] += 1
         if self.endpoint:
             env["STRATA_S3_ENDPOINT"] = self.endpoint
         assert self.storage is not None
-        with (self.s.workdir / "sidecar.log").open("a") as out:
-            self.sidecar = subprocess.Popen(
+        socket_path = self.sockets[index]
+        peers = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(self.peer_ports) if i != index)
+        name = "sidecar.log" if self.s.sidecars == 1 else f"sidecar-{index}.log"
+        with (self.s.workdir / name).open("a") as out:
+            proc = subprocess.Popen(
                 [
                     strata,
                     "sidecar",
                     "--storage",
                     self.storage,
                     "--socket",
-                    self.socket_path,
+                    socket_path,
                     "--metrics-port",
                     "0",
+                    "--metrics-host",
+                    "127.0.0.1",
                     "--keep",
                     str(self.s.keep),
+                    "--generation-file",
+                    str(self.generation_file.resolve()),
+                    *(["--peer-port", str(self.peer_ports[index]), "--peers", peers] if peers else []),
                 ],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
+        self.sidecars[index] = proc
         deadline = time.monotonic() + 30
-        while not Path(self.socket_path).exists():
-            if self.sidecar.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the sidecar did not start; see {self.s.workdir / 'sidecar.log'}")
+        while not Path(socket_path).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar {index} did not start; see {self.s.workdir / name}")
             time.sleep(0.05)
-        log.info("sidecar on unix:%s (pid %d), storage %s", self.socket_path, self.sidecar.pid, self.storage)
+        log.info("sidecar %d on unix:%s (pid %d), storage %s", index, socket_path, proc.pid, self.storage)
+
+    def dead_sidecar(self) -> Failure | None:
+        for index, proc in enumerate(self.sidecars):
+            if proc is not None and proc.poll() is not None:
+                return Failure(FailureKind.LOST, detail=f"sidecar {index} died (exit {proc.returncode})")
+        return None
 
     def checkpoint_world_size(self) -> int | None:
         assert self.storage is not None
@@ -260,15 +303,14 @@ class Launcher:
             log.info(
                 "attempt %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
             )
-            gang = Gang(self.s, attempt, self.socket_path, heartbeat_dir)
+            generation = self.write_generation(attempt)
+            gang = Gang(self.s, attempt, self.sockets, heartbeat_dir, generation)
             outcome: Failure | bool | None = None
             while outcome is None:
                 time.sleep(0.05)
                 outcome = gang.poll(self.s.hang_timeout_s)
-                if outcome is None and self.sidecar is not None and self.sidecar.poll() is not None:
-                    outcome = Failure(
-                        FailureKind.LOST, detail=f"the sidecar died (exit {self.sidecar.returncode})"
-                    )
+                if outcome is None:
+                    outcome = self.dead_sidecar()
             if outcome is True:
                 log.info("all %d ranks finished", self.s.nproc)
                 return 0
@@ -279,22 +321,26 @@ class Launcher:
             decision = self.tracker.decide(outcome)
             if not decision.restart:
                 return outcome.exit_code or 1
-            if self.sidecar is not None and self.sidecar.poll() is not None:
-                self.start_sidecar()
+            for index, proc in enumerate(self.sidecars):
+                if proc is not None and proc.poll() is not None:
+                    self.start_sidecar(index)
             time.sleep(decision.delay_s)
             attempt = decision.attempt
 
     def stop(self) -> None:
-        if self.sidecar is not None and self.sidecar.poll() is None:
-            self.sidecar.send_signal(signal.SIGTERM)  # finishes in-flight uploads first
+        running = [p for p in self.sidecars if p is not None and p.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)  # finishes in-flight uploads first
+        for proc in running:
             try:
-                self.sidecar.wait(60)
+                proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.sidecar.kill()
-                self.sidecar.wait()
+                proc.kill()
+                proc.wait()
         if self.seaweed is not None:
             self.seaweed.stop()
-        Path(self.socket_path).unlink(missing_ok=True)
+        for path in self.sockets:
+            Path(path).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.sock_dir.rmdir()
 
@@ -316,6 +362,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".strata/launch", help="logs and the embedded S3's data")
     p.add_argument("--metrics-port", type=int, default=0, help="serve strata_restarts_total here (0: off)")
     p.add_argument("--keep", type=int, default=3, help="committed steps the sidecar keeps (0: all)")
+    p.add_argument(
+        "--sidecars",
+        type=int,
+        default=1,
+        help="sidecars, one per simulated pod, each serving a block of ranks (default 1: one for all)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
 
 
@@ -325,6 +377,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("strata launch: give the training command after --, e.g. -- python train.py")
     if args.nproc < 1:
         raise SystemExit(f"strata launch: --nproc must be >= 1, got {args.nproc}")
+    if not 1 <= args.sidecars <= args.nproc:
+        raise SystemExit(
+            f"strata launch: --sidecars must be between 1 and --nproc ({args.nproc}), got {args.sidecars}"
+        )
     mf.check_name("job", args.job)
     settings = LaunchSettings(
         nproc=args.nproc,
@@ -339,6 +395,7 @@ def main(args: argparse.Namespace) -> int:
         pg_timeout_s=args.pg_timeout_s,
         metrics_port=args.metrics_port,
         keep=args.keep,
+        sidecars=args.sidecars,
     )
     launcher = Launcher(settings)
     try:

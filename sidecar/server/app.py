@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sidecar.api import channel_options, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
-from sidecar.gang import PeerServicer, Peers
+from sidecar.gang import Peers, PeerServicer
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
 from sidecar.server.servicer import CheckpointerServicer

@@ -1,24 +1,31 @@
 """The storage contract against a real S3 server (SeaweedFS), plus what only S3
-has: multipart upload, request counting per HTTP request, unreachable endpoints.
-Also the local SeaweedFS manager itself."""
+has: multipart upload, request counting per HTTP request, unreachable endpoints,
+conditional writes through a proxy that drops their headers. Also the local
+SeaweedFS manager itself."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from s3proxy import Request, S3Proxy
 
 from sidecar import errors
 from sidecar.local.seaweed import SeaweedError, SeaweedServer
 from sidecar.store import Listing, ObjectInfo, open_store
+from sidecar.store.probe import conditional_writes_unsupported
 from sidecar.store.s3 import MiB, S3Store
 
 # SeaweedFS lists in tree order, which matches byte order only while no key
@@ -33,7 +40,8 @@ def make_store(s3_store_url: tuple[str, str]) -> Iterator[Callable[..., S3Store]
     opened: list[S3Store] = []
 
     def make(url: str = url, **options: Any) -> S3Store:
-        store = open_store(url, endpoint_url=endpoint, **options)
+        options.setdefault("endpoint_url", endpoint)
+        store = open_store(url, **options)
         assert isinstance(store, S3Store)
         opened.append(store)
         return store
@@ -147,6 +155,215 @@ def test_invalid_keys_fail_before_any_request(store: S3Store) -> None:
         with pytest.raises(ValueError):
             store.put(key, b"x")
     assert sum(store.requests.values()) == 0
+
+
+# -- conditional writes ----------------------------------------------------------
+
+
+def test_put_returns_the_etag_that_reads_report(store: S3Store) -> None:
+    etag = store.put("d/k", b"v")
+    assert etag and '"' not in etag  # quotes stripped
+    assert store.get_versioned("d/k") == (b"v", etag)
+    info = store.head("d/k")
+    assert info is not None and info.etag == etag
+    with pytest.raises(errors.ObjectNotFound):
+        store.get_versioned("d/missing")
+
+
+def test_create_only_put_refuses_an_existing_key(store: S3Store) -> None:
+    first = store.put("d/k", b"first", if_none_match=True)
+    with pytest.raises(errors.PreconditionFailed, match="d/k"):
+        store.put("d/k", b"second", if_none_match=True)
+    assert store.get_versioned("d/k") == (b"first", first)
+
+
+def test_if_match_replaces_only_the_version_it_names(store: S3Store) -> None:
+    old = store.put("d/k", b"1")
+    new = store.put("d/k", b"2", if_match=old)
+    assert new != old
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/k", b"3", if_match=old)
+    assert store.get_versioned("d/k") == (b"2", new)
+    newer = store.put("d/k", b"3", if_match=f'"{new}"')  # a quoted ETag is the same ETag
+    assert store.get("d/k") == b"3"
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/missing", b"x", if_match=newer)
+    assert store.head("d/missing") is None
+    assert store.requests["put"] == 5
+
+
+def test_identical_content_keeps_the_s3_etag_and_if_match_still_works(store: S3Store) -> None:
+    # SeaweedFS, like AWS for single-part objects, uses the content's MD5 as the ETag,
+    # so rewriting identical bytes keeps it (file and memory stores make a new one).
+    first = store.put("k", b"same")
+    second = store.put("k", b"same")
+    assert store.get_versioned("k")[1] == second
+    third = store.put("k", b"same", if_match=second)
+    assert store.head("k") == ObjectInfo("k", 4, third)
+    assert {first, second, third} == {third}
+    assert store.put("k", b"changed") != third  # new content, new ETag
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("k", b"other", if_match=third)
+
+
+def test_conditional_multipart_puts(make_store: Callable[..., S3Store]) -> None:
+    store = make_store(part_bytes=5 * MiB, multipart_threshold=5 * MiB, concurrency=2)
+    data = os.urandom(6 * MiB)
+    etag = store.put("big", data, if_none_match=True)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("big", b"y" * (6 * MiB), if_none_match=True)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("big", b"y" * (6 * MiB), if_match="0" * 32)
+    assert store.get_versioned("big") == (data, etag)
+    newer = store.put("big", b"z" * (6 * MiB), if_match=etag)
+    assert store.head("big") == ObjectInfo("big", 6 * MiB, newer)
+    assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+
+
+def test_racing_create_only_puts_have_one_winner(store: S3Store) -> None:
+    for n in range(5):
+        key = f"race/{n}/COMMIT"
+        barrier = threading.Barrier(8)
+        won: list[int] = []
+
+        def create(
+            i: int, key: str = key, barrier: threading.Barrier = barrier, won: list[int] = won
+        ) -> None:
+            barrier.wait()
+            try:
+                store.put(key, f"writer {i}".encode(), if_none_match=True)
+                won.append(i)
+            except errors.PreconditionFailed:
+                pass
+
+        threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1
+        assert store.get(key) == f"writer {won[0]}".encode()
+
+
+@pytest.mark.parametrize("prefix", ["", "ns/job/"])
+def test_probe_finds_conditional_writes_honoured(store: S3Store, prefix: str) -> None:
+    assert conditional_writes_unsupported(store, prefix) is None
+    assert keys(store.list("")) == []
+
+
+def test_probe_through_a_proxy_that_drops_conditional_headers(
+    make_store: Callable[..., S3Store], s3_store_url: tuple[str, str]
+) -> None:
+    _, endpoint = s3_store_url
+    with S3Proxy(endpoint, strip_conditional=True) as proxy:
+        store = make_store(endpoint_url=proxy.endpoint)
+        found = conditional_writes_unsupported(store, "ns/job/")
+        assert found is not None
+        assert "If-None-Match is ignored: a create-only PUT replaced an existing object" in found
+        assert "If-Match is ignored" in found
+        assert keys(store.list("")) == []
+
+
+def test_probe_through_a_plain_proxy_is_satisfied_and_counted(
+    make_store: Callable[..., S3Store], s3_store_url: tuple[str, str]
+) -> None:
+    _, endpoint = s3_store_url
+    with S3Proxy(endpoint) as proxy:
+        store = make_store(endpoint_url=proxy.endpoint)
+        assert conditional_writes_unsupported(store, "ns/job/") is None
+        assert proxy.count("PUT", key_contains="/ns/job/.strata-probe-") == 4
+        assert dict(proxy.requests) == {("PUT", "object"): 4, ("POST", "bucket"): 1}  # POST ?delete
+        assert proxy.log[0].key.startswith("strata/ns/job/.strata-probe-")
+
+
+def test_proxy_passes_every_kind_of_request_through(
+    make_store: Callable[..., S3Store], s3_store_url: tuple[str, str]
+) -> None:
+    _, endpoint = s3_store_url
+    with S3Proxy(endpoint) as proxy:
+        store = make_store(endpoint_url=proxy.endpoint, part_bytes=5 * MiB, multipart_threshold=5 * MiB)
+        big = os.urandom(11 * MiB)
+        store.put("a/big", big)  # multipart: POST create, 3 part PUTs, POST complete
+        store.put("a/small", b"0123456789")
+        store.put("a/empty", b"")
+        assert store.get("a/big") == big
+        assert store.get_range("a/small", 2, 3) == b"234"
+        assert store.get("a/empty") == b""
+        assert store.head("a/small") == ObjectInfo("a/small", 10)
+        assert store.head("a/missing") is None
+        with pytest.raises(errors.ObjectNotFound):
+            store.get("a/missing")
+        assert keys(store.list("a/")) == ["a/big", "a/empty", "a/small"]
+        store.delete(["a/big", "a/small", "a/empty"])
+        assert keys(store.list("")) == []
+        assert proxy.requests[("GET", "list")] == 2
+        assert proxy.requests[("HEAD", "object")] == 2
+        assert proxy.count("PUT", key_endswith="a/big") == 3
+        assert proxy.count("POST", key_endswith="a/big") == 2
+        assert proxy.count("GET", key_contains="a/", exclude_endswith=("a/big",)) == 3
+        assert proxy.count() == len(proxy.log) == sum(proxy.requests.values())
+        proxy.reset()
+        assert proxy.count() == 0 and not proxy.requests
+
+
+class _FakeUpstream(BaseHTTPRequestHandler):
+    """Answers the way SeaweedFS never does: chunked, or delimited by closing."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        if self.path.endswith("/chunked"):
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in (b"hello ", b"chunked ", b"world"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"EOF")
+            self.close_connection = True
+
+    def do_PUT(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        seen = ",".join(h for h in ("If-None-Match", "If-Match") if h in self.headers)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Conditions", seen or "none")
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_proxy_relays_chunked_and_close_delimited_responses_on_one_connection() -> None:
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _FakeUpstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    try:
+        target = f"http://127.0.0.1:{upstream.server_address[1]}"
+        for strip in (False, True):
+            with S3Proxy(target, strip_conditional=strip) as proxy:
+                conn = http.client.HTTPConnection(proxy.endpoint.removeprefix("http://"), timeout=10)
+                try:
+                    for path, body in [("/bkt/a/chunked", b"hello chunked world"), ("/bkt/a/eof", b"EOF")]:
+                        conn.request("GET", path)
+                        resp = conn.getresponse()
+                        assert (resp.status, resp.read()) == (200, body)
+                    sock = conn.sock
+                    conn.request("PUT", "/bkt/a/k", body=b"data", headers={"If-None-Match": "*"})
+                    resp = conn.getresponse()
+                    assert (resp.status, resp.read()) == (200, b"data")
+                    assert resp.getheader("X-Conditions") == ("none" if strip else "If-None-Match")
+                    assert conn.sock is sock is not None  # the client connection was kept alive
+                finally:
+                    conn.close()
+                assert proxy.requests == Counter({("GET", "object"): 2, ("PUT", "object"): 1})
+                assert proxy.log[0] == Request("GET", "bkt", "a/chunked", "")
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
 
 
 # -- multipart -------------------------------------------------------------------

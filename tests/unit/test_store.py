@@ -16,6 +16,7 @@ import pytest
 
 from sidecar import errors
 from sidecar.store import Listing, ObjectInfo, Store, open_store
+from sidecar.store import file as file_store
 from sidecar.store.base import Buffer
 from sidecar.store.file import TMP_MARK, FileStore
 from sidecar.store.memory import MemoryStore
@@ -316,40 +317,45 @@ def race(n: int, attempt: Callable[[int], object]) -> list[int]:
 
 
 def test_racing_create_only_puts_have_one_winner(store: Store) -> None:
-    for round in range(10):
-        key = f"race/{round}/COMMIT"
-        won = race(8, lambda i, key=key: store.put(key, f"writer {i}".encode(), if_none_match=True))  # type: ignore[misc]
+    for n in range(10):
+        key = f"race/{n}/COMMIT"
+
+        def create(i: int, key: str = key) -> None:
+            store.put(key, f"writer {i}".encode(), if_none_match=True)
+
+        won = race(8, create)
         assert len(won) == 1
         assert store.get(key) == f"writer {won[0]}".encode()
 
 
 def test_racing_compare_and_swaps_have_one_winner(store: Store) -> None:
     etag = store.put("LATEST", b"0")
-    for round in range(10):
-        seen = etag
-        results: dict[int, str] = {}
+    for n in range(10):
+        new: dict[int, str] = {}
 
-        def swap(i: int, seen: str = seen) -> None:
-            results[i] = store.put("LATEST", f"{round}-{i}".encode(), if_match=seen)
+        def swap(i: int, seen: str = etag, new: dict[int, str] = new, n: int = n) -> None:
+            new[i] = store.put("LATEST", f"{n}-{i}".encode(), if_match=seen)
 
         won = race(8, swap)
         assert len(won) == 1
         body, etag = store.get_versioned("LATEST")
-        assert (body, etag) == (f"{round}-{won[0]}".encode(), results[won[0]])
+        assert (body, etag) == (f"{n}-{won[0]}".encode(), new[won[0]])
 
 
 def test_create_only_and_if_match_on_one_key_exclude_each_other(store: Store) -> None:
-    for round in range(10):
-        key = f"mixed/{round}"
-        etag = store.put(key, b"v0")
+    for n in range(10):
+        key = f"mixed/{n}"
+        stale = store.put(key, b"v0")
         store.delete([key])
+
         # The key is missing: the creates race for it, the stale compare-and-swaps all lose.
-        won = race(
-            8,
-            lambda i, key=key, etag=etag: store.put(  # type: ignore[misc]
-                key, f"w{i}".encode(), **({"if_none_match": True} if i % 2 else {"if_match": etag})
-            ),
-        )
+        def write(i: int, key: str = key, stale: str = stale) -> None:
+            if i % 2:
+                store.put(key, f"w{i}".encode(), if_none_match=True)
+            else:
+                store.put(key, f"w{i}".encode(), if_match=stale)
+
+        won = race(8, write)
         assert len(won) == 1 and won[0] % 2 == 1
         assert store.get(key) == f"w{won[0]}".encode()
 
@@ -441,6 +447,83 @@ def test_file_crash_between_write_and_rename_leaves_the_old_state(
     assert store.head("new") is None
     assert store.get("keep") == b"old"
     assert files_under(tmp_path) == ["keep"]
+
+
+def test_file_conditional_puts_leave_no_lock_or_temporary_files(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    etag = store.put("d/k", b"1", if_none_match=True)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/k", b"2", if_none_match=True)
+    store.put("d/k", b"3", if_match=etag)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("d/k", b"4", if_match=etag)
+    assert files_under(tmp_path) == ["d/k"]
+    store.delete(["d/k"])
+    assert list(tmp_path.iterdir()) == []  # the emptied directory was pruned
+
+
+def test_file_lock_file_is_invisible_while_held(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    store.put("d/k", b"1")
+    store.put("e/k", b"1")
+    with file_store._key_lock(tmp_path / "d" / "k"):
+        assert any(p.name.startswith(TMP_MARK) for p in (tmp_path / "d").iterdir())
+        assert keys(store.list("")) == ["d/k", "e/k"]
+        listing = store.list("d/", delimiter="/")
+        assert (keys(listing), listing.prefixes) == (["d/k"], [])
+        store.put("d/k", b"unconditional puts do not wait for the lock")
+        store.delete(["d/k"])  # the held lock file keeps the directory; nothing breaks
+    assert files_under(tmp_path) == ["e/k"]
+
+
+def test_file_create_only_waits_for_a_held_lock(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    (tmp_path / "d").mkdir()
+    done = threading.Event()
+
+    def create() -> None:
+        store.put("d/k", b"late", if_none_match=True)
+        done.set()
+
+    with file_store._key_lock(tmp_path / "d" / "k"):
+        writer = threading.Thread(target=create)
+        writer.start()
+        assert not done.wait(0.2)
+    writer.join(5)
+    assert done.is_set() and store.get("d/k") == b"late"
+    assert files_under(tmp_path) == ["d/k"]
+
+
+def test_file_create_only_over_a_directory_is_not_a_lost_race(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    store.put("a/b/c", b"1")
+    with pytest.raises(errors.StorageError, match="a path cannot be both") as info:
+        store.put("a/b", b"2", if_none_match=True)
+    assert not isinstance(info.value, errors.PreconditionFailed)
+    with pytest.raises(errors.PreconditionFailed):
+        store.put("a/b", b"2", if_match="x")  # a directory is not an object
+
+
+def test_file_crash_before_link_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FileStore(tmp_path)
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("simulated crash before link")
+
+    monkeypatch.setattr(os, "link", crash)
+    with pytest.raises(errors.StorageError, match="simulated crash"):
+        store.put("d/new", b"data", if_none_match=True)
+    monkeypatch.undo()
+    assert store.head("d/new") is None
+    assert [p.name for p in (tmp_path / "d").iterdir()] == []
+
+
+def test_file_etag_names_the_file_that_was_read(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    etag = store.put("k", b"1")
+    st = (tmp_path / "k").stat()
+    assert etag == f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+    assert store.head("k") == ObjectInfo("k", 1, etag)
 
 
 def test_file_list_skips_in_flight_temporary_files(tmp_path: Path) -> None:
