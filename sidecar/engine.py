@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -47,7 +48,7 @@ from sidecar.gang import JobGang, Peers, Position
 from sidecar.metrics import Metrics
 from sidecar.pipeline import encode as enc
 from sidecar.pipeline import upload_snapshot
-from sidecar.pipeline.plan import Chain, SnapshotEncoder, read_snapshot
+from sidecar.pipeline.plan import Chain, SnapshotEncoder, decode_held, read_snapshot
 from sidecar.pipeline.settings import quantization
 from sidecar.shm import Segments, check_dir
 from sidecar.store.base import Store
@@ -167,9 +168,17 @@ class Engine:
         # COMMIT of every step of that chain (diffs name their base by COMMIT key and sha256).
         self._chains: dict[tuple[str, str, int], Chain] = {}
         self._chain_refs: dict[tuple[str, str, int], dict[int, mf.CommitRef]] = {}
+        # Per rank: the stored form of every lossy tensor of that chain, step by step, so a memory
+        # restore gives exactly the values a storage restore gives (and every rank agrees).
+        self._held_layers: dict[
+            tuple[str, str, int], list[tuple[int, list[mf.TensorEntry], dict[str, bytes]]]
+        ] = {}
         # Per job: restores seen, carried forward in manifests (bit-width escalation).
         self._restores: dict[tuple[str, str], int] = {}
         self._stopping = threading.Event()
+        # Tests and chaos runs only: behave like a zombie that never learns of a newer attempt on
+        # its commit path (the check-then-act race, made certain). Readers must still be safe.
+        self._stale_fences = os.environ.get("STRATA_TEST_STALE_FENCES") == "1"
         # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
         self._prefetched: dict[
             tuple[str, str, int], tuple[Position | None, threading.Event, RestoreData | None]
@@ -222,9 +231,11 @@ class Engine:
         writes it), else what the trainer declares."""
         declared = identity.generation.strip()
         path = self.settings.generation_file
-        if path:
+        if path and declared.startswith("solo-"):
+            declared = ""  # a lone trainer's own default yields to the pod's file
             try:
-                text = open(path).read().strip()  # noqa: SIM115 - tiny file, read each time: it changes
+                with open(path) as f:  # read each time: it changes when the gang restarts
+                    text = f.read().strip()
             except OSError as exc:
                 raise FailedPrecondition(f"cannot read the generation file {path}: {exc}") from None
             try:
@@ -332,6 +343,7 @@ class Engine:
                 if any(not fences.valid(r.attempt, r.step) for r in refs.values()):
                     self._chains.pop(slot, None)
                     self._chain_refs.pop(slot, None)
+                    self._held_layers.pop(slot, None)
         self._update_held_gauge()
 
     # --- save -----------------------------------------------------------------------------
@@ -590,12 +602,15 @@ class Engine:
             self._release(snap)
         else:
             assert encoder is not None
+            out = encoder.outcome
             with self._lock:
                 self._chains[ident.slot] = chain = encoder.next_chain()
                 kept = {s: r for s, r in self._chain_refs.get(ident.slot, {}).items() if s in chain.steps}
                 kept[snap.step] = commit_ref
                 self._chain_refs[ident.slot] = kept
-            out = encoder.outcome
+                layers = [x for x in self._held_layers.get(ident.slot, []) if x[0] in chain.steps[:-1]]
+                layers.append((snap.step, out.tensors, out.held))
+                self._held_layers[ident.slot] = layers if any(h for _, _, h in layers) else []
             self.metrics.encoded.labels(job, out.kind).inc()
             self.metrics.quantization_error.labels(job).set(out.max_error)
             if out.tracking_mismatches:
@@ -628,6 +643,7 @@ class Engine:
             refs = self._chain_refs.get(ident.slot, {})
             if chain is not None and not all(s in refs for s in chain.steps):
                 chain, previous = None, None  # a base without a known COMMIT: start a new chain
+            hold = frozenset(n for _, _, held in self._held_layers.get(ident.slot, []) for n in held)
         return SnapshotEncoder(
             snap.step,
             snap.tensors,
@@ -642,6 +658,7 @@ class Engine:
             workers=self.settings.encode_workers,
             check_fraction=self.settings.tracking_check_fraction,
             check_confidence=self.settings.tracking_check_confidence,
+            hold=hold if chain is not None else frozenset(),
         )
 
     # --- the commit ------------------------------------------------------------------------
@@ -663,6 +680,8 @@ class Engine:
         return self.settings.hint_fallback_s if self.peers else min(1.0, self.settings.hint_fallback_s)
 
     def _check_fence(self, gang: JobGang, position: Position, refresh: bool) -> None:
+        if self._stale_fences:
+            return
         fences = gang.refresh_fences() if refresh else gang.fences
         if not fences.valid(*position):
             self.metrics.superseded.labels(gang.job).inc()
@@ -1032,6 +1051,7 @@ class Engine:
                 # with (an older step, or a stored chain that may be damaged): start a new one.
                 self._chains.pop(identity.slot, None)
                 self._chain_refs.pop(identity.slot, None)
+                self._held_layers.pop(identity.slot, None)
             # Every rank of a gang restart restores once: count the restart, not the ranks.
             if data.restores + 1 > self._restores.get(key, 0):
                 self._restores[key] = data.restores + 1
@@ -1107,12 +1127,23 @@ class Engine:
                     and snap.identity.world_size == identity.world_size
                 ):
                     found, buf = snap, memoryview(snap.buffer)
+            layers = list(self._held_layers.get(identity.slot, []))
         if found is None:
             return None
-        if any(t.lossy for t in found.stored):
-            return None  # storage holds the lossy values every other rank restores: serve those
         if not self._intact(found, buf):
             return None
+        if layers or any(t.lossy for t in found.stored):
+            # Lossy tensors come back as storage gives them: the held stored forms, decoded the
+            # same way (ranks restored from memory and from storage agree bit for bit).
+            if not layers or layers[-1][0] != found.step:
+                return None
+            out = bytearray(buf)
+            try:
+                decode_held(memoryview(out), [(t, h) for _, t, h in layers], steps=[s for s, _, _ in layers])
+            except ValueError as exc:
+                log.error("rank %d: held stored forms unusable (%s); reading storage", identity.rank, exc)
+                return None
+            buf = memoryview(out)
         return RestoreData(
             target[1], found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]), found.restores
         )
@@ -1121,6 +1152,8 @@ class Engine:
         """A shared segment is writable by its trainer: check every tensor still holds what was
         saved (the same crc32 a storage restore checks) before serving it."""
         for t in snap.stored:
+            if t.lossy:
+                continue  # its restored values come from the held stored form, not these bytes
             got = mf.crc32(buf[t.offset : t.offset + t.nbytes])
             if t.crc32 and got != t.crc32:
                 log.error(
