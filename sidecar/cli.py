@@ -15,7 +15,7 @@ from typing import Any
 
 from sidecar import __version__, config
 from sidecar import manifest as mf
-from sidecar.errors import CorruptObject, StrataError
+from sidecar.errors import CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
 from sidecar.store import open_store
 from sidecar.store.base import Store
@@ -165,8 +165,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for step in steps:
         bad = 0
         commit = mf.read_commit(store, args.namespace, args.job, step)
-        for base in commit.requires:  # a diff is only as good as the steps it is applied on
-            if not mf.is_committed(store, args.namespace, args.job, base):
+        # A diff is only as good as the commits it is applied on: the very ones it names
+        # (COMMIT key and sha256), not just any commit of those steps.
+        for base_ref in commit.required_commits:
+            needs = f"step {step}: needs step {base_ref.step}"
+            try:
+                mf.load_ref(store, base_ref)
+            except ObjectNotFound:
+                print(f"{needs}, which is not committed ({base_ref.key} is missing)")
+                bad += 1
+            except CorruptObject as exc:
+                print(f"{needs}, whose COMMIT is not the one it was built on: {exc}")
+                bad += 1
+        named = {r.step for r in commit.required_commits}
+        for base in commit.requires:
+            if base not in named and not mf.is_committed(store, args.namespace, args.job, base):
                 print(f"step {step}: needs step {base}, which is not committed")
                 bad += 1
         objects = []

@@ -231,8 +231,9 @@ class Engine:
         writes it), else what the trainer declares."""
         declared = identity.generation.strip()
         path = self.settings.generation_file
-        if path and declared.startswith("solo-"):
-            declared = ""  # a lone trainer's own default yields to the pod's file
+        if path:
+            if declared.startswith("solo-"):
+                declared = ""  # a lone trainer's own default yields to the pod's file
             try:
                 with open(path) as f:  # read each time: it changes when the gang restarts
                     text = f.read().strip()
@@ -271,11 +272,20 @@ class Engine:
                 raise FailedPrecondition(
                     f"generation {generation} is older than {current}, which this sidecar already serves"
                 )
+            if gang.generation != generation:
+                gang.generation = generation
+                gang.cond.notify_all()  # commits of the previous generation stop waiting soon
+        if identity.rank != 0:
+            # Never under epoch_lock: rank 0 of this very sidecar may be about to create it.
+            epoch = self._find_or_create_epoch(identity, gang, generation)
+            with gang.epoch_lock:
+                if gang.epoch is None or gang.epoch.attempt < epoch.attempt:
+                    self._adopt(gang, epoch)
+            return epoch
         with gang.epoch_lock:
             with gang.cond:
                 if gang.epoch is not None and gang.epoch.generation == str(generation):
                     return gang.epoch
-                gang.generation = generation
             epoch = self._find_or_create_epoch(identity, gang, generation)
             self._adopt(gang, epoch)
             return epoch
@@ -287,10 +297,19 @@ class Engine:
         if identity.rank == 0:
             self._settle(identity)
         while True:
+            with gang.cond:  # adopted by this sidecar's own rank 0 meanwhile?
+                if gang.epoch is not None and gang.epoch.generation == str(generation):
+                    return gang.epoch
             fences = gang.refresh_fences()
             newest = fences.newest
             if newest is not None and newest.generation == str(generation):
                 return newest
+            if str(generation) in fences.generations.values():
+                raise FailedPrecondition(
+                    f"{ns}/{job}: generation {generation} was superseded (attempt "
+                    f"{fences.newest_attempt} runs generation {newest.generation if newest else '?'}); "
+                    "this trainer belongs to a gang that was restarted"
+                )
             if newest is not None:
                 try:
                     there = mf.Generation.parse(newest.generation)
@@ -314,7 +333,8 @@ class Engine:
                     f"{ns}/{job}: rank 0 of generation {generation} did not record its attempt within "
                     f"{self.settings.commit_timeout_s:.0f} s"
                 )
-            time.sleep(delay)
+            with gang.cond:
+                gang.cond.wait(delay)
             delay = min(delay * 1.5, 1.0)
 
     def _decide_restore(self, identity: Identity, fences: mf.Fences) -> Position | None:
@@ -327,7 +347,10 @@ class Engine:
         with gang.cond:
             gang.epoch = epoch
             if epoch.attempt > gang.fences.newest_attempt:
-                gang.fences = mf.Fences({**gang.fences.restores, epoch.attempt: epoch.restore_step}, epoch)
+                names = dict(gang.fences.generations)
+                if gang.fences.newest is not None:
+                    names[gang.fences.newest.attempt] = gang.fences.newest.generation
+                gang.fences = mf.Fences({**gang.fences.restores, epoch.attempt: epoch.restore_step}, epoch, names)
             fences = gang.fences
             gang.cond.notify_all()
         self.metrics.attempt.labels(gang.job).set(epoch.attempt)
@@ -593,7 +616,10 @@ class Engine:
                     self._skip(ident, snap.attempt, snap.step, snap.message)
                 except (StrataError, OSError) as marker_exc:
                     log.debug("could not leave the skip marker: %s", marker_exc)
-            elif ident.rank == 0:
+            elif ident.rank == 0:  # no COMMIT will come: ranks waiting for it here and elsewhere stop
+                with gang.cond:
+                    gang.news(snap.position).skipped.setdefault(0, snap.message)
+                    gang.cond.notify_all()
                 self._hint(gang, snap.position, skip=pb.SkipHint(rank=0, reason=snap.message))
         except Exception as exc:  # never let a bug leave a waiter hanging
             log.exception("rank %d: unexpected error persisting step %d", ident.rank, snap.step)
@@ -698,6 +724,7 @@ class Engine:
         deadline = time.monotonic() + self.settings.commit_timeout_s
         interval = self._poll_interval()
         next_poll = time.monotonic() + interval
+        asked_after_restart = False
         while True:
             with gang.cond:
                 news = gang.news(position)
@@ -717,6 +744,20 @@ class Engine:
             self._check_fence(gang, position, refresh=False)
             if self._stopping.is_set():
                 raise Aborted(f"step {snap.step}: the sidecar is stopping; ranks {missing} never saved it")
+            with gang.cond:
+                restarted = gang.generation is not None and str(gang.generation) != snap.generation
+                elsewhere = gang.gone.get(snap.attempt, {})
+                still = all(r in elsewhere and snap.step in elsewhere[r] for r in missing)
+            if restarted and not still:
+                # The gang restarted (its new rank 0 waits for this commit to settle) and no sidecar
+                # said it is still uploading the missing ranks' snapshots: ask storage once, then stop.
+                if asked_after_restart:
+                    raise Aborted(
+                        f"step {snap.step} of attempt {snap.attempt}: the gang restarted and ranks "
+                        f"{missing} never saved it"
+                    )
+                asked_after_restart = True
+                next_poll = time.monotonic()
             now = time.monotonic()
             if now > deadline:
                 raise FailedPrecondition(
@@ -800,6 +841,7 @@ class Engine:
         deadline = time.monotonic() + self.settings.commit_timeout_s
         interval = self._poll_interval()
         next_poll = time.monotonic() + interval
+        asked_after_restart = False
         while True:
             with gang.cond:
                 news = gang.news(position)
@@ -825,6 +867,16 @@ class Engine:
             if skipped:
                 raise Aborted(f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it")
             self._check_fence(gang, position, refresh=False)
+            with gang.cond:
+                restarted = gang.generation is not None and str(gang.generation) != snap.generation
+            if restarted:  # a new generation runs here: ask storage once more, then stop waiting
+                if asked_after_restart:
+                    raise Aborted(
+                        f"step {snap.step} of attempt {snap.attempt}: the gang restarted before it committed"
+                    )
+                asked_after_restart = True
+                next_poll = time.monotonic()
+                continue
             if self._stopping.is_set():
                 # The MANIFEST is durable: rank 0 may still commit the step; say nothing to peers.
                 raise Aborted(f"step {snap.step}: the sidecar stopped before rank 0 committed it")

@@ -309,8 +309,8 @@ class Epoch:
     #: None when there was nothing to restore.
     restore_step: int | None
     restore_attempt: int | None
-    #: restore steps of every earlier attempt, [[attempt, step or null], ...] (the fences)
-    history: list[list[int | None]] = field(default_factory=list)
+    #: every earlier attempt: [[attempt, restore step or null, generation], ...] (the fences)
+    history: list[list[Any]] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     kind: str = "strata.epoch"
@@ -341,6 +341,8 @@ class Fences:
     #: attempt -> its restore step (None: it restored nothing)
     restores: dict[int, int | None] = field(default_factory=dict)
     newest: Epoch | None = None
+    #: attempt -> the generation it ran, for every attempt before the newest
+    generations: dict[int, str] = field(default_factory=dict)
 
     @property
     def newest_attempt(self) -> int:
@@ -377,9 +379,10 @@ def read_fences(store: Store, namespace: str, job: str, known: Fences | None = N
     epoch = Epoch.from_json(store.get(key), key)
     if epoch.attempt != attempt:
         raise CorruptObject(key, f"EPOCH record says attempt {epoch.attempt}")
-    restores: dict[int, int | None] = {int(a): r for a, r in epoch.history if a is not None}
+    restores: dict[int, int | None] = {int(h[0]): h[1] for h in epoch.history}
+    generations = {int(h[0]): str(h[2]) for h in epoch.history if len(h) > 2}
     restores[epoch.attempt] = epoch.restore_step
-    return Fences(restores, epoch)
+    return Fences(restores, epoch, generations)
 
 
 def create_epoch(
@@ -397,7 +400,10 @@ def create_epoch(
     re-reads the fences and decides again.
     """
     attempt = fences.newest_attempt + 1
-    history = [[a, r] for a, r in sorted(fences.restores.items())]
+    names = dict(fences.generations)
+    if fences.newest is not None:
+        names[fences.newest.attempt] = fences.newest.generation
+    history: list[list[Any]] = [[a, r, names.get(a, "")] for a, r in sorted(fences.restores.items())]
     epoch = Epoch(
         attempt,
         str(generation),

@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--no-checkpoint", action="store_true", help="train without Strata (reference run)")
     parser.add_argument("--out", help="rank 0 writes {'digest', 'resumed_from'} here")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
@@ -62,6 +63,8 @@ def main() -> int:
     client = None if args.no_checkpoint else CheckpointClient()
     resumed = client.resume(state) if client is not None else None
     start = 0 if resumed is None else resumed + 1
+    # Every rank says what it resumed from: the ranks of one attempt must agree.
+    print(f"RESUMED rank={rank} attempt={os.environ.get('STRATA_ATTEMPT', '0')} step={resumed}", flush=True)
     dist.barrier()  # every rank has its state back
     if rank == 0:
         print(f"resumed from step {resumed}" if resumed is not None else "starting fresh", flush=True)
@@ -77,6 +80,8 @@ def main() -> int:
         loss.backward()
         sparse_opt.step()
         dense_opt.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         if client is not None and (step + 1) % args.save_every == 0:
             handle = client.save(step, state)
             if rank == 0:

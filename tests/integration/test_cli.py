@@ -325,6 +325,20 @@ def test_show_and_verify_a_chain_of_diffs(make_sidecar, make_client, job_name):
     ids = next(line for line in show.stdout.splitlines() if line.startswith("ids "))
     assert ids.endswith("rows-diff  (0 rows by values)"), ids
     assert strata("verify", *store, "--all").returncode == 0
-    server.store.delete([mf.commit_key("default", job_name, 0)])  # the base is gone
+    base = mf.read_commit(server.store, "default", job_name, 2).required_commits
+    assert [(r.attempt, r.step) for r in base] == [(0, 0)]  # the base, by COMMIT key and sha256
+    # A base COMMIT that is not the one the diff was built on (same step, other body) is caught.
+    base_key = mf.commit_key("default", job_name, 0, 0)
+    original = server.store.get(base_key)
+    tampered = mf.Commit.from_json(original)
+    tampered.committed_at += 1
+    server.store.put(base_key, tampered.to_json())
+    verify = strata("verify", *store, "--step", "2")
+    assert verify.returncode == 1, verify.stdout
+    assert "step 2: needs step 0, whose COMMIT is not the one it was built on" in verify.stdout
+    assert "sha256" in verify.stdout
+    server.store.put(base_key, original)
+    assert strata("verify", *store, "--step", "2").returncode == 0
+    server.store.delete([base_key])  # the base is gone
     verify = strata("verify", *store, "--step", "2")
     assert verify.returncode == 1 and "step 2: needs step 0, which is not committed" in verify.stdout

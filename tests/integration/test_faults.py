@@ -189,9 +189,14 @@ def test_corrupt_object_is_named_and_restore_falls_back(
     path.write_bytes(bytes(data))
 
     fresh = make_sidecar(f"file://{tmp_path}/store")  # nothing in memory
-    caplog.set_level(logging.ERROR)
     out = {"w": torch.zeros(4096)}
     client2 = make_client(fresh, job_name)
+    # Asking for the corrupt step explicitly is an error naming the object, not a silent fallback.
+    from trainer_client import RestoreError
+
+    with pytest.raises(RestoreError, match=obj.key):
+        client2.restore(out, step=2)
+    caplog.set_level(logging.ERROR)
     assert client2.restore(out) == 1
     assert torch.equal(out["w"], torch.full((4096,), 1.0))
     assert obj.key in client2.last_restore["fallback_reason"]
@@ -200,11 +205,61 @@ def test_corrupt_object_is_named_and_restore_falls_back(
         fresh.metrics.registry.get_sample_value("strata_restore_fallbacks_total", {"training_job": job_name})
         == 1
     )
-    # Asking for the corrupt step explicitly is an error naming the object, not a silent fallback.
+    # The fallback is a new attempt restoring step 1: step 2 is marked unusable and fenced off
+    # (a rollback stays rolled back), and training goes on from step 1.
+    assert fresh.store.list(mf.unusable_prefix("default", job_name)).objects
+    assert mf.committed_steps(fresh.store, "default", job_name) == [1]
+    with pytest.raises(RestoreError, match=r"step 2 .*has no valid COMMIT"):
+        client2.restore(out, step=2)
+    assert client2.save(2, {"w": torch.full((4096,), 22.0)}).durable.result(30).step == 2
+    assert mf.committed_steps(fresh.store, "default", job_name) == [1, 2]
+    assert client2.restore(out) == 2 and out["w"][0] == 22.0
+
+
+def test_a_corrupt_restore_step_stops_a_gang_and_the_next_restart_restores_an_older_one(
+    make_sidecar, make_client, job_name, tmp_path
+):
+    storage = f"file://{tmp_path}/store"
+    server = make_sidecar(storage)
+
+    def gang(on, generation: str) -> list:
+        return [make_client(on, job_name, rank=r, world_size=2, generation=generation) for r in range(2)]
+
+    ranks = gang(server, "f/0")
+    for step in (1, 2):
+        handles = [c.save(step, {"w": torch.full((4096,), 10.0 * step + r)}) for r, c in enumerate(ranks)]
+        assert [h.durable.result(30).step for h in handles] == [step, step]
+    for c in ranks:
+        c.close()
+    server.stop(grace=1)
+    commit = mf.read_commit(server.store, "default", job_name, 2)
+    obj = mf.load_manifest(server.store, commit, 1).objects[0]  # rank 1's data of step 2
+    path = tmp_path / "store" / obj.key
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
     from trainer_client import RestoreError
 
+    fresh = make_sidecar(storage)
+    ranks = gang(fresh, "f/1")
+    out = {"w": torch.zeros(4096)}
+    assert ranks[0].restore(out) == 2 and out["w"][0] == 20.0
+    # Every rank of an attempt restores the same step: rank 1 cannot fall back alone.
     with pytest.raises(RestoreError, match=obj.key):
-        client2.restore(out, step=2)
+        ranks[1].restore(out)
+    assert fresh.store.list(mf.unusable_prefix("default", job_name)).objects
+    assert mf.newest_committed(fresh.store, "default", job_name) == 2  # not fenced off by a rank
+    for c in ranks:
+        c.close()
+    # The next gang restart skips the step marked unusable: every rank restores step 1.
+    ranks = gang(fresh, "f/2")
+    for r, c in enumerate(ranks):
+        out = {"w": torch.zeros(4096)}
+        assert c.restore(out) == 1 and out["w"][0] == 10.0 + r
+    handles = [c.save(2, {"w": torch.full((4096,), 2.0)}) for c in ranks]
+    assert [h.durable.result(30).step for h in handles] == [2, 2]
+    assert mf.valid_commits(fresh.store, "default", job_name) == [(0, 1), (2, 2)]
 
 
 def test_s3_server_restarted_mid_upload(make_sidecar, make_client, job_name, tmp_path, monkeypatch):
@@ -235,11 +290,11 @@ def test_s3_server_restarted_mid_upload(make_sidecar, make_client, job_name, tmp
         real_put = server.store.put
         stopped = []
 
-        def put(key, data):
+        def put(key, data, **conditions):
             if "/000000000002/" in key and not stopped:
                 stopped.append(key)
                 s3.stop(timeout=0)  # SIGKILL, mid-upload
-            return real_put(key, data)
+            return real_put(key, data, **conditions)
 
         monkeypatch.setattr(server.store, "put", put)
         handle = client.save(2, at(2))

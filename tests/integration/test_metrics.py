@@ -90,8 +90,10 @@ def test_metrics_endpoint_reports_what_the_trainer_did(make_sidecar, make_client
     port = free_port()
     server = make_sidecar(metrics_port=port, metrics_host="127.0.0.1")
     assert server.metrics_port == port
-    client = make_client(server, job_name, capture_rng=False)
-    other = make_client(server, job_name, capture_rng=False)  # same rank: shares the sidecar's slot
+    # One generation for both: a second client of its own would be a new attempt fencing the first off.
+    client = make_client(server, job_name, capture_rng=False, generation="metrics/0")
+    # same rank, same attempt: shares the sidecar's slot
+    other = make_client(server, job_name, capture_rng=False, generation="metrics/0")
 
     assert client.save(1, state(1)).durable.result(30).step == 1
     gate = held_after_header(client, monkeypatch, step=2)

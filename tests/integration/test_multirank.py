@@ -23,7 +23,8 @@ DDP_ARGS = ["--steps", "30", "--save-every", "5", "--rows", "2000", "--batch", "
 
 def test_a_step_commits_only_when_every_rank_saved_it(make_sidecar, make_client, job_name):
     server = make_sidecar()
-    ranks = [make_client(server, job_name, rank=r, world_size=2) for r in range(2)]
+    # one gang generation for both ranks: they run as one attempt
+    ranks = [make_client(server, job_name, rank=r, world_size=2, generation="mr/0") for r in range(2)]
     h0 = ranks[0].save(1, {"w": torch.zeros(4)})
     assert not h0.durable.done() or h0.durable.exception() is None
     assert not mf.is_committed(server.store, "default", job_name, 1)
@@ -41,8 +42,8 @@ def test_a_skip_on_one_rank_fails_the_step_on_every_rank_at_once(
     make_sidecar, make_client, job_name, monkeypatch
 ):
     server = make_sidecar(commit_timeout_s=120)  # the failure must come from the skip, not a timeout
-    rank0 = make_client(server, job_name, rank=0, world_size=2, when_busy="wait")
-    rank1 = make_client(server, job_name, rank=1, world_size=2)
+    rank0 = make_client(server, job_name, rank=0, world_size=2, when_busy="wait", generation="mr/0")
+    rank1 = make_client(server, job_name, rank=1, world_size=2, generation="mr/0")
     gate = threading.Event()
     original = rank1._requests
 

@@ -16,8 +16,14 @@ from sidecar.api import PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, p
 MiB = 1 << 20
 
 
-def identity(job: str, rank: int = 0, world: int = 1) -> pb.Identity:
-    return pb.Identity(namespace="default", job=job, rank=rank, world_size=world, attempt=0)
+#: Every stream of a test comes from one gang generation (one attempt); raw stubs must say so.
+GENERATION = "proto/0"
+
+
+def identity(job: str, rank: int = 0, world: int = 1, generation: str = GENERATION) -> pb.Identity:
+    return pb.Identity(
+        namespace="default", job=job, rank=rank, world_size=world, attempt=0, generation=generation
+    )
 
 
 def header(job: str, step: int, tensors: list[pb.TensorMeta], **kw) -> pb.SaveRequest:
@@ -131,6 +137,35 @@ def test_a_committed_step_is_never_overwritten(stub, job_name):
     assert committed(server, job_name) == [5]
 
 
+def test_a_restarted_generation_saves_only_steps_after_its_restore_step(stub, job_name):
+    s, server = stub
+    s.Save(iter(valid_stream(job_name, 5)), timeout=10)
+    s.WaitCommitted(
+        pb.WaitCommittedRequest(identity=identity(job_name), step=5, save_id="s5", timeout_seconds=10)
+    )
+    restarted = identity(job_name, generation="proto/1")  # the gang restarted: a new attempt
+    for step in (5, 4):
+        again = valid_stream(job_name, step)
+        again[0].header.identity.CopyFrom(restarted)
+        expect_status(
+            grpc.StatusCode.ALREADY_EXISTS,
+            "resumed from step 5",
+            lambda again=again: s.Save(iter(again), timeout=10),
+        )
+    later = valid_stream(job_name, 6)
+    later[0].header.identity.CopyFrom(restarted)
+    s.Save(iter(later), timeout=10)
+    s.WaitCommitted(pb.WaitCommittedRequest(identity=restarted, step=6, save_id="s6", timeout_seconds=10))
+    assert mf.valid_commits(server.store, "default", job_name) == [(0, 5), (1, 6)]
+    # The old generation is superseded on this sidecar: it cannot save any more.
+    expect_status(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "older than proto/1",
+        lambda: s.Save(iter(valid_stream(job_name, 7)), timeout=10),
+    )
+    assert committed(server, job_name) == [5, 6]
+
+
 def test_message_over_the_size_limit(stub, job_name):
     s, server = stub
     msgs = [header(job_name, 1, [f32("w", MiB)]), pb.SaveRequest(chunk=bytes(4 * MiB))]
@@ -219,6 +254,19 @@ def test_invalid_identity_is_named(stub):
     expect_status(
         grpc.StatusCode.INVALID_ARGUMENT, "rank 3 is outside world size 2", lambda: s.Save(iter(worse))
     )
+
+
+def test_a_stream_without_a_valid_generation_is_refused(stub, job_name):
+    s, server = stub
+    for generation, code, match in (
+        ("", grpc.StatusCode.FAILED_PRECONDITION, "no gang generation"),
+        ("no-restart-count", grpc.StatusCode.INVALID_ARGUMENT, "RUN/RESTART"),
+    ):
+        msgs = valid_stream(job_name, 1)
+        msgs[0].header.identity.CopyFrom(identity(job_name, generation=generation))
+        expect_status(code, match, lambda msgs=msgs: s.Save(iter(msgs), timeout=10))
+    assert server.engine.snapshots() == []
+    assert committed(server, job_name) == []
 
 
 def test_tcp_needs_the_token(make_sidecar, make_client, job_name):

@@ -90,9 +90,12 @@ def test_a_segment_changed_after_upload_is_refused_for_memory_restore(
     client.save(5, state(5.0)).durable.result(30)
     client._buffers[client._held].flat.fill_(7)  # a buggy writer scribbles over the held snapshot
     out = state(-1.0)
-    assert make_client(server, job_name, capture_rng=False).restore(out) == 5
+    reader = make_client(server, job_name, capture_rng=False)
+    assert reader.restore(out) == 5
     assert torch.equal(out["w"], state(5.0)["w"])  # read back from storage, not from the scribble
-    assert "changed since upload" in caplog.text
+    assert reader.last_restore["source"] == "storage", reader.last_restore
+    # the per-tensor crc32 names the tensor that changed
+    assert "step 5 in memory changed since it was saved (w: crc32" in caplog.text
 
 
 def test_a_restarted_sidecar_gets_the_save_streamed_then_new_segments(
@@ -151,7 +154,9 @@ def shm_save(server: Any, job: str, name: str, size: int, nbytes: int = 64, chun
     stub = pb_grpc.CheckpointerStub(channel)
     h = pb.SaveHeader(
         protocol_version=PROTOCOL_VERSION,
-        identity=pb.Identity(namespace="default", job=job, rank=0, world_size=1, attempt=0),
+        identity=pb.Identity(
+            namespace="default", job=job, rank=0, world_size=1, attempt=0, generation="shm/0"
+        ),
         step=1,
         save_id="s1",
         tensors=[pb.TensorMeta(name="w", dtype="uint8", shape=[nbytes], nbytes=nbytes, offset=0)],

@@ -122,7 +122,7 @@ def test_storage_ignoring_conditional_writes_is_refused_or_warned(s3_store_url, 
         settings = SidecarSettings(
             storage=url, s3_endpoint=proxy.endpoint, socket=str(short_tmp / "c.sock"), metrics_port=0
         )
-        with pytest.raises(ValueError, match="does not honour conditional writes.*If-None-Match"):
+        with pytest.raises(ValueError, match=r"does not honour conditional writes.*If-None-Match"):
             SidecarServer(settings, metrics=Metrics())
         settings.conditional_writes = "warn"
         metrics = Metrics()
