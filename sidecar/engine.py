@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar import manifest as mf
 from sidecar.api import PROTOCOL_VERSION, pb
@@ -350,7 +351,9 @@ class Engine:
                 names = dict(gang.fences.generations)
                 if gang.fences.newest is not None:
                     names[gang.fences.newest.attempt] = gang.fences.newest.generation
-                gang.fences = mf.Fences({**gang.fences.restores, epoch.attempt: epoch.restore_step}, epoch, names)
+                gang.fences = mf.Fences(
+                    {**gang.fences.restores, epoch.attempt: epoch.restore_step}, epoch, names
+                )
             fences = gang.fences
             gang.cond.notify_all()
         self.metrics.attempt.labels(gang.job).set(epoch.attempt)
@@ -689,7 +692,7 @@ class Engine:
 
     # --- the commit ------------------------------------------------------------------------
 
-    def _hint(self, gang: JobGang, position: Position, **hint: object) -> None:
+    def _hint(self, gang: JobGang, position: Position, **hint: Any) -> None:
         self.peers.send(
             pb.HintRequest(
                 namespace=gang.namespace, job=gang.job, attempt=position[0], step=position[1], **hint
@@ -809,8 +812,10 @@ class Engine:
         out: dict[int, tuple[str, bytes]] = {}
         for rank, key in known.items():
             with gang.cond:
-                body = gang.news(position).bodies.get(rank)
-            if body is None:
+                held = gang.news(position).bodies.get(rank)
+            if held is not None:
+                body = held
+            else:
                 try:
                     body = self.store.get(key)
                     m = mf.Manifest.from_json(body, key)
@@ -831,6 +836,7 @@ class Engine:
                     return None
                 with gang.cond:
                     gang.news(position).bodies[rank] = body
+            assert body is not None
             out[rank] = (key, body)
         return out
 

@@ -635,7 +635,7 @@ def valid_commits(
     """Every valid commit as (attempt, step), oldest first: a full listing, for ls, retention
     and fallbacks, not the restart path."""
     fences = fences if fences is not None else read_fences(store, namespace, job)
-    out = []
+    out: list[tuple[int, int]] = []
     for step in _step_dirs(store, namespace, job):
         out.extend((a, step) for a in step_commits(store, namespace, job, step) if fences.valid(a, step))
     return sorted(out)

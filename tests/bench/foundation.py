@@ -304,7 +304,9 @@ def measure_ingest(
     """
     channel = grpc.insecure_channel(f"unix:{socket_path}", options=channel_options(DEFAULT_MAX_MESSAGE_BYTES))
     stub = pb_grpc.CheckpointerStub(channel)
-    identity = pb.Identity(namespace="default", job=job, rank=0, world_size=1, attempt=0)
+    identity = pb.Identity(
+        namespace="default", job=job, rank=0, world_size=1, attempt=0, generation="bench/0"
+    )
     chunks = [pb.SaveRequest(chunk=os.urandom(DEFAULT_CHUNK_BYTES)) for _ in range(4)]
     count = max(1, total // DEFAULT_CHUNK_BYTES)
     nbytes = count * DEFAULT_CHUNK_BYTES
