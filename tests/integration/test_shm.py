@@ -74,7 +74,8 @@ def test_the_committed_segment_is_never_staged_into(make_sidecar, make_client, j
     # Step 3 went into the segment step 1 used; step 2's (the committed one) is untouched.
     staged = client._buffers[1 - held_index].views
     assert torch.equal(staged[0], state(3.0)["w"])
-    reader = make_client(server, job_name, capture_rng=False)
+    # Another process of the same gang generation (a new generation would supersede the writer).
+    reader = make_client(server, job_name, capture_rng=False, generation=client.settings.generation)
     out = state(-1.0)
     assert reader.restore(out) == 2 and reader.last_restore["source"] == "memory"
     assert torch.equal(out["w"], state(2.0)["w"])

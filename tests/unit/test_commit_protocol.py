@@ -262,7 +262,8 @@ def test_the_smallest_later_restore_step_wins_and_history_carries_the_fences(sto
     # attempt 2 rolls back to step 2: (0, 3), (0, 4) and (1, 5) all become void even though
     # attempt 1 had kept (0, 3) and (0, 4)
     epoch = new_epoch(store, "run/2", (0, 2))
-    assert epoch.history == [[0, None], [1, 4]]
+    assert epoch.history == [[0, None, "run/0"], [1, 4, "run/1"]]
+    assert mf.read_fences(store, "ns", "job").generations == {0: "run/0", 1: "run/1"}
     fences = mf.read_fences(store, "ns", "job")
     assert fences.restores == {0: None, 1: 4, 2: 2}
     assert fences.floor(0) == 2 and fences.floor(1) == 2 and fences.floor(2) is None
@@ -385,7 +386,7 @@ def test_create_epoch_is_create_only(store):
     fences = mf.read_fences(store, "ns", "job")
     assert fences.newest is not None and fences.newest.generation == "run/0"  # the winner stays
     second = mf.create_epoch(store, "ns", "job", mf.Generation.parse("run/1"), 2, None, fences)
-    assert second.attempt == 1 and second.history == [[0, None]]
+    assert second.attempt == 1 and second.history == [[0, None, "run/0"]]
 
 
 def test_generation_names_run_and_restart():
