@@ -180,6 +180,7 @@ class Engine:
         # Tests and chaos runs only: behave like a zombie that never learns of a newer attempt on
         # its commit path (the check-then-act race, made certain). Readers must still be safe.
         self._stale_fences = os.environ.get("STRATA_TEST_STALE_FENCES") == "1"
+        self._unusable: dict[tuple[str, str], set[Position]] = {}
         # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
         self._prefetched: dict[
             tuple[str, str, int], tuple[Position | None, threading.Event, RestoreData | None]
@@ -200,16 +201,16 @@ class Engine:
     def close(self) -> None:
         """Finish uploads in progress; commits still waiting for other ranks give up. Peers
         learn that this sidecar's ranks save nothing more."""
-        self._stopping.set()
-        for snap in self.snapshots():
-            if snap.state == "receiving":
-                continue
-            gang = self.gang(snap.identity.job_key)
-            with gang.cond:
-                gang.cond.notify_all()
+        # Peers first, while every snapshot still counts as uploading: a step whose MANIFEST is
+        # durable here may still commit without this sidecar, so nobody may abort it for us.
         ranks = {(s.identity.job_key, s.identity.rank, s.attempt) for s in self.snapshots()}
         for job_key, rank, attempt in ranks:
             self._announce_gone(job_key, rank, attempt, "its sidecar is stopping")
+        self._stopping.set()
+        for snap in self.snapshots():
+            gang = self.gang(snap.identity.job_key)
+            with gang.cond:
+                gang.cond.notify_all()
         with self._lock:
             pools = list(self._committers.values())
         for pool in pools:
@@ -328,7 +329,15 @@ class Engine:
                         self.store, ns, job, generation, identity.world_size, restore, fences
                     )
                 except PreconditionFailed:
-                    continue  # another writer took that attempt number: read again, decide again
+                    # Another writer took that attempt number: read again, decide again.
+                    if time.monotonic() > deadline:
+                        raise FailedPrecondition(
+                            f"{ns}/{job}: could not allocate an attempt within "
+                            f"{self.settings.commit_timeout_s:.0f} s (other writers kept taking it)"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 1.5, 1.0)
+                    continue
             if self._stopping.is_set() or time.monotonic() > deadline:
                 raise FailedPrecondition(
                     f"{ns}/{job}: rank 0 of generation {generation} did not record its attempt within "
@@ -340,8 +349,13 @@ class Engine:
 
     def _decide_restore(self, identity: Identity, fences: mf.Fences) -> Position | None:
         ns, job = identity.job_key
-        unusable = mf.unusable_commits(self.store, ns, job)
+        unusable = mf.unusable_commits(self.store, ns, job) | self._unusable.get(identity.job_key, set())
         return mf.newest_valid(self.store, ns, job, fences, exclude=unusable)
+
+    def _mark_unusable(self, identity: Identity, position: Position, reason: str) -> None:
+        # Also remembered here: a marker that failed to write must not send us round in circles.
+        self._unusable.setdefault(identity.job_key, set()).add(position)
+        mf.mark_unusable(self.store, *identity.job_key, position, reason)
 
     def _adopt(self, gang: JobGang, epoch: mf.Epoch) -> None:
         """Run as ``epoch`` from now on: snapshots and chains it fenced off are dropped."""
@@ -494,6 +508,7 @@ class Engine:
                 snap.segment, snap.received = segment[0], offset
             held.append(snap)
         self._update_held_gauge()
+        self.rank_back(identity, epoch.attempt)  # saving: whatever a dropped stream said no longer holds
         return snap
 
     def write_chunk(self, snap: Snapshot, data: bytes) -> None:
@@ -727,7 +742,7 @@ class Engine:
         deadline = time.monotonic() + self.settings.commit_timeout_s
         interval = self._poll_interval()
         next_poll = time.monotonic() + interval
-        asked_after_restart = False
+        asked_after_restart = confirmed_gone = False
         while True:
             with gang.cond:
                 news = gang.news(position)
@@ -743,7 +758,11 @@ class Engine:
             if skipped:
                 raise Aborted(f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it")
             if gone:
-                raise Aborted(f"step {snap.step} cannot commit: {gone}")
+                if not confirmed_gone:  # a MANIFEST hint may have been lost: ask storage once
+                    confirmed_gone = True
+                    next_poll = time.monotonic()
+                else:
+                    raise Aborted(f"step {snap.step} cannot commit: {gone}")
             self._check_fence(gang, position, refresh=False)
             if self._stopping.is_set():
                 raise Aborted(f"step {snap.step}: the sidecar is stopping; ranks {missing} never saved it")
@@ -872,6 +891,13 @@ class Engine:
                     next_poll = time.monotonic() + interval
             if skipped:
                 raise Aborted(f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it")
+            with gang.cond:
+                writer_gone = gang.gone_reason(position, [0])
+            if writer_gone and poll:  # storage was asked just now and has no COMMIT
+                raise Aborted(f"step {snap.step} cannot commit: {writer_gone}")
+            if writer_gone:
+                next_poll = time.monotonic()
+                continue
             self._check_fence(gang, position, refresh=False)
             with gang.cond:
                 restarted = gang.generation is not None and str(gang.generation) != snap.generation
@@ -938,21 +964,24 @@ class Engine:
         epoch = self.epoch_for(identity)
         self._skip(identity, epoch.attempt, step, reason)
 
-    def rank_gone(self, identity: Identity, reason: str) -> None:
-        """The trainer's Attach stream ended: it will save nothing more."""
+    def rank_gone(self, identity: Identity, attempt: int, reason: str) -> None:
+        """The trainer's Attach stream (of ``attempt``) ended: it will save nothing more."""
+        self._announce_gone(identity.job_key, identity.rank, attempt, reason)
+
+    def rank_back(self, identity: Identity, attempt: int) -> None:
+        """A trainer of ``attempt`` is here (again): it may save, whatever was said before."""
         gang = self.gang(identity.job_key)
         with gang.cond:
-            epoch = gang.epoch
-        if epoch is None:
-            return
-        self._announce_gone(identity.job_key, identity.rank, epoch.attempt, reason)
+            was_gone = gang.gone.get(attempt, {}).pop(identity.rank, None) is not None
+        if was_gone:
+            self._hint(gang, (attempt, 0), gone=pb.GoneHint(rank=identity.rank, back=True))
 
     def _announce_gone(self, job_key: tuple[str, str], rank: int, attempt: int, reason: str) -> None:
         with self._lock:
-            uploading = {
+            uploading = {  # complete streams: uploading, or durable and waiting for the COMMIT
                 s.step
                 for s in self._slots.get((*job_key, rank), [])
-                if s.attempt == attempt and s.state == "uploading"
+                if s.attempt == attempt and (s.state == "uploading" or s.manifest_durable)
             }
         gang = self.gang(job_key)
         with gang.cond:
@@ -1041,7 +1070,7 @@ class Engine:
         # Loud: the attempt's restore step is unusable here. Mark it, so no later attempt picks it.
         self.metrics.restore_fallbacks.labels(job).inc()
         log.error("%s/%s step %d is unusable (%s)", ns, job, target[1], first_error)
-        mf.mark_unusable(self.store, ns, job, target, f"rank {identity.rank}: {first_error}")
+        self._mark_unusable(identity, target, f"rank {identity.rank}: {first_error}")
         if identity.world_size > 1:
             raise CorruptObject(
                 str(first_error),
@@ -1060,7 +1089,7 @@ class Engine:
                 data = self._from_storage(identity, older)
             except (CorruptObject, NotFound) as exc:
                 log.error("%s/%s step %d is unusable too: %s", ns, job, older[1], exc)
-                mf.mark_unusable(self.store, ns, job, older, f"rank {identity.rank}: {exc}")
+                self._mark_unusable(identity, older, f"rank {identity.rank}: {exc}")
                 continue
             data.fallback_reason = f"step {target[1]} unusable ({first_error}); restored step {older[1]}"
             return self._served(identity, data)
@@ -1078,6 +1107,7 @@ class Engine:
         gang = self.gang(identity.job_key)
         generation = self.generation_of(identity)
         ns, job = identity.job_key
+        deadline = time.monotonic() + self.settings.commit_timeout_s
         with gang.epoch_lock:
             while True:
                 fences = gang.refresh_fences()
@@ -1086,6 +1116,9 @@ class Engine:
                         self.store, ns, job, generation, 1, self._decide_restore(identity, fences), fences
                     )
                 except PreconditionFailed:
+                    if time.monotonic() > deadline:
+                        raise FailedPrecondition(f"{ns}/{job}: could not allocate an attempt") from None
+                    time.sleep(0.1)
                     continue
                 self._adopt(gang, epoch)
                 return epoch
@@ -1167,8 +1200,9 @@ class Engine:
                 for s in held
                 if s.state == "uploading"
             ]
+        deadline = time.monotonic() + self.settings.commit_timeout_s  # one bound for all of them
         for snap in pending:
-            snap.done.wait(self.settings.commit_timeout_s)
+            snap.done.wait(max(0.0, deadline - time.monotonic()))
 
     def _newest_held(self, identity: Identity) -> Position | None:
         with self._lock:

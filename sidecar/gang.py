@@ -89,6 +89,8 @@ class JobGang:
                 self.news(position).hinted_commit = req.commit.key
             elif kind == "skip":
                 self.news(position).skipped.setdefault(req.skip.rank, req.skip.reason or "skipped")
+            elif kind == "gone" and req.gone.back:
+                self.gone.get(req.attempt, {}).pop(req.gone.rank, None)
             elif kind == "gone":
                 self.gone.setdefault(req.attempt, {})[req.gone.rank] = set(req.gone.uploading)
             self.cond.notify_all()
@@ -109,38 +111,46 @@ class Peers:
         self._stubs = [
             (address, pb_grpc.PeerStub(grpc.insecure_channel(address))) for address in addresses if address
         ]
-        self._queue: queue.Queue[pb.HintRequest | None] = queue.Queue(maxsize=10_000)
-        self._thread: threading.Thread | None = None
-        if self._stubs:
-            self._thread = threading.Thread(target=self._run, name="strata-peer-hints", daemon=True)
-            self._thread.start()
+        # One queue and thread per peer: a dead or unreachable peer (the preemption case) must not
+        # hold up hints to the live ones.
+        self._queues: list[queue.Queue[pb.HintRequest | None]] = []
+        self._threads: list[threading.Thread] = []
+        for address, stub in self._stubs:
+            q: queue.Queue[pb.HintRequest | None] = queue.Queue(maxsize=10_000)
+            thread = threading.Thread(
+                target=self._run, args=(address, stub, q), name=f"strata-hints-{address}", daemon=True
+            )
+            thread.start()
+            self._queues.append(q)
+            self._threads.append(thread)
 
     def __bool__(self) -> bool:
         return bool(self._stubs)
 
     def send(self, req: pb.HintRequest) -> None:
-        if not self._stubs:
-            return
-        try:
-            self._queue.put_nowait(req)
-        except queue.Full:
-            log.warning("peer hint queue full; dropping a hint (commits fall back to storage)")
+        for q in self._queues:
+            try:
+                q.put_nowait(req)
+            except queue.Full:
+                log.warning("peer hint queue full; dropping a hint (commits fall back to storage)")
 
-    def _run(self) -> None:
+    def _run(self, address: str, stub: pb_grpc.PeerStub, q: queue.Queue[pb.HintRequest | None]) -> None:
         while True:
-            req = self._queue.get()
+            req = q.get()
             if req is None:
                 return
-            for address, stub in self._stubs:
-                try:
-                    stub.Hint(req, timeout=self._timeout)
-                except grpc.RpcError as exc:
-                    log.debug("hint to %s failed: %s", address, exc.code())
+            try:
+                stub.Hint(req, timeout=self._timeout)
+            except grpc.RpcError as exc:
+                log.debug("hint to %s failed: %s", address, exc.code())
+            except Exception:  # a hint is best effort; the thread must outlive any surprise
+                log.exception("hint to %s failed", address)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
 
 class PeerServicer(pb_grpc.PeerServicer):

@@ -817,9 +817,9 @@ class Retention:
         for step in steps:
             if step >= oldest_kept or step in needed:
                 continue
-            self.store.delete(
-                [commit_key(self.namespace, self.job, step, a) for a in self._commits.get(step, [])]
-            )
+            # Listed again now: a late COMMIT (a zombie's) must go before the objects too.
+            attempts = step_commits(self.store, self.namespace, self.job, step)
+            self.store.delete([commit_key(self.namespace, self.job, step, a) for a in attempts])
             keys = [o.key for o in self.store.list(step_prefix(self.namespace, self.job, step)).objects]
             self.store.delete(keys)
             self._commits.pop(step, None)

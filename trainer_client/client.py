@@ -130,6 +130,7 @@ class CheckpointClient:
             self.register_optimizer(opt)
         # Held open while this client lives: the sidecar (and through it the other ranks' sidecars)
         # learns at once when this trainer is gone, instead of waiting for a commit timeout.
+        self._closed = threading.Event()
         self._attach = self._stub.Attach(pb.AttachRequest(identity=self._identity), metadata=self._metadata)
         threading.Thread(target=self._hold_attach, name="strata-attach", daemon=True).start()
         if self.settings.resume != "never":
@@ -163,12 +164,24 @@ class CheckpointClient:
             raise SidecarUnavailable(f"sidecar refused the handshake: {exc.details()}") from None
 
     def _hold_attach(self) -> None:
-        try:
-            for event in self._attach:
-                log.debug("running as attempt %d", event.attempt)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
+        """Keep the Attach stream open; if it drops while this client lives, open it again
+        (the sidecar then tells its peers this rank is back)."""
+        while True:
+            try:
+                for event in self._attach:
+                    log.debug("running as attempt %d", event.attempt)
+            except grpc.RpcError as exc:
                 log.debug("attach stream ended: %s", exc.code())
+            except ValueError:  # the channel was closed under it
+                return
+            if self._closed.wait(0.5):
+                return
+            try:
+                self._attach = self._stub.Attach(
+                    pb.AttachRequest(identity=self._identity), metadata=self._metadata
+                )
+            except ValueError:
+                return
 
     def _shared_memory(self) -> SegmentFactory | None:
         """Shared-memory saves when the policy allows and the sidecar offers them on this host."""
@@ -217,6 +230,7 @@ class CheckpointClient:
         self._tracker.close()
         self._sender.shutdown(wait=wait)
         self._waiter.shutdown(wait=wait)
+        self._closed.set()
         self._attach.cancel()
         self._channel.close()
         for b in self._buffers:

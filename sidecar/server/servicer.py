@@ -170,6 +170,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         ended = threading.Event()
         context.add_callback(ended.set)
         epoch = self.engine.epoch_for(identity)
+        self.engine.rank_back(identity, epoch.attempt)
         yield pb.AttachEvent(attempt=epoch.attempt)
         try:
             while not ended.wait(1.0) and context.is_active():
@@ -177,7 +178,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
                     return
         finally:
             if not self.engine.stopping:
-                self.engine.rank_gone(identity, "its trainer went away")
+                self.engine.rank_gone(identity, epoch.attempt, "its trainer went away")
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return pb.StatusResponse(

@@ -81,6 +81,50 @@ def test_a_dead_trainer_fails_the_step_on_the_other_pod_in_seconds(two_pods, mak
     assert time.monotonic() - t0 < 10  # not the 300 s commit timeout
 
 
+def test_a_dead_rank_0_trainer_fails_the_step_on_the_other_pod_in_seconds(two_pods, make_client, job_name):
+    make, _, _ = two_pods
+    pods = make(hint_fallback_s=120, commit_timeout_s=300)
+    ranks = _ranks(make_client, pods, job_name)
+    for r in range(2):
+        ranks[r].save(1, {"w": torch.zeros(64)})
+    for r in range(2):
+        ranks[r].wait(30)
+    pending = ranks[1].save(2, {"w": torch.zeros(64)})
+    time.sleep(0.5)
+    ranks[0].close(wait=False)  # rank 0 (the committer's trainer) goes away without saving step 2
+    t0 = time.monotonic()
+    with pytest.raises(SaveFailed, match=r"rank\(s\) \[0\] left attempt"):
+        pending.durable.result(60)
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_dropped_attach_stream_is_opened_again_and_the_rank_counts_again(two_pods, make_client, job_name):
+    """A dropped Attach stream marks the rank gone on every pod; the client opens it again and the
+    rank's sidecar tells the others it is back, so its next save is waited for."""
+    make, _, _ = two_pods
+    pods = make(hint_fallback_s=120)
+    ranks = _ranks(make_client, pods, job_name)
+    handles = [ranks[r].save(1, {"w": torch.zeros(64)}) for r in range(2)]
+    assert [h.durable.result(30).step for h in handles] == [1, 1]
+    gang0 = pods[0].engine.gang(("default", job_name))
+
+    def gone_on_pod_0() -> bool:
+        with gang0.cond:
+            return 1 in gang0.gone.get(0, {})
+
+    ranks[1]._attach.cancel()  # the stream drops; the trainer lives on and re-attaches
+    deadline = time.monotonic() + 10
+    seen_gone = False
+    while time.monotonic() < deadline:
+        seen_gone |= gone_on_pod_0()
+        if seen_gone and not gone_on_pod_0():
+            break
+        time.sleep(0.02)
+    assert seen_gone and not gone_on_pod_0()
+    handles = [ranks[r].save(2, {"w": torch.ones(64)}) for r in range(2)]
+    assert [h.durable.result(30).step for h in handles] == [2, 2]
+
+
 def test_a_preempted_pod_does_not_abort_a_step_the_others_completed(two_pods, make_client, job_name):
     make, url, endpoint = two_pods
     pods = make(hint_fallback_s=1)
@@ -124,5 +168,7 @@ def test_quantized_restores_agree_between_memory_and_storage(make_sidecar, make_
     fresh = make_sidecar(server.settings.storage, quantize=quantize, quantize_match="emb")
     assert make_client(fresh, job_name, capture_rng=False).restore(from_storage) == 3
     assert torch.equal(from_memory["emb"], from_storage["emb"])  # bit for bit, lossy values alike
-    assert torch.equal(from_memory["dense"], state["dense"]) and torch.equal(from_storage["dense"], state["dense"])
+    assert torch.equal(from_memory["dense"], state["dense"]) and torch.equal(
+        from_storage["dense"], state["dense"]
+    )
     assert not torch.equal(from_memory["emb"], table)  # the lossy values, not the exact ones

@@ -4,6 +4,8 @@ and never undoes a rollback. Also: storage that ignores conditional writes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -126,12 +128,35 @@ def test_storage_ignoring_conditional_writes_is_refused_or_warned(s3_store_url, 
             SidecarServer(settings, metrics=Metrics())
         settings.conditional_writes = "warn"
         metrics = Metrics()
-        server = SidecarServer(settings, metrics=metrics)
+        server = SidecarServer(settings, metrics=metrics).start()
         try:
             assert metrics.conditional_writes._value.get() == 0
             assert "does not honour conditional writes" in caplog.text
+            # It runs: saves commit, and a superseded gang's commits above the new restore step
+            # are still never read (fencing needs no conditional writes).
+            from trainer_client import CheckpointClient
+
+            job = "warned"
+            old = CheckpointClient(job=job, socket=server.socket_path, capture_rng=False, generation="w/0")
+            old.save(1, _state(1)).durable.result(30)
+            server.engine._stale_fences = True
+            settings2 = replace(settings, socket=str(short_tmp / "c2.sock"))
+            other = SidecarServer(settings2, metrics=Metrics()).start()
+            new = CheckpointClient(job=job, socket=other.socket_path, capture_rng=False, generation="w/1")
+            assert new.restore(_state(0)) == 1
+            old.save(2, _state(102)).durable.result(30)  # void: written through a store that ignores If-*
+            new.save(2, _state(2)).durable.result(30)
+            store = open_store(url, endpoint_url=endpoint)
+            assert (0, 2) in _commits_written(store, job)
+            assert mf.newest_valid(store, "default", job) == (1, 2)
+            store.close()
+            got = _state(0)
+            assert new.restore(got) == 2 and torch.equal(got["w"], _state(2)["w"])
+            old.close(wait=False)
+            new.close(wait=False)
+            other.stop(grace=1)
         finally:
-            server.store.close()
+            server.stop(grace=1)
     honest = SidecarServer(
         SidecarSettings(storage=url, s3_endpoint=endpoint, socket=str(short_tmp / "d.sock"), metrics_port=0),
         metrics=(m := Metrics()),

@@ -925,8 +925,11 @@ class GoneHint(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     UPLOADING_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    BACK_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     reason: _builtins.str
+    back: _builtins.bool
+    """The rank is back (its trainer attached or saved again): forget that it left."""
     @_builtins.property
     def uploading(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Steps of this attempt whose complete snapshots the rank's sidecar is still uploading;
@@ -939,10 +942,11 @@ class GoneHint(_message.Message):
         rank: _builtins.int = ...,
         uploading: _abc.Iterable[_builtins.int] | None = ...,
         reason: _builtins.str = ...,
+        back: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "reason", b"reason", "uploading", b"uploading"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["back", b"back", "rank", b"rank", "reason", b"reason", "uploading", b"uploading"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
