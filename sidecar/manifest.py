@@ -772,6 +772,7 @@ class Retention:
         self.store, self.namespace, self.job, self.keep = store, namespace, job, keep
         self._commits: dict[int, list[int]] = {}  # step -> attempts with a COMMIT
         self._requires: dict[tuple[int, int], set[int]] = {}
+        self._deleted: set[int] = set()
 
     def note_commit(self, commit: Commit) -> None:
         attempts = self._commits.setdefault(commit.step, [])
@@ -794,9 +795,14 @@ class Retention:
                 attempt,
             )
             return []
-        steps = _step_dirs(self.store, self.namespace, self.job)
+        # Directories this pass deleted may linger empty (SeaweedFS keeps them): never again.
+        steps = [s for s in _step_dirs(self.store, self.namespace, self.job) if s not in self._deleted]
+        # A cold cache (first pass, or collect_garbage) looks at every directory once.
+        newest_known = max((s for s, a in self._commits.items() if a), default=1 << 62)
         for step in steps:
-            if step not in self._commits:
+            # Unknown directories below the newest known commit are history or torn saves: look
+            # once. Newer ones are saves in flight, which retention never touches.
+            if step not in self._commits and step < newest_known:
                 self._commits[step] = step_commits(self.store, self.namespace, self.job, step)
         for gone in set(self._commits) - set(steps):
             del self._commits[gone]
@@ -817,12 +823,14 @@ class Retention:
         for step in steps:
             if step >= oldest_kept or step in needed:
                 continue
-            # Listed again now: a late COMMIT (a zombie's) must go before the objects too.
-            attempts = step_commits(self.store, self.namespace, self.job, step)
-            self.store.delete([commit_key(self.namespace, self.job, step, a) for a in attempts])
+            # Listed now, so a late COMMIT (a zombie's) goes before the objects too.
             keys = [o.key for o in self.store.list(step_prefix(self.namespace, self.job, step)).objects]
-            self.store.delete(keys)
+            commits = [k for k in keys if k.endswith("/COMMIT")]
+            if commits:
+                self.store.delete(commits)
+            self.store.delete([k for k in keys if not k.endswith("/COMMIT")])
             self._commits.pop(step, None)
+            self._deleted.add(step)
             deleted.append(step)
         if deleted:
             log.info(

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,19 @@ def _free_port() -> int:
 
 def _is_data_put(method: str, key: str) -> bool:
     return method in ("PUT", "POST") and ("/obj-" in key or key.endswith("/MANIFEST"))
+
+
+def _kind(method: str, key: str, query: str) -> str:
+    """What a control request is for, from its method and key (for the breakdown printed)."""
+    if "list-type" in query or (method == "GET" and not key.strip("/").count("/")):
+        what = "LIST " + ("EPOCH" if "EPOCH" in query else "steps")
+        return what
+    if "delete" in query:
+        return "DELETE"
+    for name in ("EPOCH", "COMMIT", "LATEST", "SKIPPED", "UNUSABLE", "MANIFEST"):
+        if name in key:
+            return f"{method} {name}"
+    return f"{method} other"
 
 
 def _control_per_save(opts: Options, proxy: Any, url: str, late_rank: int | None, saves: int) -> float:
@@ -89,6 +103,10 @@ def _control_per_save(opts: Options, proxy: Any, url: str, late_rank: int | None
             save(step)
         time.sleep(0.5)
         control = [r for r in list(proxy.log) if not _is_data_put(r.method, r.key)]
+        kinds = Counter(_kind(r.method, r.key, r.query) for r in control)
+        print(
+            "     per save: " + ", ".join(f"{k} {v / saves:.1f}" for k, v in kinds.most_common()), flush=True
+        )
         return len(control) / saves
     finally:
         for c in clients:
