@@ -617,14 +617,15 @@ def _step_dirs(store: Store, namespace: str, job: str, start_after: str | None =
 
 
 def step_commits(store: Store, namespace: str, job: str, step: int) -> list[int]:
-    """Attempts that wrote a COMMIT of ``step`` (valid or not), in one LIST: a commit directory
-    ``a<attempt>/`` holds nothing but its COMMIT."""
+    """Attempts that wrote a COMMIT of ``step`` (valid or not): one LIST for the commit
+    directories ``a<attempt>/`` (they hold nothing but the COMMIT), then a HEAD of each, since
+    some stores (SeaweedFS) keep a directory after its last object is deleted."""
     prefix = step_prefix(namespace, job, step)
     listing = store.list(prefix, delimiter="/")
     out = []
     for p in listing.prefixes:
         m = _COMMIT_DIR_RE.match(p[len(prefix) :])
-        if m:
+        if m and store.head(commit_key(namespace, job, step, int(m.group(1)))) is not None:
             out.append(int(m.group(1)))
     return sorted(out)
 
@@ -693,6 +694,7 @@ def newest_valid(
         newer = [
             (a, s)
             for s in _step_dirs(store, namespace, job, start_after=step_prefix(namespace, job, hint[1]))
+            if s > hint[1]  # the hint's own directory rolls up after its prefix too
             for a in step_commits(store, namespace, job, s)
             if a >= hint[0] and fences.valid(a, s) and (a, s) not in exclude
         ]

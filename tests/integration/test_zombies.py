@@ -163,3 +163,32 @@ def test_storage_ignoring_conditional_writes_is_refused_or_warned(s3_store_url, 
     )
     assert m.conditional_writes._value.get() == 1
     honest.store.close()
+
+
+def test_a_deleted_commit_is_gone_even_where_its_directory_lingers(s3_store_url):
+    """SeaweedFS keeps a directory after its last object is deleted: a commit directory alone
+    must not count as a COMMIT."""
+    url, endpoint = s3_store_url
+    store = open_store(url, endpoint_url=endpoint)
+    prefix = mf.rank_prefix("default", "linger", 4, 0, "s1", 0)
+    store.put(prefix + "obj-00000", b"x")
+    manifest = mf.Manifest(
+        "default",
+        "linger",
+        4,
+        0,
+        1,
+        0,
+        "s1",
+        1,
+        {},
+        [],
+        [mf.ObjectEntry(prefix + "obj-00000", 1, mf.crc32(b"x"))],
+    )
+    mf.write_manifest(store, prefix, manifest)
+    mf.write_commit(store, "default", "linger", 4, 1, 0)
+    assert mf.step_commits(store, "default", "linger", 4) == [0]
+    store.delete([mf.commit_key("default", "linger", 4, 0)])
+    assert mf.step_commits(store, "default", "linger", 4) == []
+    assert mf.committed_steps(store, "default", "linger") == []
+    store.close()
