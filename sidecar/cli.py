@@ -78,27 +78,51 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
         return 0
+    from sidecar.budget import tune_allocator
     from sidecar.server import SidecarServer  # grpc server only when serving
     from sidecar.server.app import yield_cpu
 
     try:
         settings.validate()
         yield_cpu(settings)
+        tune_allocator()
         server = SidecarServer(settings).start()
     except ValueError as exc:
         raise SystemExit(f"strata sidecar: {exc}") from None
-    done = threading.Event()
+    done, hurry = threading.Event(), threading.Event()
 
     def stop(signum: int, _frame: Any) -> None:
-        logging.getLogger("strata").info("signal %d: finishing uploads and stopping", signum)
-        done.set()
+        (hurry if done.is_set() else done).set()  # a second signal cuts the drain short
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print(f"strata sidecar {__version__} ready on unix:{server.socket_path}", flush=True)
     done.wait()
-    server.stop(grace=30)
+    drain_shutdown(server, settings.drain_timeout_s, hurry)
     return 0
+
+
+def drain_shutdown(server: Any, drain_s: float, hurry: threading.Event | None = None) -> None:
+    """The sidecar's SIGTERM: a trainer that got SIGTERM with it (`strata launch`, a sidecar that
+    is not a native one) may still save and wait for that save, so serve attached trainers until
+    they detach or ``drain_s`` passes; then finish the uploads in hand and stop. A native sidecar
+    on Kubernetes is stopped only after its trainer exited: the drain ends at once."""
+    log = logging.getLogger("strata")
+    t0 = time.monotonic()
+    attached = server.drain(0)
+    if attached:
+        log.info("SIGTERM: serving %d attached trainer(s) until they exit (up to %.0f s)", attached, drain_s)
+        left = server.drain(drain_s, hurry)
+        if left:
+            log.warning(
+                "drain ended after %.1f s with %d trainer(s) still attached", time.monotonic() - t0, left
+            )
+        else:
+            log.info("every trainer detached after %.1f s", time.monotonic() - t0)
+    log.info("SIGTERM: finishing uploads in hand")
+    t1 = time.monotonic()
+    server.stop(grace=5)
+    log.info("uploads finished in %.1f s; sidecar stopped", time.monotonic() - t1)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -37,6 +37,18 @@ class SidecarSettings:
     max_message_bytes: int = _opt(64 << 20, "largest gRPC message accepted or sent")
     max_snapshot_bytes: int = _opt(64 << 30, "largest snapshot one save may carry")
     max_held_snapshots: int = _opt(2, "snapshots held in memory per rank (committed + in flight)")
+    memory_budget: int = _opt(
+        0,
+        "bytes of the sidecar's own memory (snapshots received over gRPC, restore buffers, encode "
+        "scratch) it may hold; beyond, requests are refused with RESOURCE_EXHAUSTED (0: 0.75 x its "
+        "container's cgroup memory limit, else of the machine's RAM). Shared-memory segments are the "
+        "trainer's and do not count",
+    )
+    max_blocking_rpcs: int = _opt(
+        48,
+        "blocking calls (WaitCommitted, Restore, Prefetch, Attach) served at once; one more is refused "
+        "with RESOURCE_EXHAUSTED and retried by the client",
+    )
     commit_timeout_s: float = _opt(300.0, "how long rank 0 waits for every rank's MANIFEST")
     storage_attempts: int = _opt(5, "attempts per storage request before a save fails")
     shm_dir: str = _opt(
@@ -91,6 +103,11 @@ class SidecarSettings:
     hint_fallback_s: float = _opt(
         10.0, "seconds a commit waits for a peer's hint before it asks storage (then every as long)"
     )
+    drain_timeout_s: float = _opt(
+        30.0,
+        "on SIGTERM, keep serving attached trainers (their save on SIGTERM) until they exit or this "
+        "long, then finish uploads and exit; keep it below terminationGracePeriodSeconds (0: no drain)",
+    )
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -112,6 +129,12 @@ class SidecarSettings:
         check_encoding_settings(self)
         if not 0 <= self.nice <= 19:
             raise ValueError(f"--nice must be between 0 and 19, got {self.nice}")
+        if self.memory_budget < 0:
+            raise ValueError(
+                f"--memory-budget must be >= 0 bytes (0: from the cgroup), got {self.memory_budget}"
+            )
+        if self.max_blocking_rpcs < 4:
+            raise ValueError(f"--max-blocking-rpcs must be >= 4, got {self.max_blocking_rpcs}")
         if self.max_held_snapshots < 2:
             raise ValueError("--max-held-snapshots must be >= 2 (the committed one plus one in flight)")
         if not 0 < self.tracking_check_fraction <= 1 or not 0 < self.tracking_check_confidence < 1:
@@ -120,6 +143,8 @@ class SidecarSettings:
             )
         if self.conditional_writes not in ("require", "warn"):
             raise ValueError(f"--conditional-writes must be require or warn, got {self.conditional_writes!r}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
         if self.hint_fallback_s <= 0:
             raise ValueError(f"--hint-fallback-s must be positive, got {self.hint_fallback_s}")
         if len(self.socket.encode()) > 107:

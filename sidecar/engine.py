@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import manifest as mf
-from sidecar.api import PROTOCOL_VERSION, pb
+from sidecar.api import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, pb
 from sidecar.api.dtypes import expected_nbytes
-from sidecar.api.faults import fault_point
+from sidecar.budget import MemoryBudget, Reservation, default_limit
 from sidecar.config import SidecarSettings
 from sidecar.errors import (
     Aborted,
@@ -45,6 +47,7 @@ from sidecar.errors import (
     StorageError,
     StrataError,
 )
+from sidecar.faults import fault_point
 from sidecar.gang import JobGang, Peers, Position
 from sidecar.metrics import Metrics
 from sidecar.pipeline import encode as enc
@@ -127,6 +130,8 @@ class Snapshot:
     manifest_durable: bool = False
     #: the stored tensor entries (per-tensor crc32 of what the trainer saved; encodings)
     stored: list[mf.TensorEntry] = field(default_factory=list)
+    #: its buffer's share of the memory budget (streamed saves; shared segments are the trainer's)
+    memory: Reservation | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -144,6 +149,8 @@ class RestoreData:
     fallback_reason: str
     chunks: Iterator[memoryview]
     restores: int = 0
+    #: the restore buffer's share of the memory budget, released once the data is dropped
+    memory: Reservation | None = None
 
 
 class Engine:
@@ -165,6 +172,18 @@ class Engine:
         self.peers = peers if peers is not None else Peers([])
         self.segments = Segments(check_dir(settings.shm_dir))
         self.quant = quantization(settings)
+        limit, source = (
+            (settings.memory_budget, "--memory-budget") if settings.memory_budget else default_limit()
+        )
+        self.memory = MemoryBudget(
+            limit,
+            source,
+            on_change=self._memory_changed,
+            on_refused=lambda kind: metrics.memory_refusals.labels(kind).inc(),
+        )
+        metrics.memory_budget.set(limit)
+        # Per rank: the budget share of its held lossy forms (_held_layers)
+        self._held_memory: dict[tuple[str, str, int], Reservation] = {}
         # Per rank: what its newest committed checkpoint consists of (for the next diff), and the
         # COMMIT of every step of that chain (diffs name their base by COMMIT key and sha256).
         self._chains: dict[tuple[str, str, int], Chain] = {}
@@ -185,6 +204,9 @@ class Engine:
         self._prefetched: dict[
             tuple[str, str, int], tuple[Position | None, threading.Event, RestoreData | None]
         ] = {}
+        # Single ranks of protocol-1 clients (which declare no generation): slot -> the
+        # generation this sidecar gave the trainer process at its handshake (see greet).
+        self._v1_solo: dict[tuple[str, str, int], str] = {}
 
     @property
     def stopping(self) -> bool:
@@ -252,14 +274,32 @@ class Engine:
                 )
             return generation
         if not declared:
+            with self._lock:
+                declared = self._v1_solo.get(identity.slot, "") if identity.world_size == 1 else ""
+        if not declared:
             raise FailedPrecondition(
                 "no gang generation: run under `strata launch` or the operator, set STRATA_GENERATION="
-                "RUN/RESTART for every rank, or give the sidecar --generation-file"
+                "RUN/RESTART for every rank, or give the sidecar --generation-file (a trainer client of "
+                "protocol 1 never declares one: its ranks need the generation file)"
             )
         try:
             return mf.Generation.parse(declared)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+
+    def greet(self, identity: Identity, protocol_version: int, handshake: bool = False) -> None:
+        """Check the client's protocol. A protocol-1 client declares no generation: without a
+        generation file, a single rank gets one of its own at each handshake (one trainer
+        process, as a protocol-2 client's own "solo-" default), and at its first save or
+        restore here when its handshake went to an earlier sidecar process."""
+        check_protocol(protocol_version)
+        if protocol_version >= 2 or identity.generation or self.settings.generation_file:
+            return
+        if identity.world_size != 1:
+            return  # generation_of refuses it, naming the generation file
+        with self._lock:
+            if handshake or identity.slot not in self._v1_solo:
+                self._v1_solo[identity.slot] = f"solo-v1-{uuid.uuid4().hex[:16]}/0"
 
     def epoch_for(self, identity: Identity) -> mf.Epoch:
         """The attempt ``identity``'s generation runs as: rank 0's sidecar creates it (after
@@ -378,12 +418,13 @@ class Engine:
                 for snap in list(held):
                     if snap.state == "committed" and not fences.valid(*snap.position):
                         held.remove(snap)
-                        snap.buffer = bytearray()
+                        _drop_buffer(snap)
                 refs = self._chain_refs.get(slot, {})
                 if any(not fences.valid(r.attempt, r.step) for r in refs.values()):
                     self._chains.pop(slot, None)
                     self._chain_refs.pop(slot, None)
                     self._held_layers.pop(slot, None)
+                    self._account_held(slot)
         self._update_held_gauge()
 
     # --- save -----------------------------------------------------------------------------
@@ -419,8 +460,8 @@ class Engine:
         tree: bytes,
         segment: tuple[str, int] | None,
     ) -> Snapshot:
-        check_protocol(protocol_version)
         identity.validate()
+        self.greet(identity, protocol_version)
         with self._lock:  # training has started: a read-ahead restore is no longer wanted
             self._prefetched.pop(identity.slot, None)
         if step < 0:
@@ -497,11 +538,25 @@ class Engine:
                     f"rank {identity.rank} already holds {len(held)} snapshots ({busy}); "
                     "save less often or wait for the previous upload"
                 )
+            memory = None
             if segment is None:
-                buffer = bytearray(offset)
+                what = f"the streamed save of step {step} (rank {identity.rank})"
+                try:
+                    memory = self.memory.reserve("snapshot", offset, what, retry=True)
+                except ResourceExhausted:
+                    # The committed copy in memory is a cache (storage has it): give it up before
+                    # refusing. The next checkpoint of this rank is then a full one.
+                    for old in [s for s in held if s.state == "committed" and s.memory is not None]:
+                        held.remove(old)
+                        _drop_buffer(old)
+                        log.info(
+                            "rank %d: dropped step %d from memory to fit %s", identity.rank, old.step, what
+                        )
+                    memory = self.memory.reserve("snapshot", offset, what)
+                buffer = _zeroed(offset)
             else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
                 buffer = self.segments.view(segment[0], offset, identity.slot)
-            snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer)
+            snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer, memory=memory)
             snap.attempt, snap.generation = epoch.attempt, epoch.generation
             snap.touched = {t.name: t.touched for t in tensors if t.touched}
             if segment is not None:
@@ -555,6 +610,7 @@ class Engine:
         gang = self.gang(ident.job_key)
         t0 = time.perf_counter()
         encoder: SnapshotEncoder | None = None
+        scratch: Reservation | None = None
         try:
             prefix = mf.rank_prefix(
                 ident.namespace, ident.job, snap.step, snap.attempt, snap.save_id, ident.rank
@@ -562,6 +618,11 @@ class Engine:
             encoder = self._encoder(snap)
             out = encoder.outcome
             refs = self._chain_refs.get(ident.slot, {})
+            # Encoded pieces in flight plus the held copies of lossy forms (a lossless full is
+            # uploaded as views of the buffer: nothing).
+            scratch = self.memory.reserve(
+                "encode", 2 * encoder.scratch_bytes(), f"encoding step {snap.step} (rank {ident.rank})"
+            )
 
             built: list[mf.Manifest] = []
 
@@ -655,6 +716,7 @@ class Engine:
                 layers = [x for x in self._held_layers.get(ident.slot, []) if x[0] in chain.steps[:-1]]
                 layers.append((snap.step, out.tensors, out.held))
                 self._held_layers[ident.slot] = layers if any(h for _, _, h in layers) else []
+                self._account_held(ident.slot)
             self.metrics.encoded.labels(job, out.kind).inc()
             self.metrics.quantization_error.labels(job).set(out.max_error)
             if out.tracking_mismatches:
@@ -669,6 +731,8 @@ class Engine:
             log.info("rank %d: step %d committed (%d bytes)", ident.rank, snap.step, snap.total_bytes)
             self._keep_newest_committed(snap)
         finally:
+            if scratch is not None:
+                scratch.release()
             snap.done.set()
         if snap.state == "committed" and ident.rank == 0:
             # After the trainer hears "committed": retention is not on the path to durable.
@@ -976,6 +1040,35 @@ class Engine:
         if was_gone:
             self._hint(gang, (attempt, 0), gone=pb.GoneHint(rank=identity.rank, back=True))
 
+    def peers_gone(
+        self,
+        identity: Identity,
+        attempt: int,
+        known: tuple[int, ...],
+        timeout: float,
+        until: threading.Event | None = None,
+    ) -> tuple[int, ...]:
+        """The other ranks of ``attempt`` that are gone (no step they have not saved yet can
+        commit), as soon as that differs from ``known``, else after ``timeout`` or once ``until``
+        is set (then call ``wake``)."""
+        gang = self.gang(identity.job_key)
+
+        def current() -> tuple[int, ...]:
+            return tuple(sorted(r for r in gang.gone.get(attempt, {}) if r != identity.rank))
+
+        def changed() -> bool:
+            return current() != known or self._stopping.is_set() or (until is not None and until.is_set())
+
+        with gang.cond:
+            gang.cond.wait_for(changed, timeout)
+            return current()
+
+    def wake(self, identity: Identity) -> None:
+        """Wake waiters of ``identity``'s job (``peers_gone``) to look at their ``until`` event."""
+        gang = self.gang(identity.job_key)
+        with gang.cond:
+            gang.cond.notify_all()
+
     def _announce_gone(self, job_key: tuple[str, str], rank: int, attempt: int, reason: str) -> None:
         with self._lock:
             uploading = {  # complete streams: uploading, or durable and waiting for the COMMIT
@@ -1005,7 +1098,7 @@ class Engine:
             held = self._slots.get(snap.identity.slot, [])
             if snap in held:
                 held.remove(snap)
-            snap.buffer = bytearray()
+            _drop_buffer(snap)
         self._update_held_gauge()
 
     def _keep_newest_committed(self, snap: Snapshot) -> None:
@@ -1017,8 +1110,29 @@ class Engine:
             for old in committed:
                 if old is not newest:
                     held.remove(old)
-                    old.buffer = bytearray()
+                    _drop_buffer(old)
         self._update_held_gauge()
+
+    def _memory_changed(self, budget: MemoryBudget) -> None:
+        for kind, held in budget.held().items():
+            self.metrics.memory_held.labels(kind).set(held)
+
+    def _account_held(self, slot: tuple[str, str, int]) -> None:
+        """Charge a rank's held lossy forms to the budget (caller holds ``self._lock``). When they
+        do not fit they are dropped: memory restores of that chain then read storage."""
+        old = self._held_memory.pop(slot, None)
+        if old is not None:
+            old.release()
+        layers = self._held_layers.get(slot, [])
+        size = sum(len(b) for _, _, held in layers for b in held.values())
+        if not size:
+            return
+        try:
+            what = f"rank {slot[2]}'s held lossy forms"
+            self._held_memory[slot] = self.memory.reserve("encode", size, what)
+        except (ResourceExhausted, FailedPrecondition) as exc:
+            log.warning("rank %d: %s; its memory restores read storage instead", slot[2], exc)
+            self._held_layers[slot] = []
 
     def _update_held_gauge(self) -> None:
         with self._lock:
@@ -1143,6 +1257,7 @@ class Engine:
                 self._chains.pop(identity.slot, None)
                 self._chain_refs.pop(identity.slot, None)
                 self._held_layers.pop(identity.slot, None)
+                self._account_held(identity.slot)
             # Every rank of a gang restart restores once: count the restart, not the ranks.
             if data.restores + 1 > self._restores.get(key, 0):
                 self._restores[key] = data.restores + 1
@@ -1164,7 +1279,7 @@ class Engine:
             try:
                 target = self.epoch_for(identity).restore
                 if target is not None and self._from_memory(identity, target) is None:
-                    data = self._from_storage(identity, target)
+                    data = self._from_storage(identity, target, "prefetch")
                     log.info(
                         "rank %d: prefetched step %d (%d bytes)", identity.rank, target[1], data.total_bytes
                     )
@@ -1229,6 +1344,7 @@ class Engine:
             # same way (ranks restored from memory and from storage agree bit for bit).
             if not layers or layers[-1][0] != found.step:
                 return None
+            memory = self.memory.reserve("restore", len(buf), f"restoring step {target[1]} from memory")
             out = bytearray(buf)
             try:
                 decode_held(memoryview(out), [(t, h) for _, t, h in layers], steps=[s for s, _, _ in layers])
@@ -1236,8 +1352,18 @@ class Engine:
                 log.error("rank %d: held stored forms unusable (%s); reading storage", identity.rank, exc)
                 return None
             buf = memoryview(out)
+        else:
+            memory = None
         return RestoreData(
-            target[1], found.tensors, found.tree, found.total_bytes, "memory", "", iter([buf]), found.restores
+            target[1],
+            found.tensors,
+            found.tree,
+            found.total_bytes,
+            "memory",
+            "",
+            iter([buf]),
+            found.restores,
+            memory,
         )
 
     def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
@@ -1260,7 +1386,7 @@ class Engine:
                 return False
         return True
 
-    def _from_storage(self, identity: Identity, target: Position) -> RestoreData:
+    def _from_storage(self, identity: Identity, target: Position, kind: str = "restore") -> RestoreData:
         ns, job = identity.job_key
         key = mf.commit_key(ns, job, target[1], target[0])
         commit = mf.Commit.from_json(self.store.get(key), key)
@@ -1279,6 +1405,7 @@ class Engine:
                 raise NotFound(f"step {target[1]} names no COMMIT for its base step {older}")
             return mf.load_manifest(self.store, mf.load_ref(self.store, ref), identity.rank)
 
+        memory = self.memory.reserve(kind, manifest.total_bytes, f"reading step {target[1]} from storage")
         pieces = read_snapshot(self.store, manifest, load, self._uploads)
         if len(pieces) == 1 and manifest.checkpoint == "diff":
             view = pieces[0]
@@ -1294,6 +1421,7 @@ class Engine:
             "",
             iter(pieces),
             manifest.restores,
+            memory,
         )
 
     # --- queries --------------------------------------------------------------------------
@@ -1324,9 +1452,40 @@ class Engine:
             return [s for held in self._slots.values() for s in held]
 
 
+def _drop_buffer(snap: Snapshot) -> None:
+    snap.buffer = bytearray()
+    if snap.memory is not None:
+        snap.memory.release()
+
+
+def _zeroed(size: int) -> bytearray | memoryview:
+    """A writable zero-filled buffer whose pages are mapped as the stream fills them (an
+    anonymous mapping), so a dropped stream costs only what it carried."""
+    if size < 1 << 20:
+        return bytearray(size)
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))  # private: the sidecar's own pages
+
+
 def check_protocol(version: int) -> None:
-    if version != PROTOCOL_VERSION:
+    """Serve clients of this protocol and of the one before it (rolling upgrades: the sidecar
+    is upgraded first). What a protocol-1 client lacks, and what it gets instead:
+
+    - Identity.generation: never sent. The sidecar's generation file wins anyway; without
+      one, a single rank gets a generation of its own per handshake (as a protocol-2 client
+      makes itself), several ranks are refused (see Engine.greet).
+    - the Attach stream: never opened. A rank that never attached is never taken for gone
+      (only an Attach stream that ends, or a peer's GoneHint, says a rank left), so nothing
+      waits on it; its liveness falls back to the commit timeouts (--commit-timeout-s).
+    """
+    if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        supported = " and ".join(str(v) for v in range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
+        newer = version > PROTOCOL_VERSION
         raise FailedPrecondition(
-            f"protocol version {version} is not supported; this sidecar speaks {PROTOCOL_VERSION}. "
-            "Upgrade the trainer client and the sidecar together"
+            f"protocol version {version} is not supported; this sidecar speaks protocol "
+            f"{PROTOCOL_VERSION} and serves clients of protocol {supported}. "
+            + (
+                "Upgrade the sidecar (roll out the new chart) before the trainer client"
+                if newer
+                else f"Upgrade the trainer client (strata-ckpt) to one speaking protocol {supported}"
+            )
         )

@@ -22,6 +22,16 @@ commits by (attempt, step): a rollback is a newer attempt.
 A step exists for readers only through a valid COMMIT, and readers trust only
 the manifests (key and sha256) that COMMIT lists. A differential manifest names
 its base by the base's COMMIT key and sha256.
+
+Format 1 (the previous release; read, never written). One COMMIT per step at
+``steps/<step:012d>/COMMIT``, no EPOCH records, LATEST ``{"step", "commit"}``, and
+manifests that name their bases by step only (no ``base_commit``,
+``required_commits`` nor per-tensor ``crc32``). Such a commit reads as attempt
+:data:`LEGACY_ATTEMPT`, older than every attempt storage allocates, so the
+first attempt of an upgraded job restores the newest format-1 commit and fences
+off any format-1 commit above it, like any older attempt's. Its bases are named
+by their format-1 COMMIT keys with an empty sha256 (the format recorded none;
+the reader trusts that COMMIT as the previous release did).
 """
 
 from __future__ import annotations
@@ -50,10 +60,15 @@ from sidecar.store.base import Store
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
+#: The oldest format this build reads (format 1: see the module docstring). Never written.
+MIN_FORMAT_VERSION = 1
+#: The attempt a format-1 commit reads as: older than any attempt storage allocates.
+LEGACY_ATTEMPT = -1
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,251}[a-z0-9])?$")
 _STEP_DIR_RE = re.compile(r"/steps/(\d{12})/$")
 _COMMIT_DIR_RE = re.compile(r"^a(\d{4,})/$")
 _COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/a(\d{4,})/COMMIT$")
+_LEGACY_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/COMMIT$")
 _EPOCH_RE = re.compile(r"/EPOCH/(\d{8,})$")
 
 
@@ -77,15 +92,20 @@ def rank_prefix(namespace: str, job: str, step: int, attempt: int, save_id: str,
 
 
 def commit_key(namespace: str, job: str, step: int, attempt: int) -> str:
+    if attempt == LEGACY_ATTEMPT:  # format 1: one COMMIT per step (read only)
+        return step_prefix(namespace, job, step) + "COMMIT"
     return f"{step_prefix(namespace, job, step)}a{attempt:04d}/COMMIT"
 
 
 def parse_commit_key(key: str) -> tuple[int, int]:
-    """(attempt, step) of a COMMIT key."""
+    """(attempt, step) of a COMMIT key (a format-1 key: LEGACY_ATTEMPT)."""
     m = _COMMIT_KEY_RE.search("/" + key)
-    if not m:
-        raise ValueError(f"{key!r} is not a COMMIT key")
-    return int(m.group(2)), int(m.group(1))
+    if m:
+        return int(m.group(2)), int(m.group(1))
+    m = _LEGACY_COMMIT_KEY_RE.search("/" + key)
+    if m:
+        return LEGACY_ATTEMPT, int(m.group(1))
+    raise ValueError(f"{key!r} is not a COMMIT key")
 
 
 def latest_key(namespace: str, job: str) -> str:
@@ -205,7 +225,8 @@ class Manifest:
     def from_json(cls, data: bytes, key: str = "MANIFEST") -> Manifest:
         try:
             raw = json.loads(data)
-            _check_format(raw, "strata.rank-manifest", key)
+            if _check_format(raw, "strata.rank-manifest", key) == 1:
+                _manifest_from_format1(raw)
             raw["tensors"] = [TensorEntry(**t) for t in raw["tensors"]]
             raw["objects"] = [ObjectEntry(**o) for o in raw["objects"]]
             if raw.get("base_commit") is not None:
@@ -248,7 +269,8 @@ class Commit:
     def from_json(cls, data: bytes, key: str = "COMMIT") -> Commit:
         try:
             raw = json.loads(data)
-            _check_format(raw, "strata.commit", key)
+            if _check_format(raw, "strata.commit", key) == 1:
+                _commit_from_format1(raw)
             raw["manifests"] = [ManifestRef(**m) for m in raw["manifests"]]
             raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
             return cls(**raw)
@@ -266,15 +288,54 @@ class Commit:
         raise NotFound(f"COMMIT of step {self.step} lists no manifest for rank {rank}")
 
 
-def _check_format(raw: Any, kind: str, key: str) -> None:
+def _check_format(raw: Any, kind: str, key: str) -> int:
+    """The object's format version, if this build reads it: FORMAT_VERSION, or format 1 for
+    the kinds format 1 had (manifests and COMMITs)."""
     if not isinstance(raw, dict) or raw.get("kind") != kind:
         raise ValueError(f"expected kind {kind!r}")
-    if raw.get("format_version") != FORMAT_VERSION:
+    version = raw.get("format_version")
+    readable = range(MIN_FORMAT_VERSION, FORMAT_VERSION + 1) if kind != "strata.epoch" else (FORMAT_VERSION,)
+    if type(version) is not int or version not in readable:
         raise CorruptObject(
             key,
-            f"format_version {raw.get('format_version')!r} is not supported "
-            f"(this build reads {FORMAT_VERSION})",
+            f"format_version {version!r} is not supported (this build reads "
+            f"{' and '.join(str(v) for v in readable)}, writes {FORMAT_VERSION}; a newer format needs "
+            "a newer sidecar)",
         )
+    return version
+
+
+# --- format 1 (read only) --------------------------------------------------------------------
+
+
+def _legacy_ref(namespace: str, job: str, step: int) -> dict[str, str]:
+    # Format 1 named a base by its step only: its COMMIT, with no digest to check it against.
+    return {"key": commit_key(namespace, job, int(step), LEGACY_ATTEMPT), "sha256": ""}
+
+
+def _manifest_from_format1(raw: dict[str, Any]) -> None:
+    """A format-1 manifest's fields as format 2 names them (in place); format_version stays 1."""
+    if "base_commit" in raw or "required_commits" in raw:
+        raise ValueError("a format-1 manifest with format-2 fields")
+    ns, job = raw["namespace"], raw["job"]
+    base = raw.get("base_step")
+    raw["base_commit"] = None if base is None else _legacy_ref(ns, job, base)
+    raw["required_commits"] = [_legacy_ref(ns, job, s) for s in raw.get("requires", [])]
+    # Its saves ran outside any attempt storage allocated: never one of a format-2 attempt.
+    raw["attempt"] = LEGACY_ATTEMPT
+
+
+def _commit_from_format1(raw: dict[str, Any]) -> None:
+    """A format-1 COMMIT's fields as format 2 names them (in place); format_version stays 1."""
+    if "required_commits" in raw:
+        raise ValueError("a format-1 COMMIT with format-2 fields")
+    raw["required_commits"] = [_legacy_ref(raw["namespace"], raw["job"], s) for s in raw.get("requires", [])]
+    raw["attempt"] = LEGACY_ATTEMPT
+
+
+def is_legacy_key(key: str) -> bool:
+    """A format-1 COMMIT key (``steps/<step>/COMMIT``)."""
+    return _LEGACY_COMMIT_KEY_RE.search("/" + key) is not None
 
 
 # --- generations, epochs and fences ----------------------------------------------------------
@@ -400,6 +461,8 @@ def create_epoch(
     re-reads the fences and decides again.
     """
     attempt = fences.newest_attempt + 1
+    if fences.newest_attempt < 0:  # a job's first EPOCH: above any save a format-1 release left
+        attempt = max(attempt, _legacy_attempt_floor(store, namespace, job, restore))
     names = dict(fences.generations)
     if fences.newest is not None:
         names[fences.newest.attempt] = fences.newest.generation
@@ -422,6 +485,24 @@ def create_epoch(
         "nothing" if restore is None else f"step {restore[1]} (attempt {restore[0]})",
     )
     return epoch
+
+
+def _legacy_attempt_floor(store: Store, namespace: str, job: str, restore: tuple[int, int] | None) -> int:
+    """One past the highest attempt a format-1 release named in save directories of steps above
+    ``restore``: the new attempt saves only such steps, and a save directory of the same attempt
+    number must not look like one of its own to :func:`step_state`. One LIST for a new job."""
+    floor = 0
+    after = -1 if restore is None else restore[1]
+    for step in _step_dirs(store, namespace, job):
+        if step <= after:
+            continue
+        prefix = step_prefix(namespace, job, step)
+        for obj in store.list(prefix).objects:
+            head = obj.key[len(prefix) :].split("/", 1)[0]
+            m = re.fullmatch(r"a(\d{4,})-.+", head)
+            if m:
+                floor = max(floor, int(m.group(1)) + 1)
+    return floor
 
 
 # --- commit protocol -------------------------------------------------------------------------
@@ -587,8 +668,10 @@ def advance_latest(store: Store, namespace: str, job: str, attempt: int, step: i
 def _latest_position(body: bytes) -> tuple[int, int] | None:
     try:
         raw = json.loads(body)
+        if "attempt" not in raw and is_legacy_key(str(raw.get("commit", ""))):
+            return (LEGACY_ATTEMPT, int(raw["step"]))  # format 1's LATEST: {"step", "commit"}
         return (int(raw["attempt"]), int(raw["step"]))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -601,7 +684,9 @@ def read_commit_at(store: Store, key: str) -> tuple[Commit, str]:
 def load_ref(store: Store, ref: CommitRef) -> Commit:
     """The COMMIT a reference names, checked against its sha256."""
     body = store.get(ref.key)
-    if sha256(body) != ref.sha256:
+    # Format 1 recorded no digest of a base's COMMIT (and only format 1 wrote such keys).
+    unchecked = not ref.sha256 and is_legacy_key(ref.key)
+    if not unchecked and sha256(body) != ref.sha256:
         raise CorruptObject(ref.key, "sha256 differs from the one the referring manifest recorded")
     return Commit.from_json(body, ref.key)
 
@@ -619,10 +704,13 @@ def _step_dirs(store: Store, namespace: str, job: str, start_after: str | None =
 def step_commits(store: Store, namespace: str, job: str, step: int) -> list[int]:
     """Attempts that wrote a COMMIT of ``step`` (valid or not): one LIST for the commit
     directories ``a<attempt>/`` (they hold nothing but the COMMIT), then a HEAD of each, since
-    some stores (SeaweedFS) keep a directory after its last object is deleted."""
+    some stores (SeaweedFS) keep a directory after its last object is deleted. A format-1
+    COMMIT (an object right in the step directory) counts as LEGACY_ATTEMPT."""
     prefix = step_prefix(namespace, job, step)
     listing = store.list(prefix, delimiter="/")
     out = []
+    if any(o.key == prefix + "COMMIT" for o in listing.objects):
+        out.append(LEGACY_ATTEMPT)
     for p in listing.prefixes:
         m = _COMMIT_DIR_RE.match(p[len(prefix) :])
         if m and store.head(commit_key(namespace, job, step, int(m.group(1)))) is not None:
@@ -654,7 +742,8 @@ def unusable_prefix(namespace: str, job: str) -> str:
 def mark_unusable(store: Store, namespace: str, job: str, position: tuple[int, int], reason: str) -> None:
     """Record that a rank could not restore (attempt, step): no later attempt restores it."""
     attempt, step = position
-    key = f"{unusable_prefix(namespace, job)}{step:012d}-a{attempt:04d}"
+    tag = "v1" if attempt == LEGACY_ATTEMPT else f"a{attempt:04d}"
+    key = f"{unusable_prefix(namespace, job)}{step:012d}-{tag}"
     try:
         store.put(key, reason.encode()[:4096])
     except StorageError as exc:
@@ -665,9 +754,10 @@ def unusable_commits(store: Store, namespace: str, job: str) -> set[tuple[int, i
     """Commits some rank failed to restore (one LIST, normally empty)."""
     out = set()
     for o in store.list(unusable_prefix(namespace, job)).objects:
-        m = re.search(r"/(\d{12})-a(\d{4,})$", "/" + o.key)
+        m = re.search(r"/(\d{12})-(?:a(\d{4,})|v1)$", "/" + o.key)
         if m:
-            out.add((int(m.group(2)), int(m.group(1))))
+            attempt = LEGACY_ATTEMPT if m.group(2) is None else int(m.group(2))
+            out.add((attempt, int(m.group(1))))
     return out
 
 

@@ -120,6 +120,29 @@ class Metrics:
             registry=r,
         )
         self.held_bytes = Gauge("strata_held_snapshot_bytes", "Snapshot bytes held in memory.", registry=r)
+        self.memory_budget = Gauge(
+            "strata_memory_budget_bytes",
+            "The sidecar's own memory budget (shared-memory segments are the trainer's, not in it).",
+            registry=r,
+        )
+        self.memory_held = Gauge(
+            "strata_memory_held_bytes",
+            "Bytes held against the memory budget, by kind (snapshot, restore, prefetch, encode).",
+            ["kind"],
+            registry=r,
+        )
+        self.memory_refusals = Counter(
+            "strata_memory_refusals_total",
+            "Requests refused with RESOURCE_EXHAUSTED because they did not fit the memory budget.",
+            ["kind"],
+            registry=r,
+        )
+        self.busy_refusals = Counter(
+            "strata_rpc_refusals_total",
+            "Blocking calls refused with RESOURCE_EXHAUSTED because --max-blocking-rpcs were running.",
+            ["method"],
+            registry=r,
+        )
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""

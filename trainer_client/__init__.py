@@ -10,6 +10,7 @@ from trainer_client.config import ClientSettings
 from trainer_client.dist import init_process_group
 from trainer_client.errors import (
     CheckpointError,
+    Preempted,
     RestoreError,
     SaveFailed,
     SaveSkipped,
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "ClientSettings",
     "Committed",
+    "Preempted",
     "RestoreError",
     "SaveFailed",
     "SaveHandle",

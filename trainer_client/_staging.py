@@ -10,6 +10,7 @@ state lazily after the first step).
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import mmap
@@ -63,9 +64,17 @@ class SharedSegment:
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
-            except OSError:
+            except OSError as exc:
                 os.unlink(self.path)
-                raise
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise OSError(
+                    exc.errno,
+                    f"the shared-memory directory {directory} is full: no room for a {size}-byte staging "
+                    f"segment. Each rank needs two segments of its snapshot size there, and their pages "
+                    f"count against the trainer container's memory limit: raise that emptyDir's sizeLimit "
+                    f"(or the tmpfs size) and the trainer's memory limit by 2 x {size} bytes per rank",
+                ) from None
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)

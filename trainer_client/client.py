@@ -25,14 +25,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import torch
 
 from sidecar.api import PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
-from sidecar.api.faults import fault_point
-from trainer_client import _rng, _tree
+from sidecar.faults import fault_point
+from trainer_client import _loaders, _rng, _tree
+from trainer_client._preempt import SigtermWatch
 from trainer_client._staging import (
     Gate,
     HostBuffers,
@@ -44,7 +45,7 @@ from trainer_client._staging import (
 )
 from trainer_client._tracking import RowTracker
 from trainer_client.config import ClientSettings
-from trainer_client.errors import RestoreError, SaveFailed, SaveSkipped, SidecarUnavailable
+from trainer_client.errors import Preempted, RestoreError, SaveFailed, SaveSkipped, SidecarUnavailable
 
 log = logging.getLogger("strata.client")
 _RNG_KEY = "__strata_rng__"
@@ -82,6 +83,24 @@ class CheckpointClient:
     pre-hook waits for the copy before the step mutates them. Everything else
     (buffers such as BatchNorm statistics, Embedding(max_norm=...) weights,
     RNG, data-reader state) is still copied inside ``save()``.
+
+    ``save_on_sigterm``: seconds (counted from the signal) a save after SIGTERM may take to become
+    durable; None (default, or STRATA_SAVE_ON_SIGTERM_S unset) leaves SIGTERM alone. Kubernetes
+    sends SIGTERM to a preempted or drained pod and kills it ``terminationGracePeriodSeconds``
+    later. With a budget, a SIGTERM handler (installed by a client created in the main thread,
+    calling the handler it replaced if that is a Python function, put back by ``close()``) only
+    sets :attr:`preempted`; the next ``save()`` is the safe point: it waits for a save already in
+    flight (it counts), saves that step, waits for it to become durable within the budget, logs
+    the outcome and raises :class:`Preempted` (a ``SystemExit`` with status 143, 128 + SIGTERM,
+    no traceback). When a peer rank of this attempt is already gone (a gang restart evicts the
+    survivors) no step can commit: that ``save()`` skips the save and raises at once. Save at
+    the next step after the signal::
+
+        client = CheckpointClient(save_on_sigterm=20)
+        for step in range(start, steps):
+            train_step()
+            if step % 100 == 0 or client.preempted:
+                client.save(step, state)   # after SIGTERM: save, wait durable, exit 143
     """
 
     def __init__(
@@ -121,6 +140,11 @@ class CheckpointClient:
         self._overlap: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._skipped_unreported = 0
+        #: newest step this client saw committed, and the peers of its attempt that are gone
+        self._durable_step: int | None = None
+        self._peers_gone: tuple[int, ...] = ()
+        self._gone_reason = ""
+        self._sigterm = SigtermWatch()
         beat = os.environ.get("STRATA_HEARTBEAT_FILE")
         self._heartbeat = Path(beat) if beat else None
         #: step, source ("memory"/"storage") and fallback reason of the newest restore
@@ -133,6 +157,8 @@ class CheckpointClient:
         self._closed = threading.Event()
         self._attach = self._stub.Attach(pb.AttachRequest(identity=self._identity), metadata=self._metadata)
         threading.Thread(target=self._hold_attach, name="strata-attach", daemon=True).start()
+        if self.settings.save_on_sigterm is not None:
+            self._sigterm.install()
         if self.settings.resume != "never":
             # Asynchronous discovery: the sidecar starts reading the newest step while the
             # trainer builds its model; resume() then finds it in memory.
@@ -170,6 +196,12 @@ class CheckpointClient:
             try:
                 for event in self._attach:
                     log.debug("running as attempt %d", event.attempt)
+                    gone = tuple(event.gone_ranks)
+                    if gone != self._peers_gone:
+                        self._gone_reason = event.gone_reason or f"rank(s) {list(gone)} are gone"
+                        self._peers_gone = gone
+                        if gone:
+                            log.info("peers gone: %s", self._gone_reason)
             except grpc.RpcError as exc:
                 log.debug("attach stream ended: %s", exc.code())
             except ValueError:  # the channel was closed under it
@@ -220,6 +252,7 @@ class CheckpointClient:
 
     def close(self, wait: bool = True) -> None:
         """Finish (or drop) outstanding saves and close the connection."""
+        self._sigterm.uninstall()
         if wait and self._last is not None:
             try:
                 self._last.durable.result(self.settings.commit_timeout_s)
@@ -278,8 +311,79 @@ class CheckpointClient:
 
     # --- save -----------------------------------------------------------------------------
 
+    @property
+    def preempted(self) -> bool:
+        """SIGTERM came (with ``save_on_sigterm`` set): the next ``save()`` is the last one."""
+        return self._sigterm.fired
+
     def save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
-        """Snapshot ``state`` at ``step``; returns once the synchronous copy is done."""
+        """Snapshot ``state`` at ``step``; returns once the synchronous copy is done. After
+        SIGTERM (``save_on_sigterm``) it saves, waits for durable and raises :class:`Preempted`."""
+        if self._sigterm.fired:
+            self._save_on_sigterm(step, state)
+        return self._save(step, state)
+
+    def _save_on_sigterm(self, step: int, state: MutableMapping[str, Any]) -> NoReturn:
+        assert self._sigterm.at is not None and self.settings.save_on_sigterm is not None
+        budget = self.settings.save_on_sigterm
+        deadline = self._sigterm.at + budget
+        log.warning(
+            "SIGTERM %.2f s ago: saving step %d (budget %.1f s from the signal)",
+            time.monotonic() - self._sigterm.at,
+            step,
+            budget,
+        )
+        saved, reason = False, ""
+        previous = self._last
+        if self._peers_gone:
+            reason = f"save skipped: {self._gone_reason}, so no step can commit"
+        else:
+            # A save in flight when the signal came counts: wait for it first.
+            if previous is not None and not self._settled(previous.durable, deadline):
+                reason = f"step {previous.step} (in flight at SIGTERM) not durable within the budget"
+            elif self._inflight is not None and not self._settled(self._inflight, deadline):
+                reason = "the previous save was still streaming when the budget ran out"
+            elif self._peers_gone:
+                reason = f"save skipped: {self._gone_reason}, so no step can commit"
+            elif time.monotonic() >= deadline:
+                reason = f"no budget left for step {step}"
+            elif previous is not None and previous.step == step and self._durable_step == step:
+                saved = True
+            else:
+                handle = self._save(step, state)
+                if not self._settled(handle.durable, deadline):
+                    reason = (
+                        f"save skipped: {self._gone_reason}, so no step can commit"
+                        if self._peers_gone
+                        else f"step {step} not durable within the budget"
+                    )
+                elif handle.durable.exception() is not None:
+                    reason = f"step {step} failed: {handle.durable.exception()}"
+                else:
+                    saved = True
+        took = time.monotonic() - self._sigterm.at
+        if saved:
+            log.warning("SIGTERM: step %d durable %.2f s after the signal; exiting", step, took)
+        else:
+            log.warning(
+                "SIGTERM: %s; newest durable step %s; exiting %.2f s after the signal",
+                reason,
+                self._durable_step,
+                took,
+            )
+        self.close(wait=False)  # cancels what still streams: the sidecar drops it, never half-commits
+        raise Preempted(step if saved else self._durable_step, saved, reason)
+
+    def _settled(self, future: Future[Any], deadline: float) -> bool:
+        """Wait for ``future`` until ``deadline``; gives up early when a peer is gone."""
+        while not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._peers_gone:
+                return False
+            futures_wait([future], timeout=min(left, 0.05))
+        return True
+
+    def _save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
         t0 = time.perf_counter()
         with self._lock:
             # Busy while the previous snapshot streams or uploads: the sidecar holds one in
@@ -298,6 +402,8 @@ class CheckpointClient:
         handle = SaveHandle(step)
         if self._heartbeat is not None:
             self._heartbeat.touch()  # progress, for the launcher's hang detection
+        if self.stats["saves"] == 0:
+            _loaders.check(state)  # once: loader setups a resume cannot keep exact
         full = dict(state)
         if self.settings.capture_rng:
             full[_RNG_KEY] = _rng.capture()
@@ -510,13 +616,21 @@ class CheckpointClient:
         try:
             while True:
                 req.timeout_seconds = max(0.0, min(30.0, deadline - time.monotonic()))
-                status = self._stub.WaitCommitted(
-                    req, timeout=req.timeout_seconds + 30, metadata=self._metadata
-                )
+                try:
+                    status = self._stub.WaitCommitted(
+                        req, timeout=req.timeout_seconds + 30, metadata=self._metadata
+                    )
+                except grpc.RpcError as exc:
+                    # The sidecar's blocking calls are capped (--max-blocking-rpcs): ask again.
+                    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+                    continue
                 if status.state == pb.COMMIT_STATE_COMMITTED:
                     if bufs.segment is not None and bufs in self._buffers:  # this save used it
                         self._held = index  # the sidecar keeps this one in memory
                     self._tracker.committed()
+                    self._durable_step = max(handle.step, self._durable_step or handle.step)
                     handle.durable.set_result(Committed(handle.step, status.commit_key))
                     return
                 if status.state == pb.COMMIT_STATE_FAILED:
@@ -577,8 +691,7 @@ class CheckpointClient:
         if step is not None:
             req.step = step
         try:
-            stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
-            header, tensors = _receive(stream)
+            header, tensors = self._restore_stream(req)
         except grpc.RpcError as exc:
             code = exc.code()
             msg = f"restore of {self.settings.namespace}/{self.settings.job}: {exc.details()}"
@@ -604,6 +717,7 @@ class CheckpointClient:
         rng_state = target.get(_RNG_KEY)
         if self.settings.capture_rng and rng_state:
             _rng.restore(rng_state)
+        _loaders.after_restore(state)  # the loaders' next iter() must not redraw the epoch's seeds
         self.last_restore = {
             "step": int(header.step),
             "source": header.source,
@@ -612,6 +726,21 @@ class CheckpointClient:
         }
         log.info("restored step %d from %s (%d bytes)", header.step, header.source, header.total_bytes)
         return int(header.step)
+
+    def _restore_stream(self, req: pb.RestoreRequest) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
+        """One Restore call, asked again while the sidecar refuses it for lack of a free slot
+        (its blocking calls or memory are momentarily taken by other ranks)."""
+        deadline, delay = time.monotonic() + self.settings.rpc_timeout_s, 0.1
+        while True:
+            try:
+                stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
+                return _receive(stream)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + delay >= deadline:
+                    raise
+                log.info("restore refused for now (%s); retrying", exc.details())
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
 
 class _NothingToRestore(Exception):

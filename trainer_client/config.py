@@ -56,6 +56,9 @@ class ClientSettings:
     rpc_timeout_s: float = 600.0
     commit_timeout_s: float = 900.0
     capture_rng: bool = True
+    #: seconds a save after SIGTERM may take, counted from the signal (STRATA_SAVE_ON_SIGTERM_S);
+    #: None: SIGTERM is left alone (see CheckpointClient)
+    save_on_sigterm: float | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ClientSettings:
@@ -75,13 +78,14 @@ class ClientSettings:
             "chunk_bytes": _env("STRATA_CHUNK_BYTES"),
             "max_message_bytes": _env("STRATA_MAX_MESSAGE_BYTES"),
             "commit_timeout_s": _env("STRATA_COMMIT_TIMEOUT_S"),
+            "save_on_sigterm": _env("STRATA_SAVE_ON_SIGTERM_S"),
         }
         values: dict[str, Any] = {}
         kinds = {f.name: f.type for f in fields(cls)}
         for name, raw in env.items():
             if raw is None:
                 continue
-            kind = kinds[name]
+            kind = str(kinds[name]).removesuffix(" | None")
             try:
                 values[name] = int(raw) if kind == "int" else float(raw) if kind == "float" else raw
             except ValueError:
@@ -108,6 +112,8 @@ class ClientSettings:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if self.address and not self.token:
             raise ValueError("a TCP sidecar address needs a token (STRATA_TOKEN)")
+        if self.save_on_sigterm is not None and not self.save_on_sigterm >= 0:
+            raise ValueError(f"save_on_sigterm={self.save_on_sigterm!r}: expected seconds >= 0 or None")
         if not 0 < self.chunk_bytes < self.max_message_bytes:
             raise ValueError(f"chunk_bytes {self.chunk_bytes} must be below max_message_bytes")
 

@@ -44,18 +44,44 @@ epoch's last batch (inside the loop or after it) makes passes over that epoch em
 pass began (StatefulDataLoader applies its state lazily, inside ``iter()``, after your
 ``set_epoch``: your epoch wins there, and the saved position applies only to the same epoch, so
 keep your own epoch counter in the state, e.g. ``{"epoch": epoch, "data": stateful_loader}``).
+
+Random numbers: a resumed run draws those of the uninterrupted run. ``iter(DataLoader)`` draws the
+workers' base seed from the global torch generator (or the loader's ``generator``), which the
+uninterrupted run did when the epoch began, before the saved step. A ResumableLoader makes that
+draw itself, as the DataLoader would, as each pass's seed, and records it in its state
+(``base_seed``); a pass that continues a loaded epoch reuses it and draws nothing, and the empty
+pass over an epoch that the checkpoint ended draws nothing either. With ``num_workers > 0`` it
+also seeds each worker's Python, numpy and torch generators before every batch from (pass seed,
+batch position), so worker-side randomness (augmentations) matches after a mid-epoch resume
+too. For a StatefulDataLoader (default ``generator=None`` or its own one shared with the
+sampler) ``CheckpointClient.restore`` creates the loaded iterator without touching the global
+streams. Exact: both, ``num_workers`` 0 or more, mid-epoch or at an epoch's end, and every epoch
+after. Not exact (logged once, at the first save, with the fix): a ResumableLoader with
+``persistent_workers=True`` (worker-side draws), a loader ``generator`` not itself in the state,
+a StatefulDataLoader's worker-side draws (its workers restart from their seed) or one sampling
+with torch's stateless ``RandomSampler``. A plain DataLoader not in the state is invisible to the
+client: wrap it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import random
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Sampler
+
+from trainer_client._loaders import kept_global_rng
+
+try:
+    import numpy as np
+except ModuleNotFoundError:  # torch runs without numpy
+    np = None  # type: ignore[assignment]
 
 __all__ = ["ResumableDistributedSampler", "ResumableLoader"]
 
@@ -234,6 +260,8 @@ class ResumableLoader:
         self.sampler = sampler
         sampler._consumed = sampler._position()
         self._generation = 0  # bumped by load_state_dict: older iterators stop counting
+        self._seed: int | None = None  # seed of the pass that produced the position (see __iter__)
+        self._seed_loaded = False  # _seed came from a loaded state
 
     @property
     def epoch(self) -> int:
@@ -249,14 +277,95 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         start = self.sampler._next_start()
         self.sampler._consumed = start
-        return _Pass(self, iter(self.loader), start)
+        dl = self.loader
+        persistent = dl.persistent_workers and dl.num_workers > 0
+        if persistent and getattr(dl, "_iterator", None) is not None:
+            return _Pass(self, iter(dl), start)  # torch reuses the workers: nothing is drawn
+        # The pass seed: drawn as the DataLoader draws its base seed (same generator, same draw),
+        # so the global stream moves as without the wrapper. A pass that continues a loaded
+        # epoch (start > 0) was begun before the save, its draw already made: it reuses the
+        # saved seed and draws nothing; so does a new persistent iterator after a load.
+        if start > 0 or (persistent and self._seed_loaded):
+            seed = self._seed
+            if seed is None:  # a state without one (older, or the bare sampler's): keep the streams
+                with kept_global_rng():
+                    seed = _draw_seed(dl.generator)
+        else:
+            seed = _draw_seed(dl.generator)
+        self._seed, self._seed_loaded = seed, False
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        saved = dl.generator, dl.worker_init_fn, dl.collate_fn
+        dl.generator = generator  # the DataLoader's base seed: a function of the pass seed
+        if dl.num_workers > 0 and not persistent:
+            seeds = _BatchSeeds(seed, start // self._batch_size, dl.worker_init_fn, dl.collate_fn)
+            dl.worker_init_fn, dl.collate_fn = seeds.init, seeds.collate
+        try:
+            it = iter(dl)
+        finally:
+            dl.generator, dl.worker_init_fn, dl.collate_fn = saved
+        return _Pass(self, it, start)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        """The sampler's state, plus the pass seed once a pass began (``base_seed``)."""
+        state = self.sampler.state_dict()
+        if self._seed is not None:
+            state["base_seed"] = self._seed
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The sampler's ``load_state_dict``; a state without ``base_seed`` (older ones, a bare
+        sampler's) loads too."""
+        seed = None
+        if isinstance(state, dict) and "base_seed" in state:
+            state = dict(state)
+            seed = state.pop("base_seed")
+            if type(seed) is not int or not 0 <= seed < 2**63:
+                raise ValueError(f"loader state: base_seed must be an int in [0, 2**63), got {seed!r}")
         self.sampler.load_state_dict(state)
+        self._seed, self._seed_loaded = seed, seed is not None
         self._generation += 1
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """The draw ``iter(DataLoader)`` makes for its base seed."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+class _BatchSeeds:
+    """Seeds every worker's Python, numpy and torch generators before each batch from (pass
+    seed, the batch's position in the epoch), so a pass resumed mid-epoch draws in its workers
+    what the interrupted one drew for the same batches. Batches go to the workers in turn
+    (``in_order=True``): worker w of W gets the pass's batches w, w + W, ..."""
+
+    def __init__(self, seed: int, first_batch: int, init_fn: Any, collate_fn: Any) -> None:
+        self.seed = seed
+        self.next_batch = first_batch
+        self.stride = 1
+        self.init_fn = init_fn
+        self.collate_fn = collate_fn
+
+    def init(self, worker_id: int) -> None:  # in the worker, once
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        self.next_batch += info.id
+        self.stride = info.num_workers
+        self._reseed()
+
+    def collate(self, data: Any) -> Any:  # in the worker, after each batch's samples
+        out = self.collate_fn(data)
+        self.next_batch += self.stride
+        self._reseed()
+        return out
+
+    def _reseed(self) -> None:
+        digest = hashlib.blake2b(f"{self.seed}/{self.next_batch}".encode(), digest_size=16).digest()
+        random.seed(digest)
+        torch.manual_seed(int.from_bytes(digest[:8], "little"))
+        if np is not None:
+            np.random.seed([int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)])
 
 
 class _Pass(Iterator[Any]):

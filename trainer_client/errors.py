@@ -20,3 +20,18 @@ class SaveFailed(CheckpointError):
 
 class RestoreError(CheckpointError):
     """Nothing restorable was found, or the checkpoint does not fit the state."""
+
+
+class Preempted(SystemExit):
+    """Raised by ``save()`` after SIGTERM once the save on SIGTERM is settled (or skipped): the
+    process exits with status 143 (128 + SIGTERM), like one that SIGTERM killed, without a
+    traceback. ``step`` is the newest step this client knows durable (None: none), ``saved``
+    whether the save made after the signal became durable within the budget, ``reason`` why not."""
+
+    def __init__(self, step: int | None, saved: bool, reason: str = "") -> None:
+        super().__init__(143)
+        self.step, self.saved, self.reason = step, saved, reason
+
+    def __str__(self) -> str:
+        what = f"step {self.step} durable" if self.step is not None else "no step durable"
+        return f"preempted (SIGTERM): {what}" + ("" if self.saved else f"; {self.reason}")

@@ -77,7 +77,9 @@ def gang_demo(strata: str, env: dict[str, str], storage: str, endpoint: str, wor
     ]
     banner(f"{ranks} ranks under `strata launch`; rank 1 is SIGKILLed while saving step 39")
     out, ref = work / "gang.json", work / "gang-ref.json"
-    faults = dict(env, STRATA_FAULTS="client.stream.chunk@39#1=kill", STRATA_FAULTS_RANK="1")
+    faults = dict(
+        env, STRATA_FAULTS="client.stream.chunk@39#1=kill", STRATA_FAULTS_RANK="1", STRATA_TEST_FAULTS="1"
+    )
     cmd = [*launch, "--job", "recsys-gang", "--workdir", str(work / "gang"), "--", sys.executable, str(ddp)]
     if subprocess.run([*cmd, *common, "--out", str(out)], env=faults).returncode != 0:
         print("    the gang did not finish")
@@ -158,7 +160,9 @@ def main() -> int:
         log = work / "trainer.log"
 
         banner(f"training; the trainer will be SIGKILLed mid-stream while saving step {args.kill_step}")
-        killed_env = dict(trainer_env, STRATA_FAULTS=f"client.stream.chunk@{args.kill_step}#1=kill")
+        killed_env = dict(
+            trainer_env, STRATA_FAULTS=f"client.stream.chunk@{args.kill_step}#1=kill", STRATA_TEST_FAULTS="1"
+        )
         code, _ = run_trainer(killed_env, common, log)
         if code != -signal.SIGKILL:
             print(f"expected the trainer to die by SIGKILL, got exit code {code}")

@@ -12,8 +12,11 @@ from pathlib import Path
 from sidecar.api.strata.v1 import strata_pb2 as pb
 from sidecar.api.strata.v1 import strata_pb2_grpc as pb_grpc
 
-#: Bumped on incompatible wire changes; the sidecar refuses other versions.
-PROTOCOL_VERSION = 1
+#: Bumped on wire changes. 2: Identity.generation, the Attach stream, the Peer service.
+PROTOCOL_VERSION = 2
+#: The oldest client protocol the sidecar still serves (one release back, for rolling
+#: upgrades); it refuses anything outside MIN_PROTOCOL_VERSION..PROTOCOL_VERSION.
+MIN_PROTOCOL_VERSION = 1
 #: gRPC metadata key carrying the shared token on TCP connections.
 TOKEN_METADATA_KEY = "x-strata-token"
 #: Default largest gRPC message on both ends (chunks are smaller).
@@ -43,6 +46,7 @@ def default_socket_path() -> str:
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "SHM_NAME_PATTERN",
     "TOKEN_METADATA_KEY",

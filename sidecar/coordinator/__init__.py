@@ -5,6 +5,7 @@ the launcher/operator never multiplies retries with another policy.
 """
 
 from sidecar.coordinator.core import (
+    OOM_EXIT_CODE,
     Decision,
     Failure,
     FailureKind,
@@ -13,4 +14,12 @@ from sidecar.coordinator.core import (
     classify_exit,
 )
 
-__all__ = ["Decision", "Failure", "FailureKind", "RestartPolicy", "RestartTracker", "classify_exit"]
+__all__ = [
+    "OOM_EXIT_CODE",
+    "Decision",
+    "Failure",
+    "FailureKind",
+    "RestartPolicy",
+    "RestartTracker",
+    "classify_exit",
+]

@@ -40,7 +40,7 @@ class Failure:
         elif self.kind == FailureKind.EXIT_ERROR:
             what = f"exited with code {self.exit_code}"
         elif self.kind == FailureKind.OOM:
-            what = "ran out of memory"
+            what = "was killed by the OOM killer"
         elif self.kind == FailureKind.LOST:
             what = "was lost"
         elif self.kind == FailureKind.HANG:
@@ -50,16 +50,22 @@ class Failure:
         return f"{who} {what}" + (f": {self.detail}" if self.detail else "")
 
 
-def classify_exit(returncode: int, *, rank: int | None = None, oom_killed: bool = False) -> Failure:
-    """Classify a non-zero exit status (a negative ``returncode`` is a signal, as subprocess reports it)."""
+def classify_exit(
+    returncode: int, *, rank: int | None = None, oom_killed: bool = False, detail: str = ""
+) -> Failure:
+    """Classify a non-zero exit status (a negative ``returncode`` is a signal, as subprocess reports it).
+
+    ``oom_killed``: the runtime says the OOM killer did it (Kubernetes' OOMKilled; the launcher's
+    cgroup ``oom_kill`` counter grew while the rank died by SIGKILL).
+    """
     if oom_killed:
-        return Failure(FailureKind.OOM, rank, exit_code=returncode)
+        return Failure(FailureKind.OOM, rank, exit_code=returncode, detail=detail)
     if returncode < 0:
-        return Failure(FailureKind.SIGNAL, rank, signal=-returncode)
+        return Failure(FailureKind.SIGNAL, rank, signal=-returncode, detail=detail)
     if returncode > 128 and returncode - 128 in signal.valid_signals():
         # A shell or container runtime reports death by signal N as 128 + N.
-        return Failure(FailureKind.SIGNAL, rank, exit_code=returncode, signal=returncode - 128)
-    return Failure(FailureKind.EXIT_ERROR, rank, exit_code=returncode)
+        return Failure(FailureKind.SIGNAL, rank, exit_code=returncode, signal=returncode - 128, detail=detail)
+    return Failure(FailureKind.EXIT_ERROR, rank, exit_code=returncode, detail=detail)
 
 
 @dataclass(frozen=True)

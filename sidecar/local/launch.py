@@ -33,7 +33,15 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from sidecar import manifest as mf
-from sidecar.coordinator import Failure, FailureKind, RestartPolicy, RestartTracker, classify_exit
+from sidecar.coordinator import (
+    OOM_EXIT_CODE,
+    Failure,
+    FailureKind,
+    RestartPolicy,
+    RestartTracker,
+    classify_exit,
+)
+from sidecar.local.oom import OomCounter
 from sidecar.local.seaweed import SeaweedServer
 from sidecar.store import open_store
 
@@ -51,7 +59,8 @@ examples:
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
 STRATA_SOCKET (its pod's sidecar), STRATA_ATTEMPT, STRATA_GENERATION and STRATA_PG_TIMEOUT_S
 (use trainer_client.init_process_group()).
-Testing hooks: STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first attempt,
+Testing hooks (honoured only with STRATA_TEST_FAULTS=1, which every rank and sidecar inherits):
+STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first attempt,
 STRATA_SIDECAR_FAULTS only to the first start of sidecar $STRATA_SIDECAR_FAULTS_INDEX (default 0).
 """
 
@@ -71,6 +80,9 @@ class LaunchSettings:
     metrics_port: int
     keep: int = 3
     sidecars: int = 1
+    #: on SIGTERM/SIGINT of the launcher: how long ranks may take to exit (a pod's
+    #: terminationGracePeriodSeconds) before they are killed
+    grace_period_s: float = 30.0
 
     def sidecar_of(self, rank: int) -> int:
         """Ranks fill pods in order, as a Job's completion index would."""
@@ -84,9 +96,10 @@ def _free_port() -> int:
 
 
 def _pump(stream: object, prefix: str) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        sys.stdout.write(f"{prefix}{line}")
-        sys.stdout.flush()
+    with stream:  # type: ignore[attr-defined]  # closed at EOF: no pipe left open per restart
+        for line in stream:  # type: ignore[attr-defined]
+            sys.stdout.write(f"{prefix}{line}")
+            sys.stdout.flush()
 
 
 class Gang:
@@ -101,6 +114,12 @@ class Gang:
         self.first_exit: float | None = None
         port = _free_port()  # a fresh rendezvous port: the old one may linger in TIME_WAIT
         fault_rank = os.environ.get("STRATA_FAULTS_RANK")
+        # The OOM-kill counter of each rank's memory cgroup, read before it can die: a SIGKILL
+        # with the counter grown is the OOM killer's. Ranks inherit the launcher's cgroup.
+        own = OomCounter.find()
+        own_before = own.read() if own is not None else None
+        self.oom: list[tuple[OomCounter, int] | None] = []
+        self.pumps: list[threading.Thread] = []
         for rank in range(settings.nproc):
             env = dict(os.environ)
             env.pop("STRATA_FAULTS", None)
@@ -131,19 +150,39 @@ class Gang:
                 text=True,
                 start_new_session=True,  # its own process group: kill takes its children too
             )
-            threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] "), daemon=True).start()
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[rank {rank}] "), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
             self.procs.append(proc)
+            counter = OomCounter.find(proc.pid) or own
+            before = own_before if counter == own else counter.read() if counter is not None else None
+            self.oom.append((counter, before) if counter is not None and before is not None else None)
+
+    def classify(self, rank: int, code: int) -> Failure:
+        """A rank's non-zero exit; a SIGKILL while its cgroup's oom_kill counter grew is an OOM."""
+        watch = self.oom[rank] if rank < len(self.oom) else None
+        if watch is not None and code in (-signal.SIGKILL, OOM_EXIT_CODE):
+            counter, before = watch
+            after = counter.read()
+            if after is not None and after > before:
+                return classify_exit(
+                    code,
+                    rank=rank,
+                    oom_killed=True,
+                    detail=f"cgroup {counter.cgroup} {counter.path.name} oom_kill {before}\u2192{after}; "
+                    "raise that cgroup's memory limit or lower the rank's memory use "
+                    "(smaller batches, fewer data-loader workers)",
+                )
+        return classify_exit(code, rank=rank)
 
     def poll(self, hang_timeout_s: float) -> Failure | bool | None:
         """A Failure, True when every rank exited 0, or None while running."""
         failed = [
-            classify_exit(code, rank=r)
-            for r, p in enumerate(self.procs)
-            if (code := p.poll()) not in (None, 0)
+            self.classify(r, code) for r, p in enumerate(self.procs) if (code := p.poll()) not in (None, 0)
         ]
         if failed:
-            # Peers of a killed rank die soon after with collective errors; blame the kill.
-            return min(failed, key=lambda f: f.kind != FailureKind.SIGNAL)
+            # Peers of a killed rank die soon after with collective errors; blame the kill (an OOM first).
+            return min(failed, key=lambda f: (f.kind != FailureKind.OOM, f.kind != FailureKind.SIGNAL))
         if all(p.poll() == 0 for p in self.procs):
             return True
         finished = [r for r, p in enumerate(self.procs) if p.poll() == 0]
@@ -164,6 +203,22 @@ class Gang:
                     return Failure(FailureKind.HANG, rank, detail=f"no save for {hang_timeout_s:.0f} s")
         return None
 
+    def terminate(self, grace_s: float, hurry: threading.Event) -> None:
+        """What a pod's deletion does: SIGTERM to each rank's main process (a container's PID 1),
+        ``grace_s`` to exit (a save on SIGTERM), then SIGKILL to whatever is left."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            if hurry.wait(0.05):
+                break
+        left = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        if left:
+            log.warning("ranks %s did not exit within %.0f s of SIGTERM; killing them", left, grace_s)
+        self.kill()
+
     def kill(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -171,6 +226,8 @@ class Gang:
                     os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+        for pump in self.pumps:
+            pump.join(timeout=1.0)  # the ranks' last lines, before the launcher reports them
 
 
 class Launcher:
@@ -195,6 +252,38 @@ class Launcher:
         #: the run's identity; the generation is "<run>/<restart count>"
         self.run_id = uuid.uuid4().hex[:12]
         self.generation_file = settings.workdir / "generation"
+        #: the signal the launcher got (SIGTERM/SIGINT), and a second one (stop waiting)
+        self.signalled: int | None = None
+        self.hurry = threading.Event()
+        self._sidecars_signalled = False
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        if self.signalled is None:
+            self.signalled = signum
+        else:
+            self.hurry.set()
+
+    def shut_down(self, gang: Gang | None) -> int:
+        """The launcher got SIGTERM/SIGINT: stop like a pod does. SIGTERM goes to every rank and
+        every sidecar at once (sidecars keep serving attached trainers until they exit), ranks get
+        ``grace_period_s``, then sidecars finish their uploads (``stop``)."""
+        assert self.signalled is not None
+        name = signal.Signals(self.signalled).name
+        log.warning(
+            "%s: forwarding SIGTERM to the ranks and sidecars; ranks have %.0f s to exit",
+            name,
+            self.s.grace_period_s,
+        )
+        for proc in self.sidecars:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        self._sidecars_signalled = True
+        t0 = time.monotonic()
+        if gang is not None:
+            gang.terminate(self.s.grace_period_s, self.hurry)
+            codes = [p.returncode for p in gang.procs]
+            log.info("ranks exited in %.2f s with %s", time.monotonic() - t0, codes)
+        return 128 + self.signalled
 
     def _record(self, decision: object) -> None:
         from sidecar.coordinator import Decision
@@ -263,6 +352,7 @@ class Launcher:
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it forwards
             )
         self.sidecars[index] = proc
         deadline = time.monotonic() + 30
@@ -296,6 +386,8 @@ class Launcher:
         heartbeat_dir.mkdir(parents=True, exist_ok=True)
         attempt = 0
         while True:
+            if self.signalled is not None:
+                return self.shut_down(None)
             config = self.tracker.check_world_size(self.s.nproc, self.checkpoint_world_size())
             if config is not None:
                 self.tracker.decide(config)
@@ -308,6 +400,8 @@ class Launcher:
             outcome: Failure | bool | None = None
             while outcome is None:
                 time.sleep(0.05)
+                if self.signalled is not None:
+                    return self.shut_down(gang)
                 outcome = gang.poll(self.s.hang_timeout_s)
                 if outcome is None:
                     outcome = self.dead_sidecar()
@@ -318,19 +412,22 @@ class Launcher:
             failed_at = time.monotonic()
             gang.kill()
             log.warning("%s; stopped all ranks in %.2f s", outcome.describe(), time.monotonic() - failed_at)
+            if self.signalled is not None:
+                return self.shut_down(None)
             decision = self.tracker.decide(outcome)
             if not decision.restart:
                 return outcome.exit_code or 1
             for index, proc in enumerate(self.sidecars):
                 if proc is not None and proc.poll() is not None:
                     self.start_sidecar(index)
-            time.sleep(decision.delay_s)
+            self.hurry.wait(decision.delay_s)
             attempt = decision.attempt
 
     def stop(self) -> None:
         running = [p for p in self.sidecars if p is not None and p.poll() is None]
         for proc in running:
-            proc.send_signal(signal.SIGTERM)  # finishes in-flight uploads first
+            if not self._sidecars_signalled:  # a second SIGTERM would cut a sidecar's drain short
+                proc.send_signal(signal.SIGTERM)  # finishes in-flight uploads first
         for proc in running:
             try:
                 proc.wait(60)
@@ -368,6 +465,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="sidecars, one per simulated pod, each serving a block of ranks (default 1: one for all)",
     )
+    p.add_argument(
+        "--grace-period-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: SIGTERM every rank and sidecar, give ranks this long to exit "
+        "(a pod's terminationGracePeriodSeconds; default 30), then kill them",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
 
 
@@ -396,9 +500,16 @@ def main(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         keep=args.keep,
         sidecars=args.sidecars,
+        grace_period_s=args.grace_period_s,
     )
     launcher = Launcher(settings)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (a pod's deletion, a scheduler) and Ctrl-C stop the job the way a pod stops.
+        previous = {sig: signal.signal(sig, launcher.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return launcher.run()
     finally:
         launcher.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -161,7 +161,7 @@ def _finite(error: float) -> float | None:
 def _quantize(rows: U8, dtype: str, bits: int, workers: int) -> tuple[bytes, float | None]:
     values = to_f32(rows, dtype)
     q = qz.quantize_rows(values, bits, workers=workers)
-    error = qz.relative_l2_error(values, qz.dequantize_rows(q)) if values.size else 0.0
+    error = qz.quantization_error(values, q) if values.size else 0.0
     return q.to_bytes(), _finite(error)
 
 
@@ -174,8 +174,20 @@ def _widen(payload: memoryview | bytes, cast: str, dim: int) -> qz.F32:
 def _cast(rows: U8, dtype: str, cast: str) -> tuple[bytes, float | None]:
     values = to_f32(rows, dtype)
     low = qz.downcast(values, cast)  # type: ignore[arg-type]
-    error = qz.relative_l2_error(values, _widen(low.tobytes(), cast, values.shape[1])) if values.size else 0.0
-    return low.tobytes(), _finite(error)
+    payload = low.tobytes()
+    error = 0.0
+    if values.size:  # block by block: no full-size widened copy
+        dim = values.shape[1]
+        step = max(1, (1 << 20) // dim)
+        view = memoryview(payload)
+        diff = sum(
+            qz.squared_error(
+                values[s : s + step], _widen(view[s * dim * 2 : (s + step) * dim * 2], cast, dim)
+            )
+            for s in range(0, values.shape[0], step)
+        )
+        error = qz.norm_ratio(diff, qz.squared_norm(values))
+    return payload, _finite(error)
 
 
 def encode(

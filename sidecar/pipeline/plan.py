@@ -15,6 +15,7 @@ served from memory is then bitwise the one storage would serve.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import math
@@ -275,6 +276,17 @@ class SnapshotEncoder:
 
     # --- encoding -------------------------------------------------------------------------
 
+    def scratch_bytes(self) -> int:
+        """Bytes the stored form needs beyond the snapshot buffer: encoded tensors (quantized,
+        cast, diffed); tensors stored raw in a full checkpoint are views of the buffer."""
+        total = 0
+        for t in self.tensors:
+            mask = self._write.get(t.name)
+            if mask is None and not self._lossy(t):
+                continue
+            total += self._estimate(t, None if mask is None else int(mask.sum()))
+        return total
+
     def pieces(self) -> Iterator[memoryview | bytes]:
         """The stored bytes, tensor by tensor; ``outcome.tensors`` grows as they are produced."""
         o = self.outcome
@@ -308,7 +320,10 @@ class SnapshotEncoder:
             o.tensors.append(entry)
             if entry.bits or entry.cast or t.name in self._hold:
                 # A copy: pieces may be views of the snapshot buffer, which is replaced later.
-                o.held[t.name] = b"".join(encoded.pieces)
+                pieces = encoded.pieces
+                o.held[t.name] = (
+                    pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytes) else b"".join(pieces)
+                )
             if encoded.error is not None:
                 o.max_error = max(o.max_error, encoded.error)
             pos += encoded.nbytes
@@ -396,7 +411,7 @@ def read_snapshot(
     view = memoryview(out)
     for m in chain:
         try:
-            stream = b"".join(_objects(store, m, executor))
+            stream = _Stored(_objects(store, m, executor))
         except (CorruptObject, NotFound) as exc:
             if m is manifest:
                 raise
@@ -405,12 +420,12 @@ def read_snapshot(
             ) from None
         for t in m.tensors:
             start, size = t.stored()
-            if start + size > len(stream):
+            if start + size > stream.size:
                 raise CorruptObject(f"step {m.step}", f"{t.name} lies beyond the stored bytes")
             try:
                 enc.decode_into(
                     view[t.offset : t.offset + t.nbytes],
-                    memoryview(stream)[start : start + size],
+                    stream.slice(start, size),
                     t.encoding,
                     t.dtype,
                     t.shape,
@@ -483,6 +498,36 @@ def decode_held(
                 )
             except ValueError as exc:
                 raise ValueError(f"{t.name}: the form {label(i)} holds does not decode: {exc}") from None
+
+
+class _Stored:
+    """A step's objects as one byte stream, without joining them: a tensor within one object
+    is a view of it; only one spanning objects is copied (decoding writes straight into the
+    restore buffer, so a restore holds that buffer plus one step's objects)."""
+
+    def __init__(self, objects: list[bytes]) -> None:
+        self._objects = objects
+        self._starts = [0]
+        for o in objects:
+            self._starts.append(self._starts[-1] + len(o))
+        self.size = self._starts[-1]
+
+    def slice(self, start: int, size: int) -> memoryview:
+        if size == 0:
+            return memoryview(b"")
+        end = start + size
+        i = bisect.bisect_right(self._starts, start) - 1
+        if end <= self._starts[i + 1]:
+            base = self._starts[i]
+            return memoryview(self._objects[i])[start - base : end - base]
+        parts = []
+        while start < end:
+            lo = start - self._starts[i]
+            take = min(end, self._starts[i + 1]) - start
+            parts.append(memoryview(self._objects[i])[lo : lo + take])
+            start += take
+            i += 1
+        return memoryview(b"".join(parts))
 
 
 def _objects(store: Store, manifest: mf.Manifest, executor: Executor) -> list[bytes]:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -74,9 +74,13 @@ def _as_rows(rows: npt.ArrayLike) -> F32:
 def invalid_rows(rows: npt.ArrayLike) -> npt.NDArray[np.intp]:
     """Indices of rows that cannot be quantized: NaN, ±inf or |x| > 65504 (fp16 overflow)."""
     arr = _as_rows(rows)
+    bad = np.zeros(arr.shape[0], np.bool_)
+    block = _block_rows(arr.shape[1])  # block by block: no full-size temporaries
     with np.errstate(invalid="ignore"):
-        bad = ~(np.abs(arr) <= FP16_MAX)  # NaN compares False, so it lands in `bad` too
-    return np.flatnonzero(bad.any(axis=1))
+        for s in range(0, arr.shape[0], block):
+            # NaN compares False, so it lands in `bad` too
+            bad[s : s + block] = ~(np.abs(arr[s : s + block]) <= FP16_MAX).all(axis=1)
+    return np.flatnonzero(bad)
 
 
 def _require_quantizable(rows: F32) -> None:
@@ -412,16 +416,54 @@ def quantize_rows(
         lo = hi = np.zeros(n_rows, np.float32)
     bias, scale, inv = _qparams(lo, hi, qmax)
     scale[scale == 0] = 1.0  # a range below the smallest fp16 scale: store 1, as torch's prepack
-    codes = np.empty((n_rows, dim), np.uint8)
-    block = max(1, (1 << 20) // max(dim, 1))
+    # Packed block by block, so the only full-size array is the packed codes themselves. A
+    # block of a multiple of 8 rows packs to whole bytes (and whole 3-bit groups).
+    packed = np.empty((n_rows * dim * bits + 7) // 8, np.uint8)
+    block = _block_rows(dim)
     for s in range(0, n_rows, block):
         t = np.subtract(arr[s : s + block], bias[s : s + block, None])
         np.multiply(t, inv[s : s + block, None], out=t)
         np.rint(t, out=t)
         np.clip(t, np.float32(0.0), qmax, out=t)
-        codes[s : s + block] = t
-    return QuantizedRows(
-        bits, (n_rows, dim), scale.astype(np.float16), bias.astype(np.float16), _pack(codes, bits)
+        lo = s * dim * bits // 8
+        chunk = _pack(t.astype(np.uint8), bits)
+        packed[lo : lo + chunk.size] = chunk
+    return QuantizedRows(bits, (n_rows, dim), scale.astype(np.float16), bias.astype(np.float16), packed)
+
+
+def _block_rows(dim: int) -> int:
+    """Rows per block of ~1M elements, a multiple of 8 (see :func:`quantize_rows`)."""
+    return max(8, ((1 << 20) // max(dim, 1)) // 8 * 8)
+
+
+def dequantize_block(q: QuantizedRows, start: int, stop: int) -> F32:
+    """Rows ``[start, stop)`` of :func:`dequantize_rows`; ``start`` a multiple of 8."""
+    if start % 8:
+        raise ValueError(f"block start {start} is not a multiple of 8")
+    n_rows, dim = q.shape
+    stop = min(stop, n_rows)
+    lo = start * dim * q.bits // 8
+    hi = (stop * dim * q.bits + 7) // 8
+    codes = _unpack(q.codes[lo:hi], q.bits, (stop - start) * dim).reshape(stop - start, dim)
+    out = codes.astype(np.float32)
+    out *= q.scale[start:stop].astype(np.float32)[:, None]
+    out += q.bias[start:stop].astype(np.float32)[:, None]
+    return out
+
+
+def quantization_error(original: F32, q: QuantizedRows) -> float:
+    """:func:`relative_l2_error` of ``original`` and ``dequantize_rows(q)``, block by block:
+    scratch stays at ~1M elements whatever the table's size."""
+    n_rows, dim = q.shape
+    if original.shape != (n_rows, dim):
+        raise ValueError(f"shapes differ: {original.shape} vs {q.shape}")
+    block = _block_rows(dim)
+    return norm_ratio(
+        sum(
+            squared_error(original[s : s + block], dequantize_block(q, s, s + block))
+            for s in range(0, n_rows, block)
+        ),
+        squared_norm(original),
     )
 
 
@@ -436,14 +478,40 @@ def dequantize_rows(q: QuantizedRows) -> F32:
 
 
 def relative_l2_error(original: npt.ArrayLike, restored: npt.ArrayLike) -> float:
-    """``||a - b|| / ||a||`` in float64. For an all-zero ``a`` it is 0 when ``b``
-    is zero too and ``inf`` otherwise (an error on a zero tensor is not small)."""
-    a = np.asarray(original, dtype=np.float64)
-    b = np.asarray(restored, dtype=np.float64)
+    """``||a - b|| / ||a||``, computed in float32 blocks of ~1M elements with the sums of
+    squares accumulated in float64 (no full-size temporaries). For an all-zero ``a`` it is 0
+    when ``b`` is zero too and ``inf`` otherwise (an error on a zero tensor is not small)."""
+    a = np.asarray(original)
+    b = np.asarray(restored)
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
-    diff = float(np.linalg.norm((a - b).ravel()))
-    norm = float(np.linalg.norm(a.ravel()))
+    a, b = a.reshape(-1), b.reshape(-1)
+    step = 1 << 20
+    return norm_ratio(
+        sum(squared_error(a[s : s + step], b[s : s + step]) for s in range(0, a.size, step)), squared_norm(a)
+    )
+
+
+def squared_error(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> float:
+    """Sum of squared differences: float32 arithmetic, summed in float64 (numpy casts the sum
+    in small buffers, so the only temporary is one float32 block)."""
+    d = np.subtract(a, b, dtype=np.float32)
+    np.multiply(d, d, out=d)
+    return float(d.sum(dtype=np.float64))
+
+
+def squared_norm(a: npt.NDArray[Any]) -> float:
+    flat = a.reshape(-1)
+    step = 1 << 20
+    total = 0.0
+    for s in range(0, flat.size, step):
+        x = np.square(flat[s : s + step], dtype=np.float32)
+        total += float(x.sum(dtype=np.float64))
+    return total
+
+
+def norm_ratio(diff_sq: float, norm_sq: float) -> float:
+    diff, norm = math.sqrt(diff_sq), math.sqrt(norm_sq)
     if norm == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / norm

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 
-from sidecar.api.faults import fault_point
+from sidecar.faults import fault_point
 from sidecar.manifest import Manifest, ManifestRef, ObjectEntry, crc32, write_manifest
 from sidecar.store.base import Buffer, Store
 

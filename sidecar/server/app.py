@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from sidecar.gang import Peers, PeerServicer
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
 from sidecar.server.servicer import CheckpointerServicer
+from sidecar.server.unixsock import bind_private, prepare_directory
 from sidecar.store import open_store
 from sidecar.store.base import Store
 from sidecar.store.probe import conditional_writes_unsupported
@@ -38,15 +40,21 @@ class SidecarServer:
         peers = Peers([p.strip() for p in settings.peers.split(",") if p.strip()])
         self.engine = Engine(settings, self.store, self.metrics, peers)
         self.health = health.HealthServicer()
-        # Every trainer holds one Attach stream open (a thread each) besides its blocking calls.
+        # Every trainer holds one Attach stream open (a thread each) besides its blocking calls;
+        # those are capped below the pool, so saves and handshakes always find a thread.
         self._grpc = grpc.server(
-            ThreadPoolExecutor(max_workers=64, thread_name_prefix="strata-grpc"),
-            interceptors=[ErrorInterceptor(settings.token)],
+            ThreadPoolExecutor(max_workers=settings.max_blocking_rpcs + 16, thread_name_prefix="strata-grpc"),
+            interceptors=[
+                ErrorInterceptor(
+                    settings.token,
+                    settings.max_blocking_rpcs,
+                    lambda method: self.metrics.busy_refusals.labels(method).inc(),
+                )
+            ],
             options=channel_options(settings.max_message_bytes),
         )
-        pb_grpc.add_CheckpointerServicer_to_server(
-            CheckpointerServicer(self.engine, settings.storage, settings.max_message_bytes), self._grpc
-        )
+        self.servicer = CheckpointerServicer(self.engine, settings.storage, settings.max_message_bytes)
+        pb_grpc.add_CheckpointerServicer_to_server(self.servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self._peer_grpc: grpc.Server | None = None
         if settings.peer_port:
@@ -59,17 +67,17 @@ class SidecarServer:
 
     def start(self) -> SidecarServer:
         path = Path(self.socket_path)
-        if not path.parent.exists():
-            path.parent.mkdir(parents=True, mode=0o700)
+        prepare_directory(path.parent, self.settings.socket_mode, self.settings.shm_dir)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
             path.unlink()
-        self._grpc.add_insecure_port(f"unix:{path}")
+        # Bound privately and moved into place with its mode set: never reachable more widely.
+        publish_socket = bind_private(self._grpc, path, self.settings.socket_mode)
         if self.settings.tcp_port:
             self.tcp_port = self._grpc.add_insecure_port(f"{self.settings.tcp_host}:{self.settings.tcp_port}")
         self._grpc.start()
-        os.chmod(path, self.settings.socket_mode)
+        publish_socket()
         if self._peer_grpc is not None:
             self.peer_port = self._peer_grpc.add_insecure_port(
                 f"{self.settings.peer_host}:{self.settings.peer_port}"
@@ -90,6 +98,11 @@ class SidecarServer:
 
     def wait(self) -> None:
         self._grpc.wait_for_termination()
+
+    def drain(self, timeout: float, hurry: threading.Event | None = None) -> int:
+        """Keep serving attached trainers (a final save on SIGTERM, its WaitCommitted) until
+        every one detached, ``timeout`` passed or ``hurry`` is set; returns how many are left."""
+        return self.servicer.wait_detached(timeout, hurry)
 
     def stop(self, grace: float = 5.0) -> None:
         self.health.enter_graceful_shutdown()

@@ -53,16 +53,20 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self.storage_url = storage_url
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
+        #: open Attach streams (trainers alive), for the drain on SIGTERM
+        self._attached = 0
+        self._attached_cond = threading.Condition()
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
-        check_protocol(request.protocol_version)
+        check_protocol(request.protocol_version)  # protocol 1 and 2 (sidecar.engine.check_protocol)
         if request.HasField("identity") and request.identity.job:
             identity = _identity(request.identity)
             identity.validate()
+            self.engine.greet(identity, request.protocol_version, handshake=True)
             self.engine.generation_of(identity)  # a trainer without a usable generation learns it now
         shm_dir = self.engine.segments.directory
         return pb.HandshakeResponse(
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=PROTOCOL_VERSION,  # the newest it speaks; it serves the client's own
             server_version=__version__,
             capabilities=CAPABILITIES + (["save.shm"] if shm_dir else []),
             shm_dir=shm_dir,
@@ -124,7 +128,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
     def Restore(
         self, request: pb.RestoreRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RestoreResponse]:
-        check_protocol(request.protocol_version)
+        self.engine.greet(_identity(request.identity), request.protocol_version)
         step = request.step if request.HasField("step") else None
         data = self.engine.open_restore(_identity(request.identity), step)
         yield pb.RestoreResponse(
@@ -168,17 +172,49 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         identity = _identity(request.identity)
         identity.validate()
         ended = threading.Event()
-        context.add_callback(ended.set)
+
+        def on_end() -> None:
+            ended.set()
+            self.engine.wake(identity)
+
+        context.add_callback(on_end)
         epoch = self.engine.epoch_for(identity)
         self.engine.rank_back(identity, epoch.attempt)
-        yield pb.AttachEvent(attempt=epoch.attempt)
+        with self._attached_cond:
+            self._attached += 1
         try:
-            while not ended.wait(1.0) and context.is_active():
-                if self.engine.stopping:
-                    return
+            yield pb.AttachEvent(attempt=epoch.attempt)
+            known: tuple[int, ...] = ()
+            try:
+                while not ended.is_set() and context.is_active():
+                    if self.engine.stopping:
+                        return
+                    # Tell the trainer at once when a peer of its attempt is gone: a save on
+                    # SIGTERM then knows no step can commit and lets the gang restart at once.
+                    gone = self.engine.peers_gone(identity, epoch.attempt, known, 1.0, until=ended)
+                    if gone != known and not ended.is_set():
+                        known = gone
+                        reason = f"rank(s) {list(gone)} left attempt {epoch.attempt}" if gone else ""
+                        yield pb.AttachEvent(attempt=epoch.attempt, gone_ranks=gone, gone_reason=reason)
+            finally:
+                if not self.engine.stopping:
+                    self.engine.rank_gone(identity, epoch.attempt, "its trainer went away")
         finally:
-            if not self.engine.stopping:
-                self.engine.rank_gone(identity, epoch.attempt, "its trainer went away")
+            with self._attached_cond:
+                self._attached -= 1
+                self._attached_cond.notify_all()
+
+    def wait_detached(self, timeout: float, hurry: threading.Event | None = None) -> int:
+        """Wait until no trainer is attached, ``timeout`` passes or ``hurry`` is set; returns how
+        many are still attached (the sidecar's drain on SIGTERM)."""
+        deadline = time.monotonic() + timeout
+        with self._attached_cond:
+            while self._attached and not (hurry is not None and hurry.is_set()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._attached_cond.wait(min(left, 0.1))
+            return self._attached
 
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusResponse:
         return pb.StatusResponse(

@@ -187,6 +187,7 @@ def _serve_sidecar(options: dict[str, Any], ready: Any, stop: Any) -> None:
     """Child process body (spawn): run a sidecar until ``stop`` is set."""
     import logging
 
+    from sidecar.budget import tune_allocator
     from sidecar.config import SidecarSettings
     from sidecar.server import SidecarServer
     from sidecar.server.app import yield_cpu
@@ -194,6 +195,7 @@ def _serve_sidecar(options: dict[str, Any], ready: Any, stop: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
     settings = SidecarSettings(**options)
     yield_cpu(settings)  # as `strata sidecar` does
+    tune_allocator()
     server = SidecarServer(settings).start()
     ready.set()
     try:

@@ -110,7 +110,12 @@ _STAMP = re.compile(
 def restart(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
     """Kill rank 1 of a 4-rank gang mid-save; time from the launcher noticing to every rank restored."""
     args = ["--steps", "40", "--save-every", "10", "--rows", "20000" if not opts.quick else "2000"]
-    env = dict(os.environ, STRATA_FAULTS="client.stream.chunk@29#1=kill", STRATA_FAULTS_RANK="1")
+    env = dict(
+        os.environ,
+        STRATA_FAULTS="client.stream.chunk@29#1=kill",
+        STRATA_FAULTS_RANK="1",
+        STRATA_TEST_FAULTS="1",
+    )
     with phases("4-rank gang restart"):
         run = subprocess.run(
             [

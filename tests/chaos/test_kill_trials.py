@@ -88,6 +88,7 @@ def one_trial(
         if target.startswith("sidecar")
         else {"STRATA_FAULTS": spec, "STRATA_FAULTS_RANK": target.split()[-1]}
     )
+    env["STRATA_TEST_FAULTS"] = "1"  # fault injection is test-only
     env["STRATA_SHM"] = shm
     job = "chaos-" + uuid.uuid4().hex[:8]
     out = tmp / f"{job}.json"

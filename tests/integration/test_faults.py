@@ -1,6 +1,7 @@
 """Faults: storage failing, corrupted objects, trainers killed at chosen points.
 
-Kill points come from the injection hook (STRATA_FAULTS), never from sleeps.
+Kill points come from the injection hook (STRATA_FAULTS, armed by the test-only switch
+STRATA_TEST_FAULTS=1), never from sleeps.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def run_trainer(
         STRATA_JOB=job,
         STRATA_ATTEMPT=str(attempt),
         STRATA_FAULTS=faults,
+        STRATA_TEST_FAULTS="1",  # fault injection is test-only: the switch arms STRATA_FAULTS
         STRATA_CHUNK_BYTES=str(64 * 1024),  # 256 KiB state -> 4 chunks, so "mid-stream" exists
     )
     return subprocess.run(
@@ -95,7 +97,7 @@ def test_sidecar_killed_before_commit_leaves_the_previous_step(tmp_path, short_t
     """A sidecar process dying between its MANIFEST and the COMMIT: the step never exists."""
     store = tmp_path / "store"
     sock = short_tmp / "k.sock"
-    env = dict(os.environ, STRATA_FAULTS="sidecar.commit.before@2=kill")
+    env = dict(os.environ, STRATA_FAULTS="sidecar.commit.before@2=kill", STRATA_TEST_FAULTS="1")
     strata = str(Path(sys.executable).parent / "strata")
     sidecar = subprocess.Popen(
         [strata, "sidecar", "--storage", f"file://{store}", "--socket", str(sock), "--metrics-port", "0"],

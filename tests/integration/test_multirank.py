@@ -82,7 +82,11 @@ def launch(
 
 def test_launch_restarts_the_whole_gang_and_resumes_bitwise(tmp_path):
     out, ref = tmp_path / "out.json", tmp_path / "ref.json"
-    faults = {"STRATA_FAULTS": "client.stream.chunk@19#1=kill", "STRATA_FAULTS_RANK": "1"}
+    faults = {
+        "STRATA_FAULTS": "client.stream.chunk@19#1=kill",
+        "STRATA_FAULTS_RANK": "1",
+        "STRATA_TEST_FAULTS": "1",
+    }
     run = launch(
         "--nproc",
         "2",

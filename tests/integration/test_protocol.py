@@ -284,7 +284,8 @@ def test_tcp_needs_the_token(make_sidecar, make_client, job_name):
         TOKEN_METADATA_KEY,
         lambda: ok.Handshake(req, timeout=10, metadata=((TOKEN_METADATA_KEY, "wrong"),)),
     )
-    assert ok.Handshake(req, timeout=10, metadata=((TOKEN_METADATA_KEY, "s3cret"),)).protocol_version == 1
+    reply = ok.Handshake(req, timeout=10, metadata=((TOKEN_METADATA_KEY, "s3cret"),))
+    assert reply.protocol_version == PROTOCOL_VERSION
     # The trainer client over TCP.
     from trainer_client import CheckpointClient
 

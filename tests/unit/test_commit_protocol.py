@@ -143,10 +143,23 @@ def test_manifest_format_version_is_checked(store):
     ref = put_rank(store, 1, 0, world=1)
     body = json.loads(store.get(ref.key))
     assert body["format_version"] == mf.FORMAT_VERSION == 2 and body["tensors"][0]["encoding"] == "raw"
-    for other in (1, 3):  # the old format (COMMIT per step, no fences) and a future one
+    for other in (0, 3, "2", None):  # formats before the first and after this build's, and junk
         body["format_version"] = other
-        with pytest.raises(CorruptObject, match=f"format_version {other} is not supported"):
+        with pytest.raises(CorruptObject, match=rf"format_version {other!r} is not supported.*reads 1 and 2"):
             mf.Manifest.from_json(json.dumps(body).encode(), "k")
+    # Format 1 (the previous release's) is read, never written: as format 2 names its fields.
+    old = {k: v for k, v in body.items() if k not in ("base_commit", "required_commits", "generation")}
+    old["format_version"] = 1
+    old["tensors"] = [{k: v for k, v in t.items() if k != "crc32"} for t in body["tensors"]]
+    m = mf.Manifest.from_json(json.dumps(old).encode(), "k")
+    assert (m.format_version, m.attempt, m.base_commit) == (1, mf.LEGACY_ATTEMPT, None)
+    assert m.required_commits == []
+    old.update(checkpoint="diff", base_step=0, requires=[0])
+    m = mf.Manifest.from_json(json.dumps(old).encode(), "k")
+    assert m.base_commit == mf.CommitRef("ns/job/steps/000000000000/COMMIT", "")
+    assert m.base_commit.step == 0 and m.base_commit.attempt == mf.LEGACY_ATTEMPT
+    with pytest.raises(CorruptObject, match="format_version 1 is not supported"):  # epochs are format 2
+        mf.Epoch.from_json(json.dumps({"kind": "strata.epoch", "format_version": 1}).encode(), "e")
     with pytest.raises(CorruptObject, match="not a valid manifest"):
         mf.Manifest.from_json(b"{}", "k")
 
@@ -225,8 +238,11 @@ def test_commit_keys_are_attempt_scoped():
     assert key == "ns/job/steps/000000000012/a0003/COMMIT"
     assert mf.parse_commit_key(key) == (3, 12)
     assert mf.epoch_key("ns", "job", 3) == "ns/job/EPOCH/00000003"
+    # The old, step-level key (format 1, read only) reads as the legacy attempt.
+    assert mf.parse_commit_key("ns/job/steps/000000000012/COMMIT") == (mf.LEGACY_ATTEMPT, 12)
+    assert mf.commit_key("ns", "job", 12, mf.LEGACY_ATTEMPT) == "ns/job/steps/000000000012/COMMIT"
     with pytest.raises(ValueError, match="not a COMMIT key"):
-        mf.parse_commit_key("ns/job/steps/000000000012/COMMIT")  # the old, step-level key
+        mf.parse_commit_key("ns/job/steps/000000000012/a0003/MANIFEST")
 
 
 def test_a_later_epoch_fences_off_commits_above_its_restore_step(store):

@@ -41,7 +41,7 @@ def test_generated_api_matches_the_proto(tmp_path):
 def test_the_sidecar_never_imports_torch():
     code = (
         "import sys, sidecar.cli, sidecar.server, sidecar.engine, sidecar.store.s3, sidecar.store.file, "
-        "sidecar.local.seaweed, sidecar.api.faults, sidecar.api.dtypes; "
+        "sidecar.local.seaweed, sidecar.faults, sidecar.api.dtypes; "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'trainer_client'))); "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -789,16 +789,29 @@ class AttachEvent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    GONE_RANKS_FIELD_NUMBER: _builtins.int
+    GONE_REASON_FIELD_NUMBER: _builtins.int
     attempt: _builtins.int
     """The attempt (storage-allocated) this rank runs as, once known."""
+    gone_reason: _builtins.str
+    """Why, for the log: what the sidecar learned of the first gone rank."""
+    @_builtins.property
+    def gone_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Other ranks of this attempt that are gone (their trainer exited or died, or their sidecar
+        stopped): no step they have not already saved can commit. Sent again whenever the set
+        changes (a rank that comes back leaves it); empty while every peer may still save.
+        """
+
     def __init__(
         self,
         *,
         attempt: _builtins.int = ...,
+        gone_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        gone_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "gone_ranks", b"gone_ranks", "gone_reason", b"gone_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,219 @@
+"""A run resumed from a checkpoint draws, after the resume, the random numbers the uninterrupted
+run drew: dropout in the main process, augmentations in the workers, the next epochs' orders and
+seeds. Each test runs the same training twice in this process, once straight through and once
+saved at a step, rebuilt from scratch, loaded and continued, and compares bit for bit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from trainer_client import _loaders, _rng
+from trainer_client._tree import decode_skeleton, encode_skeleton, flatten, load_into
+from trainer_client.data import ResumableDistributedSampler, ResumableLoader
+
+N = 10  # samples
+BATCH = 4  # 3 batches an epoch, the last one partial
+EPOCHS = 3
+PER_EPOCH = 3
+
+
+class Features(Dataset[torch.Tensor]):
+    """Sample i: a deterministic feature row, plus noise drawn where the sample is loaded when
+    ``noisy`` (in a worker with num_workers > 0, else in the main process)."""
+
+    def __init__(self, noisy: bool) -> None:
+        self.noisy = noisy
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.linspace(-1.0, 1.0, 6) * (i + 1) / N
+        return x + torch.rand(6) if self.noisy else x
+
+
+class Run:
+    """Model, optimizer and loader as a fresh process would build them."""
+
+    def __init__(self, make_loader: Callable[[], Any]) -> None:
+        torch.manual_seed(0)  # the process's seed; a resumed process sets it again
+        self.model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.loader = make_loader()
+        self.state: dict[str, Any] = {"model": self.model, "opt": self.opt, "data": self.loader, "epoch": 0}
+        self.batches: list[torch.Tensor] = []
+        self.step = 0
+        self.final_rng = torch.empty(0)
+
+    def train(self, stop_at: int | None = None, *, after_loop: bool = False) -> Any:
+        """Train to the end, or return a checkpoint taken after step ``stop_at`` (after the
+        epoch's loop ended, with ``after_loop``, when that step is an epoch's last)."""
+        for epoch in range(self.state["epoch"], EPOCHS):
+            self.state["epoch"] = epoch
+            if isinstance(self.loader, ResumableLoader):
+                self.loader.set_epoch(epoch)
+            for batch in self.loader:
+                self.batches.append(batch)
+                self.step += 1
+                self.opt.zero_grad()
+                self.model(batch).square().mean().backward()
+                self.opt.step()
+                if self.step == stop_at and not after_loop:
+                    return self.checkpoint()
+            if self.step == stop_at:
+                self.state["epoch"] = epoch + 1
+                return self.checkpoint()
+        self.final_rng = torch.get_rng_state()
+        return None
+
+    def checkpoint(self) -> tuple[bytes, list[torch.Tensor], int]:
+        """What the client sends: the skeleton and tensors of the state and the global RNG."""
+        flat = flatten({**self.state, "rng": _rng.capture()})
+        return encode_skeleton(flat.skeleton), [t.clone() for _, t in flat.tensors], self.step
+
+    def resume(self, saved: tuple[bytes, list[torch.Tensor], int]) -> None:
+        """What ``CheckpointClient.restore`` does with it."""
+        skeleton, tensors, self.step = saved
+        target = {**self.state, "rng": None}
+        load_into(target, decode_skeleton(skeleton), tensors)
+        self.state.update((k, v) for k, v in target.items() if k != "rng")
+        _rng.restore(target["rng"])
+        _loaders.after_restore(self.state)
+
+
+def compare(make_loader: Callable[[], Any], stop_at: int, *, after_loop: bool = False) -> None:
+    straight = Run(make_loader)
+    straight.train()
+    first = Run(make_loader)
+    saved = first.train(stop_at, after_loop=after_loop)
+    assert saved is not None
+    resumed = Run(make_loader)  # a fresh process: everything rebuilt, then loaded
+    resumed.resume(saved)
+    resumed.train()
+    got = first.batches + resumed.batches
+    assert len(got) == len(straight.batches) == EPOCHS * PER_EPOCH
+    for i, (a, b) in enumerate(zip(got, straight.batches, strict=True)):
+        assert torch.equal(a, b), f"batch {i} differs"
+    for (name, a), b in zip(resumed.model.named_parameters(), straight.model.parameters(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after the resume"
+    # and the global stream ends where the uninterrupted run left it
+    assert torch.equal(resumed.final_rng, straight.final_rng)
+
+
+# mid-epoch (after the first and second batch of epoch 1) and at epoch 0's end (inside the loop
+# and after it); every case then crosses at least one epoch boundary
+STOPS = [(4, False), (5, False), (3, False), (3, True)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("stop_at", "after_loop"), STOPS)
+def test_stateful_dataloader_default(workers: int, stop_at: int, after_loop: bool) -> None:
+    compare(
+        lambda: StatefulDataLoader(Features(False), batch_size=BATCH, shuffle=True, num_workers=workers),
+        stop_at,
+        after_loop=after_loop,
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("stop_at", "after_loop"), [(4, False), (3, False)])
+def test_stateful_dataloader_own_generator(workers: int, stop_at: int, after_loop: bool) -> None:
+    def make() -> StatefulDataLoader:
+        g = torch.Generator()
+        g.manual_seed(5)
+        return StatefulDataLoader(
+            Features(False), batch_size=BATCH, shuffle=True, num_workers=workers, generator=g
+        )
+
+    compare(make, stop_at, after_loop=after_loop)
+
+
+def resumable(workers: int, **kwargs: Any) -> Callable[[], ResumableLoader]:
+    def make() -> ResumableLoader:
+        sampler = ResumableDistributedSampler(N, num_replicas=1, rank=0, seed=3)
+        dl = DataLoader(Features(True), batch_size=BATCH, sampler=sampler, num_workers=workers, **kwargs)
+        return ResumableLoader(dl)
+
+    return make
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("stop_at", "after_loop"), STOPS)
+def test_resumable_loader_with_worker_randomness(workers: int, stop_at: int, after_loop: bool) -> None:
+    compare(resumable(workers), stop_at, after_loop=after_loop)
+
+
+def test_resumable_loader_keeps_a_user_worker_init_fn_and_collate_fn() -> None:
+    loader = resumable(2, worker_init_fn=_init, collate_fn=_stack)()
+    assert [b.shape for b in loader] == [torch.Size([4, 6]), torch.Size([4, 6]), torch.Size([2, 6])]
+    assert loader.loader.worker_init_fn is _init and loader.loader.collate_fn is _stack
+    assert loader.loader.generator is None
+
+
+def _init(worker_id: int) -> None:
+    torch.manual_seed(123 + worker_id)
+
+
+def _stack(samples: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(samples)
+
+
+def test_resumable_loader_state_records_the_pass_seed() -> None:
+    loader = resumable(0)()
+    assert "base_seed" not in loader.state_dict()  # no pass began
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert type(state["base_seed"]) is int
+    legacy = {k: v for k, v in state.items() if k != "base_seed"}
+    fresh = resumable(0)()
+    fresh.load_state_dict(legacy)  # a state from before the seed was recorded still loads
+    assert len(list(fresh)) == 2
+    for bad in (-1, 2**63, "7", None):
+        with pytest.raises(ValueError, match="base_seed must be an int"):
+            resumable(0)().load_state_dict({**state, "base_seed": bad})
+    with pytest.raises(ValueError, match="expected keys"):
+        resumable(0)().load_state_dict({"base_seed": 1})
+
+
+def test_a_legacy_state_resumes_without_moving_the_global_stream() -> None:
+    """A mid-epoch state without base_seed: the resumed pass draws nothing for its seed."""
+    loader = resumable(0)()
+    loader.loader.dataset.noisy = False
+    it = iter(loader)
+    next(it)
+    legacy = {k: v for k, v in loader.state_dict().items() if k != "base_seed"}
+    fresh = resumable(0)()
+    fresh.loader.dataset.noisy = False
+    fresh.load_state_dict(legacy)
+    before = torch.get_rng_state()
+    assert len(list(fresh)) == 2
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_warns_once_at_first_check(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="trainer_client._loaders")
+    g = torch.Generator()
+    sampler = ResumableDistributedSampler(N, num_replicas=1, rank=0)
+    own_gen = ResumableLoader(DataLoader(Features(False), batch_size=BATCH, sampler=sampler, generator=g))
+    _loaders.check({"data": own_gen})
+    assert len(caplog.records) == 1 and "put the generator in the state" in caplog.text
+    caplog.clear()
+    _loaders.check({"data": own_gen, "gen": g})  # checkpointed with it: exact
+    torch_sampler = StatefulDataLoader(
+        Features(False), batch_size=BATCH, sampler=torch.utils.data.RandomSampler(Features(False))
+    )
+    _loaders.check({"data": torch_sampler})
+    assert len(caplog.records) == 1 and "torchdata's RandomSampler" in caplog.text
+    caplog.clear()
+    default = StatefulDataLoader(Features(False), batch_size=BATCH, shuffle=True)
+    _loaders.check({"nested": [{"data": default}], "data": resumable(2)()})
+    assert not caplog.records  # the exact setups
