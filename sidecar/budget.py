@@ -127,7 +127,7 @@ class MemoryBudget:
             raise ValueError(f"memory budget must be positive, got {limit}")
         self.limit = limit
         self.source = source
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a Reservation freed by the GC may release mid-reserve
         self._held: Counter[str] = Counter()
         self.peak = 0
         self.refused = 0

@@ -46,8 +46,8 @@ class SidecarSettings:
     )
     max_blocking_rpcs: int = _opt(
         48,
-        "blocking calls (WaitCommitted, Restore, Prefetch, Attach) served at once; one more is refused "
-        "with RESOURCE_EXHAUSTED and retried by the client",
+        "blocking calls (WaitCommitted, Restore, Attach, DescribeCheckpoint) served at once; one more "
+        "is refused with RESOURCE_EXHAUSTED and retried by the client",
     )
     commit_timeout_s: float = _opt(300.0, "how long rank 0 waits for every rank's MANIFEST")
     storage_attempts: int = _opt(5, "attempts per storage request before a save fails")

@@ -708,6 +708,8 @@ class Engine:
         else:
             assert encoder is not None
             out = encoder.outcome
+            if scratch is not None:  # the upload is done: only the held forms stay charged
+                scratch.release()
             with self._lock:
                 self._chains[ident.slot] = chain = encoder.next_chain()
                 kept = {s: r for s, r in self._chain_refs.get(ident.slot, {}).items() if s in chain.steps}
@@ -1132,7 +1134,10 @@ class Engine:
             self._held_memory[slot] = self.memory.reserve("encode", size, what)
         except (ResourceExhausted, FailedPrecondition) as exc:
             log.warning("rank %d: %s; its memory restores read storage instead", slot[2], exc)
+            # A chain whose held forms have a gap cannot be replayed: the next checkpoint is full.
             self._held_layers[slot] = []
+            self._chains.pop(slot, None)
+            self._chain_refs.pop(slot, None)
 
     def _update_held_gauge(self) -> None:
         with self._lock:
@@ -1405,7 +1410,11 @@ class Engine:
                 raise NotFound(f"step {target[1]} names no COMMIT for its base step {older}")
             return mf.load_manifest(self.store, mf.load_ref(self.store, ref), identity.rank)
 
-        memory = self.memory.reserve(kind, manifest.total_bytes, f"reading step {target[1]} from storage")
+        # A lossless full comes back as its objects; anything else is decoded into one buffer
+        # while one step's objects are held (a step stores at most its raw size).
+        plain = manifest.checkpoint == "full" and not any(t.lossy for t in manifest.tensors)
+        need = manifest.total_bytes if plain else 2 * manifest.total_bytes
+        memory = self.memory.reserve(kind, need, f"reading step {target[1]} from storage")
         pieces = read_snapshot(self.store, manifest, load, self._uploads)
         if len(pieces) == 1 and manifest.checkpoint == "diff":
             view = pieces[0]

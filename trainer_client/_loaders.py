@@ -4,11 +4,11 @@ Creating a DataLoader iterator draws from the global torch generator (the worker
 unless the loader has its own ``generator``). An uninterrupted run drew it when the epoch began,
 before the saved step; a resumed run would draw it again after the RNG restore, and every random
 number after that (dropout, augmentations) would differ. :func:`after_restore` (called by
-``CheckpointClient.restore`` after the RNG restore) creates the iterator of each torchdata
-``StatefulDataLoader`` that got a state, with the global streams kept as they are, so the
-loop's next ``iter()`` takes it (torchdata's own mechanism for a state_dict before ``iter()``)
-and draws nothing; a loader whose state is at an epoch's end then starts its next epoch with
-the draw the uninterrupted run made there. ``ResumableLoader`` does the same for plain
+``CheckpointClient.restore`` after the RNG restore) arms each torchdata ``StatefulDataLoader``
+that got a state so that the iterator applying that state (created by the loop's next
+``iter()``, after its ``set_epoch``) is built with the global streams kept as they are: it draws
+nothing. A loader whose state is at an epoch's end then starts its next epoch with a fresh
+iterator, drawn as the uninterrupted run drew it there. ``ResumableLoader`` does the same for plain
 DataLoaders by itself (trainer_client.data).
 
 :func:`check` (called at a client's first save) logs, once, each loader setup whose resume
@@ -86,15 +86,27 @@ def after_restore(state: Mapping[str, Any]) -> None:
 
 
 def _prime(loader: Any) -> None:
+    """Make the loader's next ``_get_iterator()`` (the one that applies the loaded state, inside
+    the user's ``iter()``, after their ``set_epoch``) leave the global streams alone; later
+    iterators, a fresh epoch after an end-of-epoch state included, draw as usual."""
+    if "_get_iterator" in vars(loader):
+        return  # already armed by an earlier restore that no iter() consumed
     shared = loader.generator is not None and getattr(loader.sampler, "generator", None) is loader.generator
-    with kept_global_rng():
-        loader._iterator = loader._get_iterator()
-    loader._initial_iter_for_state_dict = True  # the next iter() takes this iterator
-    if shared and loader.num_workers == 0:
-        # The single-process state holds the shared generator as the epoch's permutation found
-        # it; loading it leaves the generator after the permutation, but the uninterrupted run
-        # then drew the base seed from it too. (The multi-process state is taken after that.)
-        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    original = loader._get_iterator
+
+    def first() -> Any:
+        del loader._get_iterator  # one shot
+        with kept_global_rng():
+            iterator = original()
+        if shared and loader.num_workers == 0:
+            # The single-process state holds the shared generator as the epoch's permutation
+            # found it; loading it leaves the generator after the permutation, but the
+            # uninterrupted run then drew the base seed from it too. (The multi-process state is
+            # taken after that.)
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        return iterator
+
+    loader._get_iterator = first
 
 
 def _problems(state: Mapping[str, Any]) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from sidecar.api import PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
 from sidecar.faults import fault_point
@@ -144,7 +145,7 @@ class CheckpointClient:
         self._durable_step: int | None = None
         self._peers_gone: tuple[int, ...] = ()
         self._gone_reason = ""
-        self._sigterm = SigtermWatch()
+        self._sigterm = SigtermWatch(self.settings.save_on_sigterm)
         beat = os.environ.get("STRATA_HEARTBEAT_FILE")
         self._heartbeat = Path(beat) if beat else None
         #: step, source ("memory"/"storage") and fallback reason of the newest restore
@@ -313,8 +314,33 @@ class CheckpointClient:
 
     @property
     def preempted(self) -> bool:
-        """SIGTERM came (with ``save_on_sigterm`` set): the next ``save()`` is the last one."""
-        return self._sigterm.fired
+        """SIGTERM came (with ``save_on_sigterm`` set) to this rank or, under torch.distributed
+        with several ranks, to any rank: the next ``save()`` is the last one.
+
+        With several ranks it is a collective (one all-reduce of a flag over the default process
+        group), so read it on every rank at the same steps, as the loop does with collectives:
+        then every rank saves the same step. A SIGTERM reaches the pods of one node, not the
+        gang; without the agreement each rank would save the step at which its own signal came,
+        and no step would commit."""
+        local = self._sigterm.fired
+        if self.settings.save_on_sigterm is None:
+            return False
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return local
+        device = torch.device("cpu")
+        if "nccl" in str(dist.get_backend()).lower():
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except RuntimeError as exc:  # a peer is gone: the gang restarts anyway
+            log.warning("could not agree on preemption with the other ranks (%s)", exc)
+            return local
+        anywhere = bool(flag.item())
+        if anywhere and not local:
+            log.warning("another rank got SIGTERM: saving this step with it, then exiting")
+            self._sigterm.mark()
+        return anywhere
 
     def save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` at ``step``; returns once the synchronous copy is done. After
@@ -325,6 +351,7 @@ class CheckpointClient:
 
     def _save_on_sigterm(self, step: int, state: MutableMapping[str, Any]) -> NoReturn:
         assert self._sigterm.at is not None and self.settings.save_on_sigterm is not None
+        self._sigterm.handled = True
         budget = self.settings.save_on_sigterm
         deadline = self._sigterm.at + budget
         log.warning(

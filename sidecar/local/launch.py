@@ -255,9 +255,12 @@ class Launcher:
         #: the signal the launcher got (SIGTERM/SIGINT), and a second one (stop waiting)
         self.signalled: int | None = None
         self.hurry = threading.Event()
+        #: set by any signal: ends a restart backoff at once
+        self.woken = threading.Event()
         self._sidecars_signalled = False
 
     def on_signal(self, signum: int, _frame: object) -> None:
+        self.woken.set()
         if self.signalled is None:
             self.signalled = signum
         else:
@@ -420,7 +423,9 @@ class Launcher:
             for index, proc in enumerate(self.sidecars):
                 if proc is not None and proc.poll() is not None:
                     self.start_sidecar(index)
-            self.hurry.wait(decision.delay_s)
+            self.woken.wait(decision.delay_s)
+            if self.signalled is not None:  # SIGTERM during the backoff: no new gang
+                return self.shut_down(None)
             attempt = decision.attempt
 
     def stop(self) -> None:

@@ -285,6 +285,8 @@ class SnapshotEncoder:
             if mask is None and not self._lossy(t):
                 continue
             total += self._estimate(t, None if mask is None else int(mask.sum()))
+            if self._lossy(t) and t.dtype != "float32":
+                total += t.nbytes * 2  # widened to float32 for quantizing
         return total
 
     def pieces(self) -> Iterator[memoryview | bytes]:

@@ -7,6 +7,7 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import settled
 
 from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
 from trainer_client import SaveFailed
@@ -39,8 +40,6 @@ def test_streamed_saves_fit_the_budget_or_are_refused_saying_why(make_sidecar, m
     got = {"w": torch.zeros(MIB // 4)}
     assert client.restore(got) == 2
     assert torch.equal(got["w"], s2["w"])
-    # After the stream is served, the restore buffer is given back.
-    assert server.engine.memory.held()["restore"] == 0
 
 
 def test_restore_buffers_count_and_are_released(make_sidecar, make_client, job_name):
@@ -53,7 +52,15 @@ def test_restore_buffers_count_and_are_released(make_sidecar, make_client, job_n
     fresh = make_client(again, job_name, shm="off", resume="never")
     with pytest.raises(Exception, match=r"FAILED_PRECONDITION.*reading step 1 from storage needs 1\.0 MiB"):
         fresh.restore({"w": torch.zeros(MIB // 4)})
-    assert again.engine.memory.used == 0
+    assert again.engine.memory.refused == 1
+    # With room, a restore from storage is charged while it is served and given back after.
+    roomy = make_sidecar(storage=server.settings.storage, memory_budget=4 * MIB)
+    reader = make_client(roomy, job_name, shm="off", resume="never")
+    got = {"w": torch.zeros(MIB // 4)}
+    assert reader.restore(got) == 1 and reader.last_restore["source"] == "storage"
+    assert torch.equal(got["w"], s1["w"])
+    assert roomy.engine.memory.peak >= MIB
+    settled(lambda: roomy.engine.memory.held()["restore"], 0)  # once the stream has ended
 
 
 def test_blocking_calls_beyond_the_cap_are_refused_at_once(make_sidecar, job_name):
@@ -91,3 +98,38 @@ def test_blocking_calls_beyond_the_cap_are_refused_at_once(make_sidecar, job_nam
         for s in streams:
             s.cancel()
         channel.close()
+
+
+def test_held_lossy_forms_that_do_not_fit_start_a_new_chain(make_sidecar, make_client, job_name):
+    """Dropping the held quantized forms (no room for them) must not leave a chain whose memory
+    restore differs from storage: the chain ends there and the next checkpoint is full."""
+    from sidecar import manifest as mf
+
+    server = make_sidecar(quantize="4", policy="consecutive")
+    client = make_client(server, job_name, capture_rng=False)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(8192, 64)
+    state = {"emb": emb}
+    client.save(1, state).durable.result(60)
+    engine = server.engine
+    (slot,) = list(engine._slots)
+    assert engine._held_layers[slot] and engine.memory.held()["encode"] > 0
+    limit, engine.memory.limit = engine.memory.limit, 1024  # another holder took the room
+    with engine._lock:
+        engine._account_held(slot)
+    engine.memory.limit = limit
+    assert engine._held_layers[slot] == [] and slot not in engine._chains
+    with torch.no_grad():
+        emb.weight[:10] += 1.0
+    client.save(2, state).durable.result(60)
+    commit = mf.read_commit(engine.store, "default", job_name, 2)
+    assert mf.load_manifest(engine.store, commit, 0).checkpoint == "full"
+    from_memory = {"emb": torch.nn.Embedding(8192, 64)}
+    client.restore(from_memory, step=2)
+    assert client.last_restore["source"] == "memory"
+    other = make_sidecar(storage=server.settings.storage, quantize="4", policy="consecutive")
+    reader = make_client(other, job_name, capture_rng=False, generation="reader/1")
+    from_storage = {"emb": torch.nn.Embedding(8192, 64)}
+    reader.restore(from_storage, step=2)
+    assert reader.last_restore["source"] == "storage"
+    assert torch.equal(from_memory["emb"].weight, from_storage["emb"].weight)

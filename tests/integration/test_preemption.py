@@ -254,3 +254,76 @@ def test_strata_launch_forwards_sigterm_and_its_sidecar_serves_the_last_save(s3_
     verify_all(url, endpoint, job)
     log = (short_tmp / "w" / "sidecar.log").read_text()
     assert "serving 1 attached trainer" in log or "finishing uploads" in log, log
+
+
+GANG_TRAINER = textwrap.dedent(
+    """
+    import os, sys, time, torch, torch.distributed as dist
+    from trainer_client import CheckpointClient, Preempted
+
+    dist.init_process_group("gloo", rank=int(os.environ["STRATA_RANK"]), world_size=2)
+    client = CheckpointClient(capture_rng=False, resume="never")
+    state = {"w": torch.zeros(4096)}
+    print("READY", flush=True)
+    try:
+        for step in range(100_000):
+            t = torch.ones(1)
+            dist.all_reduce(t)  # a collective every step, as DDP's
+            state["w"].fill_(step)
+            if step % 50 == 0 or client.preempted:
+                client.save(step, state)
+                print("SAVED", step, flush=True)
+            time.sleep(0.02)
+    except Preempted as p:
+        print(f"PREEMPTED step={p.step} saved={p.saved} reason={p.reason}", flush=True)
+        raise
+    """
+)
+
+
+def test_ranks_signalled_apart_agree_on_the_step_they_save(make_sidecar, s3_store_url, job_name):
+    """SIGTERM reaches the ranks at different steps (or only one node's): ``preempted`` is a
+    collective, so every rank saves the same step, it commits, and every rank exits 143."""
+    import socket
+
+    url, endpoint = s3_store_url
+    server = make_sidecar(url, s3_endpoint=endpoint, commit_timeout_s=60)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", GANG_TRAINER],
+            env=dict(
+                os.environ,
+                STRATA_SOCKET=server.socket_path,
+                STRATA_JOB=job_name,
+                STRATA_RANK=str(r),
+                STRATA_WORLD_SIZE="2",
+                STRATA_GENERATION="apart/0",
+                STRATA_SAVE_ON_SIGTERM_S="20",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                PYTHONUNBUFFERED="1",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for proc in ranks:
+        wait_for_line(proc, r"SAVED 50\b")
+    ranks[0].send_signal(signal.SIGTERM)  # only rank 0's node is drained
+    outs = [p.communicate(timeout=60)[0] for p in ranks]
+    results = [preempted(out) for out in outs]
+    assert [p.returncode for p in ranks] == [143, 143], outs
+    assert all(saved for _, saved, _ in results), outs
+    steps = {step for step, _, _ in results}
+    assert len(steps) == 1, results  # the same step on both ranks
+    store = open_store(url, endpoint_url=endpoint)
+    try:
+        assert mf.newest_committed(store, "default", job_name) == steps.pop()
+    finally:
+        store.close()
+    verify_all(url, endpoint, job_name)

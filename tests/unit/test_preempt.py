@@ -55,6 +55,7 @@ def test_sig_dfl_is_not_chained_and_comes_back_on_uninstall() -> None:
     watch.install()
     _deliver()  # would kill the test process if chained to SIG_DFL
     assert watch.fired
+    watch.handled = True  # as after a save on SIGTERM (else uninstall delivers it again)
     watch.uninstall()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
@@ -91,3 +92,40 @@ def test_preempted_exits_143_and_the_setting_reads_from_the_environment(monkeypa
     assert ClientSettings.from_env(job="j").save_on_sigterm is None
     with pytest.raises(ValueError, match="save_on_sigterm"):
         ClientSettings.from_env(job="j", save_on_sigterm=-1)
+
+
+WATCHED = """
+import os, signal, sys, time
+from trainer_client._preempt import SigtermWatch
+watch = SigtermWatch(budget_s=float(sys.argv[1]))
+watch.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.05)
+if sys.argv[2] == "close":
+    watch.uninstall()  # a client closed without any save after the signal
+    time.sleep(5)
+    print("STILL ALIVE")
+else:
+    time.sleep(30)  # stuck (a collective with a dead peer): no save() is ever reached
+    print("STILL ALIVE")
+"""
+
+
+@pytest.mark.parametrize("how", ["stuck", "close"])
+def test_a_deferred_sigterm_is_never_lost(how: str) -> None:
+    """Stuck past the budget: the watchdog exits 143. Closed without a save: the SIGTERM is
+    delivered again to the default handler."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", WATCHED, "0.5", how], capture_output=True, text=True, timeout=60
+    )
+    assert "STILL ALIVE" not in proc.stdout
+    if how == "stuck":
+        assert proc.returncode == 143, proc.stderr
+        assert "did not end the process" in proc.stderr
+        assert time.monotonic() - t0 < 20
+    else:
+        assert proc.returncode == -signal.SIGTERM, proc.stderr
