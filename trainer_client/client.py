@@ -363,6 +363,10 @@ class CheckpointClient:
         saved, reason = False, ""
         previous = self._last
         if self._peers_gone:
+            # No new step can commit; one already in flight still may (the gone rank's sidecar
+            # may hold its MANIFEST), and the sidecars settle it quickly either way.
+            if previous is not None:
+                self._settled(previous.durable, deadline, give_up_when_gone=False)
             reason = f"save skipped: {self._gone_reason}, so no step can commit"
         else:
             # A save in flight when the signal came counts: wait for it first.
@@ -401,11 +405,11 @@ class CheckpointClient:
         self.close(wait=False)  # cancels what still streams: the sidecar drops it, never half-commits
         raise Preempted(step if saved else self._durable_step, saved, reason)
 
-    def _settled(self, future: Future[Any], deadline: float) -> bool:
+    def _settled(self, future: Future[Any], deadline: float, give_up_when_gone: bool = True) -> bool:
         """Wait for ``future`` until ``deadline``; gives up early when a peer is gone."""
         while not future.done():
             left = deadline - time.monotonic()
-            if left <= 0 or self._peers_gone:
+            if left <= 0 or (give_up_when_gone and self._peers_gone):
                 return False
             futures_wait([future], timeout=min(left, 0.05))
         return True
