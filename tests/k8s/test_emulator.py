@@ -365,3 +365,53 @@ async def test_real_kubectl_get_and_describe(k8s: K8s) -> None:
     assert "trainer-0" in description
     assert "Events:" in description
     assert "CheckpointCommitted" in description and "step 42 committed" in description
+
+
+OPERATOR = """
+import kopf
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: object) -> None:
+    settings.watching.connect_timeout = 5
+    settings.networking.request_timeout = 10
+
+
+@kopf.on.create("strata.dev", "v1", "widgets")
+def created(spec: kopf.Spec, patch: kopf.Patch, **_: object) -> None:
+    patch.status["seenSize"] = spec.get("size")
+"""
+
+
+async def test_real_kopf_operator_patches_an_object(k8s: K8s, tmp_path: Path) -> None:
+    from kopf.testing import KopfRunner
+
+    status, body = await call(
+        k8s, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", WIDGET_CRD
+    )
+    assert status == 200, body
+    operator = tmp_path / "operator.py"
+    operator.write_text(OPERATOR)
+    runner = KopfRunner(["run", "--standalone", "-A", "--verbose", str(operator)], timeout=20)
+    # The runner's thread talks to the emulator, which answers only while this loop is free.
+    await asyncio.to_thread(runner.__enter__)
+    try:
+        widget = {
+            "apiVersion": "strata.dev/v1",
+            "kind": "Widget",
+            "metadata": {"name": "w1"},
+            "spec": {"size": 5},
+        }
+        status, body = await call(k8s, "POST", WIDGETS, widget)
+        assert status == 200, body
+        seen = None
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            status, obj = await call(k8s, "GET", WIDGETS + "/w1")
+            seen = obj.get("status", {}).get("seenSize")
+            if seen is not None:
+                break
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+    assert seen == 5, runner.output
+    assert runner.exception is None and runner.exit_code == 0, runner.output
