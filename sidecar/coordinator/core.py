@@ -18,6 +18,8 @@ class FailureKind(enum.StrEnum):
     OOM = "oom"  # out of memory (OOMKilled, or SIGKILL reported with the OOM flag)
     LOST = "lost"  # the process (or its pod/node) vanished without an exit status
     HANG = "hang"  # no progress within the hang timeout
+    EVICTED = "evicted"  # evicted or preempted (Kubernetes' DisruptionTarget condition)
+    DELETED = "deleted"  # the pod was deleted while it ran
     CONFIG = "config"  # the job cannot run as configured (e.g. changed world size): permanent
 
 
@@ -45,6 +47,10 @@ class Failure:
             what = "was lost"
         elif self.kind == FailureKind.HANG:
             what = "made no progress"
+        elif self.kind == FailureKind.EVICTED:
+            what = "was evicted or preempted"
+        elif self.kind == FailureKind.DELETED:
+            what = "was deleted while running"
         else:
             what = "cannot run as configured"
         return f"{who} {what}" + (f": {self.detail}" if self.detail else "")

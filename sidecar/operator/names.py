@@ -1,0 +1,45 @@
+"""Names shared by the operator, its admission logic, the chart and the sidecar's reports: one place,
+so a label or annotation is never spelled two ways."""
+
+from __future__ import annotations
+
+GROUP = "strata.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Opt-in label on a pod template (and so on its pods).
+OPT_IN_LABEL = "strata.dev/checkpoint"
+OPT_IN_VALUE = "enabled"
+#: Settings travel as ``strata.dev/<setting>`` annotations (the sidecar's ``STRATA_<SETTING>``).
+ANNOTATION_PREFIX = "strata.dev/"
+
+#: Scheduling gate the admission logic adds to opted-in Job-owned pods; the operator lifts it.
+GANG_GATE = "strata.dev/gang"
+#: Pod annotation the operator writes before lifting the gate: the gang generation RUN/RESTART,
+#: read by the sidecar through a downward-API volume.
+GENERATION_ANNOTATION = "strata.dev/generation"
+#: Pod annotation carrying a one-shot restore request for this generation (a step, or "none").
+RESTORE_REQUEST_ANNOTATION = "strata.dev/restore-request"
+#: Job annotation: roll back once to this step at the next generation (mutable).
+RESUME_FROM_ANNOTATION = "strata.dev/resume-from"
+#: Job annotation: "fresh" starts a new run under a reused Job name (default: resume).
+RUN_ANNOTATION = "strata.dev/run"
+
+#: Labels on Checkpoint objects.
+JOB_LABEL = "strata.dev/job"
+LATEST_LABEL = "strata.dev/latest"
+
+#: Reserved trainer exit codes, for the Job's podFailurePolicy (onExitCodes, containerName).
+EXIT_PEER_DIED = 75  # "a peer died, the gang restarts": podFailurePolicy Ignore
+EXIT_LIMIT_SPENT = 76  # "Strata's restart limit is spent": podFailurePolicy FailJob
+
+#: Audience of the projected service-account token a sidecar sends with its reports.
+REPORT_AUDIENCE = "strata.dev/report"
+
+# JobSet
+JOBSET_GROUP = "jobset.sigs.k8s.io"
+JOBSET_RESTART_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+# The Job controller's own pod labels.
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
