@@ -6,23 +6,23 @@ import dataclasses
 from pathlib import Path
 
 from sidecar import config
-from sidecar.operator import annotations
+from sidecar.operator import annotations as table
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_annotations_every_sidecar_setting_is_an_annotation_or_excluded_with_a_reason() -> None:
-    by_env = {s.env: s.annotation for s in annotations.table() if s.env}
+    by_env = {s.env: s.annotation for s in table.table() if s.env}
     for f in dataclasses.fields(config.SidecarSettings):
-        if f.name in annotations.NOT_ANNOTATIONS:
+        if f.name in table.NOT_ANNOTATIONS:
             assert config.env_name(f) not in by_env
             continue
         assert by_env[config.env_name(f)] == "strata.dev/" + f.name.replace("_", "-")
-    assert set(annotations.NOT_ANNOTATIONS) <= {f.name for f in dataclasses.fields(config.SidecarSettings)}
+    assert set(table.NOT_ANNOTATIONS) <= {f.name for f in dataclasses.fields(config.SidecarSettings)}
 
 
 def test_annotations_parse_into_sidecar_env_and_job_settings() -> None:
-    parsed = annotations.parse(
+    parsed = table.parse(
         {
             "strata.dev/memory-budget": "8589934592",
             "strata.dev/quantize": "auto",
@@ -37,12 +37,12 @@ def test_annotations_parse_into_sidecar_env_and_job_settings() -> None:
     assert parsed.sidecar_env == {"STRATA_MEMORY_BUDGET": "8589934592", "STRATA_QUANTIZE": "auto"}
     assert parsed.job.max_restarts == 5 and parsed.job.hang_timeout == 600.0
     assert parsed.job.resume_from == 1200 and parsed.job.resume_from_set
-    fresh = annotations.parse({"strata.dev/resume-from": "none", "strata.dev/run": "fresh"})
+    fresh = table.parse({"strata.dev/resume-from": "none", "strata.dev/run": "fresh"})
     assert fresh.job.resume_from is None and fresh.job.resume_from_set and fresh.job.run == "fresh"
 
 
 def test_annotations_bad_value_names_the_annotation_and_what_is_expected() -> None:
-    parsed = annotations.parse(
+    parsed = table.parse(
         {"strata.dev/memory-budget": "8G", "strata.dev/max-restarts": "-1", "strata.dev/run": "again"}
     )
     text = "\n".join(parsed.errors)
@@ -53,23 +53,23 @@ def test_annotations_bad_value_names_the_annotation_and_what_is_expected() -> No
 
 
 def test_annotations_typo_suggests_setting() -> None:
-    parsed = annotations.parse({"strata.dev/memory-budgte": "1"})
+    parsed = table.parse({"strata.dev/memory-budgte": "1"})
     assert parsed.unknown == [
         "strata.dev/memory-budgte: not a Strata setting; did you mean strata.dev/memory-budget?"
     ]
 
 
 def test_annotations_secret_settings_cannot_come_from_annotations() -> None:
-    parsed = annotations.parse({"strata.dev/token": "hunter2", "strata.dev/storage": "s3://x"})
+    parsed = table.parse({"strata.dev/token": "hunter2", "strata.dev/storage": "s3://x"})
     assert parsed.sidecar_env == {} and len(parsed.unknown) == 2
 
 
 def test_annotations_backoff_max_below_backoff_is_an_error() -> None:
-    parsed = annotations.parse({"strata.dev/backoff-seconds": "60", "strata.dev/backoff-max-seconds": "5"})
+    parsed = table.parse({"strata.dev/backoff-seconds": "60", "strata.dev/backoff-max-seconds": "5"})
     assert any("backoff-max-seconds" in e for e in parsed.errors)
 
 
 def test_settings_doc_current() -> None:
-    assert (ROOT / "docs" / "settings.md").read_text() == annotations.markdown(), (
+    assert (ROOT / "docs" / "settings.md").read_text() == table.markdown(), (
         "docs/settings.md is stale: run `.venv/bin/python -m sidecar.operator.annotations > docs/settings.md`"
     )
