@@ -18,6 +18,7 @@ import copy
 import datetime
 import random
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
@@ -31,6 +32,8 @@ from kmock._internal import apps, dicts, enums, rendering
 from typing_extensions import override
 
 CRD = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+PODS = kmock.resource("", "v1", "pods")
+TOKENREVIEWS = kmock.resource("authentication.k8s.io", "v1", "tokenreviews")
 
 # Built-in resources the tests (and kopf/kubectl) touch: (group, version, plural, kind, namespaced).
 BUILTINS: list[tuple[str, str, str, str, bool]] = [
@@ -42,6 +45,7 @@ BUILTINS: list[tuple[str, str, str, str, bool]] = [
     ("", "v1", "services", "Service", True),
     ("", "v1", "serviceaccounts", "ServiceAccount", True),
     ("batch", "v1", "jobs", "Job", True),
+    ("authentication.k8s.io", "v1", "tokenreviews", "TokenReview", False),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False),
 ]
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
@@ -179,6 +183,29 @@ def jsonpath(obj: Any, path: str) -> list[Any]:
 # ---- the emulator ---------------------------------------------------------------------------------------
 
 
+@attrs.define
+class Token:
+    """A projected service-account token as the emulated TokenReview knows it."""
+
+    namespace: str
+    service_account: str
+    pod_name: str
+    pod_uid: str
+    audiences: list[str]
+    expires: float | None = None  # unix time
+    uid: str = attrs.field(factory=lambda: str(uuid.uuid4()))
+
+    @property
+    def username(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+    def extra(self) -> dict[str, list[str]]:
+        return {
+            "authentication.kubernetes.io/pod-name": [self.pod_name],
+            "authentication.kubernetes.io/pod-uid": [self.pod_uid],
+        }
+
+
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with resourceVersions, generateName, selectors, PUT, collection
@@ -188,6 +215,10 @@ class Emulator(kmock.KubernetesEmulator):
     # Every watch event ever published, with its resourceVersion: a watch from a resourceVersion
     # replays what it missed.
     _log: list[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(factory=list, init=False)
+    #: Tokens a TokenReview accepts: token -> Token (who it names, its audiences, when it expires).
+    tokens: dict[str, Token] = attrs.field(factory=dict, init=False)
+    #: Pods (namespace, name) whose PodDisruptionBudget refuses an eviction (429), as a PDB would.
+    pdb_blocked: set[tuple[str, str]] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -282,10 +313,15 @@ class Emulator(kmock.KubernetesEmulator):
         raw: dict[str, Any] = copy.deepcopy(obj.raw)
         meta = raw.setdefault("metadata", {})
         assert request.resource is not None
-        if meta.get("deletionTimestamp"):
+        grace = self._grace(request, raw) if request.resource == PODS else 0
+        if meta.get("deletionTimestamp") and grace > 0:
             return raw  # already being deleted: nothing to do
-        if meta.get("finalizers"):
-            meta["deletionTimestamp"] = _now()
+        if meta.get("finalizers") or grace > 0:
+            # A pod on a node is deleted gracefully: it stays, Terminating, until its kubelet (or a
+            # force delete, gracePeriodSeconds=0) removes it.
+            meta.setdefault("deletionTimestamp", _now())
+            if request.resource == PODS:
+                meta["deletionGracePeriodSeconds"] = grace
             self._bump(raw)
             obj.create(raw)
             await self._publish(request.resource, "MODIFIED", raw)
@@ -296,6 +332,82 @@ class Emulator(kmock.KubernetesEmulator):
             await self._publish(request.resource, "DELETED", raw)
         return raw
 
+    @staticmethod
+    def _grace(request: rendering.Request, raw: Mapping[str, Any]) -> int:
+        """A pod deletion's grace period: the request's (query or DeleteOptions), else the pod's."""
+        if not raw.get("spec", {}).get("nodeName") or raw.get("status", {}).get("phase") in (
+            "Succeeded",
+            "Failed",
+        ):
+            return 0  # the apiserver removes unscheduled and terminal pods at once
+        options = request.data if isinstance(request.data, Mapping) else {}
+        given = request.params.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
+        if given is not None:
+            return int(given)
+        return int(raw.get("spec", {}).get("terminationGracePeriodSeconds", 30))
+
+    async def _evict(self, request: rendering.Request) -> dict[str, Any]:
+        """The Eviction API: 429 when a PodDisruptionBudget forbids it, else the pod gets the
+        DisruptionTarget condition and is deleted gracefully."""
+        key = self._key(request, request.name)
+        obj = self._live(key)
+        if obj is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        if (request.namespace or "", request.name or "") in self.pdb_blocked:
+            raise _status(
+                429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget."
+            )
+        raw: dict[str, Any] = copy.deepcopy(obj.raw)
+        if not raw.get("metadata", {}).get("deletionTimestamp"):
+            conditions = [
+                c
+                for c in raw.setdefault("status", {}).get("conditions") or []
+                if c.get("type") != "DisruptionTarget"
+            ]
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "EvictionByEvictionAPI",
+                    "message": "Eviction API: evicting",
+                    "lastTransitionTime": _now(),
+                }
+            )
+            raw["status"]["conditions"] = conditions
+            self._bump(raw)
+            obj.create(raw)
+            assert request.resource is not None
+            await self._publish(request.resource, "MODIFIED", raw)
+            await self._delete_one(request, key)
+        return {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success"}
+
+    def _review(self, body: Any) -> dict[str, Any]:
+        """A TokenReview answered from ``tokens``: unknown, expired or wrong-audience tokens are not
+        authenticated (the apiserver's answer, with an error string)."""
+        spec = body.get("spec", {}) if isinstance(body, Mapping) else {}
+        token = self.tokens.get(spec.get("token", ""))
+        wanted = list(spec.get("audiences") or [])
+        status: dict[str, Any] = {"authenticated": False}
+        if token is None:
+            status["error"] = "invalid bearer token"
+        elif token.expires is not None and token.expires < time.time():
+            status["error"] = "invalid bearer token, token has expired"
+        elif wanted and not set(wanted) & set(token.audiences):
+            status["error"] = "invalid bearer token, token audiences is invalid for the current server"
+        else:
+            status = {
+                "authenticated": True,
+                "user": {"username": token.username, "uid": token.uid, "extra": token.extra()},
+                "audiences": [a for a in token.audiences if not wanted or a in wanted],
+            }
+        return {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "metadata": {"creationTimestamp": None},
+            "spec": dict(spec),
+            "status": status,
+        }
+
     # -- writes -----------------------------------------------------------------------------------------
 
     @override
@@ -303,7 +415,11 @@ class Emulator(kmock.KubernetesEmulator):
         if request.resource is None:
             return await apps.RawHandler._handle(self, request)
 
+        if request.resource == TOKENREVIEWS and request.method == enums.method.POST:
+            return aiohttp.web.json_response(self._review(request.data), status=201)
         async with self._lock:
+            if request.method == enums.method.POST and request.subresource == "eviction":
+                return aiohttp.web.json_response(await self._evict(request), status=201)
             if request.action == enums.action.CREATE:
                 await self._create(request)
             elif request.action == enums.action.UPDATE and request.name is not None:

@@ -1,0 +1,176 @@
+"""A small async Kubernetes API client for the operator's own writes (StrataJob, Checkpoint, pods,
+Events, evictions, TokenReviews).
+
+kopf watches; this writes. One aiohttp session, the credentials of a kubeconfig or of the pod's
+service account (resolved by the ``kubernetes`` package's loaders), and a call counter so the
+benchmark and the metrics can say how many API calls a restart took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+__all__ = ["Api", "ApiError", "path"]
+
+
+class ApiError(Exception):
+    """A non-2xx answer: its HTTP status, the Status reason and the apiserver's message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def path(
+    group: str,
+    version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """The REST path of a resource, a collection, or a subresource."""
+    base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+    if namespace is not None:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name is not None:
+        base += f"/{name}"
+    if subresource is not None:
+        base += f"/{subresource}"
+    return base
+
+
+@dataclasses.dataclass
+class _Credentials:
+    host: str
+    headers: dict[str, str]
+    ssl: ssl.SSLContext | bool
+
+
+def _credentials(kubeconfig: str | None) -> _Credentials:
+    import kubernetes
+
+    configuration = kubernetes.client.Configuration()
+    if kubeconfig is None:
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=configuration)
+    else:
+        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    headers: dict[str, str] = {}
+    # The loaders store "Bearer <token>" (exec plugins and service-account tokens alike).
+    token = configuration.api_key.get("authorization") or configuration.api_key.get("BearerToken")
+    if token:
+        headers["Authorization"] = token if token.lower().startswith("bearer ") else f"Bearer {token}"
+    context: ssl.SSLContext | bool = True
+    if configuration.host.startswith("https"):
+        if not configuration.verify_ssl:
+            context = False
+        else:
+            context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
+            if configuration.cert_file:
+                context.load_cert_chain(configuration.cert_file, configuration.key_file)
+    return _Credentials(configuration.host.rstrip("/"), headers, context)
+
+
+class Api:
+    """Async JSON calls to one apiserver. ``calls`` counts every request sent."""
+
+    def __init__(self, host: str, headers: Mapping[str, str] | None = None, ssl_context: Any = True) -> None:
+        self.host = host.rstrip("/")
+        self._headers = dict(headers or {})
+        self._ssl = ssl_context
+        self._session: aiohttp.ClientSession | None = None
+        self.calls = 0
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None) -> Api:
+        """In-cluster credentials when ``kubeconfig`` is None and the pod has them, else the kubeconfig
+        (``$KUBECONFIG`` or ~/.kube/config when None)."""
+        found = _credentials(kubeconfig)
+        return cls(found.host, found.headers, found.ssl)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        """The decoded JSON answer; ApiError for any non-2xx status."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=self._ssl)
+            )
+        headers = {**self._headers, "Accept": "application/json"}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        self.calls += 1
+        async with self._session.request(
+            method, self.host + url, data=data, params=params, headers=headers
+        ) as response:
+            text = await response.text()
+            try:
+                decoded = json.loads(text) if text else None
+            except ValueError:
+                decoded = None
+            if response.status >= 300:
+                reason = decoded.get("reason", "") if isinstance(decoded, dict) else ""
+                message = decoded.get("message", text) if isinstance(decoded, dict) else text
+                raise ApiError(response.status, reason or response.reason or "", str(message)[:500])
+            return decoded
+
+    async def get(self, url: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            found: dict[str, Any] = await self.request("GET", url)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return found
+
+    async def create(self, url: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        created: dict[str, Any] = await self.request("POST", url, dict(body))
+        return created
+
+    async def merge_patch(self, url: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        patched: dict[str, Any] = await self.request(
+            "PATCH", url, dict(patch), content_type="application/merge-patch+json"
+        )
+        return patched
+
+    async def json_patch(self, url: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        patched: dict[str, Any] = await self.request(
+            "PATCH", url, ops, content_type="application/json-patch+json"
+        )
+        return patched
+
+    async def delete(self, url: str, body: Mapping[str, Any] | None = None) -> bool:
+        """True when deleted (or being deleted); False when it was already gone."""
+        try:
+            await self.request("DELETE", url, dict(body) if body is not None else None)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
