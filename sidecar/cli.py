@@ -17,6 +17,7 @@ from sidecar import __version__, config
 from sidecar import manifest as mf
 from sidecar.errors import CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
+from sidecar.operator import cli as operator_cli
 from sidecar.store import open_store
 from sidecar.store.base import Store
 
@@ -269,6 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_arguments(p)
     p.set_defaults(func=launch.main)
 
+    p = sub.add_parser(
+        "operator",
+        help="run the Kubernetes operator (gang restarts, Checkpoint and StrataJob objects)",
+        description="Run the operator: watch opted-in Jobs and JobSets, restart their gangs, "
+        "and turn the sidecars' reports into Checkpoint objects.",
+        epilog=operator_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    operator_cli.add_arguments(p)
+    p.set_defaults(func=operator_cli.main)
+
     for name, func, text in (
         ("ls", cmd_ls, "list the committed checkpoints of a job"),
         ("show", cmd_show, "print one rank's manifest of a committed step"),
@@ -296,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The server logs its progress; the read-only commands print their own and log only problems.
-    quiet = logging.INFO if args.command in ("sidecar", "launch") else logging.WARNING
+    quiet = logging.INFO if args.command in ("sidecar", "launch", "operator") else logging.WARNING
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else quiet,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

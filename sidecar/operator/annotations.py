@@ -29,6 +29,10 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "generation_file": "the operator owns the generation (a downward-API file)",
     "peer_host": "peers are found by stable pod names, set by the injection",
     "peers": "peers are found by stable pod names, set by the injection",
+    "report_url": "the injection points every sidecar at the operator's report endpoint",
+    "report_token_file": "the injection mounts the projected service-account token there",
+    "report_ca_file": "the injection mounts the operator's CA there",
+    "restore_request_file": "the operator owns restore requests (strata.dev/restore-request, downward API)",
 }
 
 

@@ -54,6 +54,7 @@ class _Credentials:
     host: str
     headers: dict[str, str]
     ssl: ssl.SSLContext | bool
+    ca_path: str | None = None
 
 
 def _credentials(kubeconfig: str | None) -> _Credentials:
@@ -80,7 +81,7 @@ def _credentials(kubeconfig: str | None) -> _Credentials:
             context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
             if configuration.cert_file:
                 context.load_cert_chain(configuration.cert_file, configuration.key_file)
-    return _Credentials(configuration.host.rstrip("/"), headers, context)
+    return _Credentials(configuration.host.rstrip("/"), headers, context, configuration.ssl_ca_cert or None)
 
 
 class Api:
@@ -91,6 +92,7 @@ class Api:
         self._headers = dict(headers or {})
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
         self.calls = 0
 
     @classmethod
@@ -101,6 +103,8 @@ class Api:
         return cls(found.host, found.headers, found.ssl)
 
     async def close(self) -> None:
+        """Close the connections; later calls fail (503) rather than open new ones."""
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -115,6 +119,8 @@ class Api:
         content_type: str = "application/json",
     ) -> Any:
         """The decoded JSON answer; ApiError for any non-2xx status."""
+        if self._closed:
+            raise ApiError(503, "ClientClosed", "the API client was closed (the operator is stopping)")
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=self._ssl)

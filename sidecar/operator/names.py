@@ -36,7 +36,8 @@ EXIT_LIMIT_SPENT = 76  # "Strata's restart limit is spent": podFailurePolicy Fai
 #: Audience of the projected service-account token a sidecar sends with its reports.
 REPORT_AUDIENCE = "strata.dev/report"
 
-# JobSet
+# JobSet: its API group, and the domain of the labels it puts on pods
+JOBSET_API_GROUP = "jobset.x-k8s.io"
 JOBSET_GROUP = "jobset.sigs.k8s.io"
 JOBSET_RESTART_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"

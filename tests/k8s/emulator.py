@@ -46,6 +46,8 @@ BUILTINS: list[tuple[str, str, str, str, bool]] = [
     ("", "v1", "serviceaccounts", "ServiceAccount", True),
     ("batch", "v1", "jobs", "Job", True),
     ("authentication.k8s.io", "v1", "tokenreviews", "TokenReview", False),
+    # JobSet is a CRD in a real cluster; served here as if it were installed.
+    ("jobset.x-k8s.io", "v1alpha2", "jobsets", "JobSet", True),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False),
 ]
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
@@ -219,6 +221,8 @@ class Emulator(kmock.KubernetesEmulator):
     tokens: dict[str, Token] = attrs.field(factory=dict, init=False)
     #: Pods (namespace, name) whose PodDisruptionBudget refuses an eviction (429), as a PDB would.
     pdb_blocked: set[tuple[str, str]] = attrs.field(factory=set, init=False)
+    #: Pods evicted through the Eviction API, in order.
+    evictions: list[str] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -378,6 +382,7 @@ class Emulator(kmock.KubernetesEmulator):
             obj.create(raw)
             assert request.resource is not None
             await self._publish(request.resource, "MODIFIED", raw)
+            self.evictions.append(str(request.name))
             await self._delete_one(request, key)
         return {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success"}
 

@@ -1,0 +1,90 @@
+"""``strata operator``: run the operator (kopf watches, restart protocol, report endpoint, metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+EPILOG = """\
+The operator watches Jobs and JobSets whose pod template carries the label
+strata.dev/checkpoint=enabled, restarts their gangs on failure and writes Checkpoint
+and StrataJob objects from the sidecars' reports. It is a start and restart
+dependency of gated Jobs: their pods wait (Pending, scheduling gate strata.dev/gang)
+until it releases them.
+
+examples:
+  strata operator --kubeconfig ~/.kube/config --report-port 8443 --metrics-port 9090
+  strata operator --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key   # in a pod
+  kubectl get stratajobs; kubectl describe checkpoint recsys-000000001200
+"""
+
+log = logging.getLogger("strata.operator")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig",
+        help="kubeconfig to use (default: the pod's service account, else $KUBECONFIG or ~/.kube/config)",
+    )
+    parser.add_argument(
+        "--trainer-container",
+        help="only this container's exit counts as a training failure (default: any container)",
+    )
+    parser.add_argument(
+        "--fence-margin-seconds",
+        type=float,
+        default=30.0,
+        help="force-delete a pod still Terminating this long past its grace period (default: 30)",
+    )
+    parser.add_argument(
+        "--peering",
+        help="kopf peering name, needed to run more than one replica (default: standalone)",
+    )
+    parser.add_argument("--report-host", default="0.0.0.0", help="address of the report endpoint")
+    parser.add_argument(
+        "--report-port", type=int, default=8443, help="port of the report endpoint (-1: off; default 8443)"
+    )
+    parser.add_argument("--tls-cert-file", help="certificate of the report endpoint (HTTPS)")
+    parser.add_argument("--tls-key-file", help="private key of the report endpoint")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9090, help="port of /metrics (strata_operator_*; -1: off)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if args.fence_margin_seconds < 0:
+        raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
+    from sidecar.operator.run import OperatorConfig, serve
+
+    config = OperatorConfig(
+        kubeconfig=args.kubeconfig,
+        trainer_container=args.trainer_container,
+        fence_margin_s=args.fence_margin_seconds,
+        peering=args.peering,
+        report_host=args.report_host,
+        report_port=None if args.report_port < 0 else args.report_port,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+    )
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        async with serve(config) as operator:
+            log.info("watching; reports at %s", operator.report_url)
+            await stop.wait()
+        log.info("stopped")
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,781 @@
+"""The operator's restart protocol: watch opted-in Jobs and their pods, classify failures, restart
+the whole gang, and keep the job-level status (a StrataJob) current.
+
+One owner for each thing:
+- the Job controller creates pods (gated by the admission logic, so a replacement waits);
+- this controller owns the gang generation: it writes ``strata.dev/generation`` on every gated
+  pod and lifts the gates only when every pod of the old gang is terminal, or fenced (force-deleted
+  after it hung in Terminating past its grace period);
+- storage allocates the attempt and the rank-0 sidecar picks the restore step (commit protocol);
+  this controller records what the sidecars report.
+
+Decisions live in the StrataJob's status (restarts used, the pending restart and when it may
+release, the one-shot rollback applied), so a restarted operator carries on where it stopped.
+The pod index comes from the watch: no list calls, no polling; a gang restart costs one eviction
+and one release patch per pod, plus a few status writes and Events.
+
+JobSets restart their gangs themselves (``BlockingRecreate``): for them this controller reflects
+the restart attempt, classifies failures and records them, and adds no retry layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sidecar.coordinator import Failure, FailureKind, RestartPolicy, RestartTracker
+from sidecar.operator import annotations as table
+from sidecar.operator import names, objects
+from sidecar.operator.admission import opted_in
+from sidecar.operator.classify import classify_pod, is_terminal
+from sidecar.operator.kube import Api, ApiError, path
+
+__all__ = ["Controller"]
+
+log = logging.getLogger("strata.operator")
+
+STRATAJOBS = ("strata.dev", "v1alpha1", "stratajobs")
+#: lastFailure.reason (CamelCase, as Kubernetes reasons are) for each failure kind.
+REASONS = {
+    FailureKind.EXIT_ERROR: "ExitError",
+    FailureKind.SIGNAL: "Signal",
+    FailureKind.OOM: "OOMKilled",
+    FailureKind.LOST: "NodeLost",
+    FailureKind.HANG: "Hang",
+    FailureKind.EVICTED: "Evicted",
+    FailureKind.DELETED: "PodDeleted",
+    FailureKind.CONFIG: "InvalidConfig",
+}
+#: How long past its grace period a Terminating pod may hang before it is fenced (force-deleted).
+DEFAULT_FENCE_MARGIN_S = 30.0
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def _gated(pod: Mapping[str, Any]) -> bool:
+    return any(g.get("name") == names.GANG_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
+
+
+def _index(pod: Mapping[str, Any]) -> int | None:
+    raw = (_meta(pod).get("labels") or {}).get(names.JOB_INDEX_LABEL)
+    return int(raw) if raw is not None and str(raw).isdigit() else None
+
+
+def _owner_uid(pod: Mapping[str, Any]) -> str | None:
+    for ref in _meta(pod).get("ownerReferences") or []:
+        if ref.get("kind") == "Job" and ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def _run_id(uid: str) -> str:
+    """A run's identity from its workload's uid (a resubmitted Job gets a new uid, so a new run)."""
+    return uid.replace("-", "")[:12] or "run"
+
+
+@dataclasses.dataclass
+class _Job:
+    """What the controller knows about one watched workload."""
+
+    namespace: str
+    name: str
+    kind: str = "Job"
+    workload: dict[str, Any] | None = None
+    pods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    status: dict[str, Any] | None = None  # the StrataJob's status, once loaded
+    stratajob: dict[str, Any] | None = None  # its metadata (uid, for Events)
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    timer: asyncio.TimerHandle | None = None
+    timer_at: float = 0.0
+    settings: table.JobSettings = dataclasses.field(default_factory=table.JobSettings)
+    problems: tuple[str, ...] = ()
+    #: Hang detection: when save progress was last seen, and the (rank -> (step, saves)) it saw.
+    progress_at: float = 0.0
+    progress: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    #: Warned about a pod stuck Terminating (one Event per pod).
+    fenced: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def uid(self) -> str:
+        return str(_meta(self.workload or {}).get("uid", ""))
+
+    @property
+    def world(self) -> int:
+        spec = (self.workload or {}).get("spec") or {}
+        return int(spec.get("completions") or spec.get("parallelism") or 1)
+
+    def generation(self, restart: int) -> str:
+        assert self.status is not None
+        return f"{self.status.get('run') or _run_id(self.uid)}/{restart}"
+
+    @property
+    def restart_count(self) -> int:
+        """The RESTART of the current generation (0 before the first release)."""
+        assert self.status is not None
+        current = self.status.get("generation") or ""
+        tail = current.rpartition("/")[2]
+        return int(tail) if tail.isdigit() else 0
+
+
+class Controller:
+    """The restart protocol over an :class:`Api`. Feed it watch events (``on_job``, ``on_pod``) and
+    heartbeats (``on_heartbeat``); it writes StrataJob status, pods, evictions and Events.
+
+    ``metrics`` is an ``OperatorMetrics`` (or None); ``clock`` is wall time (tests may move it).
+    """
+
+    def __init__(
+        self,
+        api: Api,
+        *,
+        metrics: Any = None,
+        trainer_container: str | None = None,
+        fence_margin_s: float = DEFAULT_FENCE_MARGIN_S,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.api = api
+        self.metrics = metrics
+        self.trainer_container = trainer_container
+        self.fence_margin_s = fence_margin_s
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.jobs: dict[tuple[str, str], _Job] = {}
+        self._closed = False
+        self._tasks: set[asyncio.Future[None]] = set()
+        #: When each pending decision was made (monotonic), for the decision-latency benchmark.
+        self.decisions: list[tuple[str, float]] = []
+
+    # -- inputs -------------------------------------------------------------------------------------
+
+    def _job(self, namespace: str, name: str) -> _Job:
+        key = (namespace, name)
+        if key not in self.jobs:
+            self.jobs[key] = _Job(namespace, name)
+            if self.metrics is not None:
+                self.metrics.watched_jobs.set(len(self.jobs))
+        return self.jobs[key]
+
+    async def on_job(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A Job or JobSet event (kopf's ``on.event``; ``event_type`` None for the initial listing)."""
+        if body.get("kind") == "Job" and not opted_in((body.get("spec") or {}).get("template") or {}):
+            return
+        meta = _meta(body)
+        job = self._job(str(meta.get("namespace", "default")), str(meta["name"]))
+        if event_type == "DELETED":
+            # The StrataJob and the Checkpoints stay: a Job resubmitted under this name finds them.
+            if job.timer is not None:
+                job.timer.cancel()
+            self.jobs.pop(job.key, None)
+            if self.metrics is not None:
+                self.metrics.watched_jobs.set(len(self.jobs))
+            return
+        job.kind = str(body.get("kind", "Job"))
+        job.workload = dict(body)
+        await self.reconcile(job)
+
+    async def on_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """An opted-in pod's event."""
+        meta = _meta(body)
+        labels = meta.get("labels") or {}
+        owner = labels.get(names.JOBSET_NAME_LABEL) or labels.get(names.JOB_NAME_LABEL)
+        if not owner:
+            return  # a bare pod: nothing restarts it, nothing to do
+        job = self._job(str(meta.get("namespace", "default")), str(owner))
+        if event_type == "DELETED":
+            job.pods.pop(str(meta["name"]), None)
+        else:
+            job.pods[str(meta["name"])] = dict(body)
+        await self.reconcile(job)
+
+    async def on_heartbeat(self, item: Mapping[str, Any], pod: str | None = None) -> None:
+        """A sidecar heartbeat: save progress (for hang detection) and the attempt it runs."""
+        job = self.jobs.get((str(item.get("namespace")), str(item.get("job"))))
+        if job is None or job.status is None:
+            return
+        rank = int(item.get("rank", 0))
+        seen = (item.get("step"), item.get("saves"))
+        if job.progress.get(rank) != seen:
+            job.progress[rank] = seen
+            job.progress_at = self.clock()
+        changes: dict[str, Any] = {"lastHeartbeat": _now()}
+        attempt = item.get("attempt")
+        newer = isinstance(attempt, int) and attempt >= int(job.status.get("attempt") or 0)
+        if newer and (attempt, item.get("restore_step")) != (
+            job.status.get("attempt"),
+            job.status.get("restoreStep"),
+        ):
+            changes["attempt"] = attempt
+            changes["restoreStep"] = item.get("restore_step")
+        if set(changes) - {"lastHeartbeat"}:
+            await self._patch_status(job, changes)
+        else:
+            job.status.update(changes)  # kept in memory; written with the next status change
+
+    def attempt_of(self, namespace: str, job_name: str) -> tuple[int, int | None] | None:
+        """The newest attempt known for a job and the step it restored (report checks use it)."""
+        job = self.jobs.get((namespace, job_name))
+        if job is None or job.status is None or job.status.get("attempt") is None:
+            return None
+        return int(job.status["attempt"]), job.status.get("restoreStep")
+
+    async def on_commit(self, namespace: str, job_name: str, step: int, checkpoint: str) -> None:
+        """A Checkpoint was written: the job's newest consistent step moves on."""
+        job = self.jobs.get((namespace, job_name))
+        if job is None or job.status is None:
+            return
+        if step >= int(job.status.get("latestStep") or -1):
+            await self._patch_status(job, {"latestStep": step, "latestCheckpoint": checkpoint})
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    async def reconcile(self, job: _Job) -> None:
+        if self._closed:
+            return
+        async with job.lock:
+            try:
+                await self._reconcile(job)
+            except ApiError as exc:
+                if self.metrics is not None:
+                    self.metrics.reconcile_errors.inc()
+                log.warning("%s/%s: reconcile failed: %s; retrying in 2 s", job.namespace, job.name, exc)
+                self._wake(job, self.clock() + 2.0)
+
+    def close(self) -> None:
+        """Stop scheduling work (the operator is stopping)."""
+        self._closed = True
+        for job in self.jobs.values():
+            if job.timer is not None:
+                job.timer.cancel()
+                job.timer = None
+
+    def _wake(self, job: _Job, at: float) -> None:
+        """Reconcile ``job`` again at wall time ``at`` (the earliest wins)."""
+        if self._closed:
+            return
+        if job.timer is not None and job.timer_at <= at and not job.timer.cancelled():
+            return
+        if job.timer is not None:
+            job.timer.cancel()
+        loop = asyncio.get_running_loop()
+        job.timer_at = at
+        job.timer = loop.call_later(max(0.0, at - self.clock()), self._fire, job)
+
+    def _fire(self, job: _Job) -> None:
+        job.timer = None
+        if self.jobs.get(job.key) is job:
+            task = asyncio.ensure_future(self.reconcile(job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _reconcile(self, job: _Job) -> None:
+        if job.workload is None:
+            return  # pods seen before their Job: wait for it
+        if job.status is None:
+            await self._load(job)
+        assert job.status is not None
+        await self._check_settings(job)
+        if job.kind == "JobSet":
+            await self._reflect_jobset(job)
+            return
+        phase = job.status.get("phase")
+        if phase == "Succeeded":
+            return
+        last = job.status.get("lastFailure") or {}
+        # Failed, unless strata.dev/max-restarts was raised after the limit was spent: then go on.
+        spent = int(job.status.get("restarts") or 0) >= job.settings.max_restarts
+        if phase == "Failed" and (spent or last.get("kind") == "config"):
+            return
+        pods = [p for p in job.pods.values() if _owner_uid(p) in (None, job.uid)]
+        pending = job.status.get("pendingRestart")
+        if pending:
+            await self._restart(job, pods, pending)
+            return
+        current = job.status.get("generation")
+        released = [p for p in pods if not _gated(p)]
+        running = [
+            p
+            for p in released
+            if (_meta(p).get("annotations") or {}).get(names.GENERATION_ANNOTATION) == current
+        ]
+        gated = [p for p in pods if _gated(p)]
+        if current is None:
+            await self._release(job, gated, job.generation(0), first=True)
+            return
+        failure = self._failure(job, running)
+        if failure is None and phase == "Failed" and last.get("kind"):
+            # Raised limit after giving up: decide again on the failure that spent it.
+            failure = Failure(FailureKind(last["kind"]), detail=last.get("message", ""))
+        if failure is not None:
+            await self._decide(job, failure, running)
+            return
+        done = {_index(p) for p in running if (p.get("status") or {}).get("phase") == "Succeeded"}
+        if running and len(done) >= job.world:
+            await self._patch_status(
+                job,
+                {"phase": "Succeeded"},
+                condition=("Succeeded", "True", "Completed", f"all {job.world} ranks succeeded"),
+            )
+            return
+        if job.settings.hang_timeout > 0 and phase == "Running":
+            started = max(job.progress_at, _parse_time(job.status.get("generationStartedAt")) or 0.0)
+            deadline = started + job.settings.hang_timeout
+            if self.clock() >= deadline:
+                await self._decide(
+                    job,
+                    Failure(
+                        FailureKind.HANG,
+                        detail="no sidecar heartbeat showed save progress for "
+                        f"{job.settings.hang_timeout:g} s",
+                    ),
+                    running,
+                )
+            else:
+                self._wake(job, deadline)
+
+    # -- state --------------------------------------------------------------------------------------
+
+    def _stratajob_path(self, job: _Job, subresource: str | None = None) -> str:
+        return path(*STRATAJOBS, job.namespace, job.name, subresource)
+
+    async def _load(self, job: _Job) -> None:
+        """Read (or create) the StrataJob; a new workload uid under a used name is a new run."""
+        assert job.workload is not None
+        found = await self.api.get(self._stratajob_path(job))
+        workload = {
+            "apiVersion": job.workload.get("apiVersion", "batch/v1"),
+            "kind": job.kind,
+            "metadata": {"name": job.name, "uid": job.uid},
+        }
+        parsed = self._parse_settings(job)
+        fresh = parsed.run == "fresh"
+        if found is None:
+            body = objects.stratajob_body(job.namespace, job.name, workload, max_restarts=parsed.max_restarts)
+            try:
+                found = await self.api.create(path(*STRATAJOBS, job.namespace), body)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                found = await self.api.get(self._stratajob_path(job))
+                assert found is not None
+            status = self._new_run(job, found.get("status") or {}, resumed=False, fresh=fresh)
+            job.stratajob = found
+            job.status = dict(found.get("status") or {})
+            await self._patch_status(job, status)
+            return
+        job.stratajob = found
+        job.status = dict(found.get("status") or {})
+        known_uid = ((found.get("spec") or {}).get("workload") or {}).get("uid")
+        if known_uid != job.uid:
+            # Resubmitted under the same name: a new run (its own retry budget), resuming the
+            # checkpoints unless strata.dev/run says fresh.
+            reference = {
+                "apiVersion": workload["apiVersion"],
+                "kind": job.kind,
+                "name": job.name,
+                "uid": job.uid,
+            }
+            await self.api.merge_patch(self._stratajob_path(job), {"spec": {"workload": reference}})
+            status = self._new_run(job, job.status, resumed=not fresh, fresh=fresh)
+            await self._patch_status(job, status)
+            await self._event(
+                job,
+                "NewRun",
+                f"{job.kind} {job.name} was resubmitted (uid {job.uid}): run {status['run']} "
+                + ("starts fresh" if fresh else "resumes the newest committed step"),
+            )
+
+    def _new_run(self, job: _Job, old: Mapping[str, Any], *, resumed: bool, fresh: bool) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            "phase": "Pending",
+            "run": _run_id(job.uid),
+            "runMode": "fresh" if fresh else "resumed",
+            "generation": None,
+            "generationStartedAt": None,
+            "restarts": 0,
+            "restartLimit": job.settings.max_restarts,
+            "pendingRestart": None,
+            "attempt": None,
+            "restoreStep": None,
+            "lastFailure": old.get("lastFailure") if resumed else None,
+        }
+        if fresh:
+            status["resumeFromApplied"] = None
+        return status
+
+    def _parse_settings(self, job: _Job) -> table.JobSettings:
+        assert job.workload is not None
+        template_annotations = self._template_annotations(job)
+        merged = {**template_annotations, **(_meta(job.workload).get("annotations") or {})}
+        parsed = table.parse(merged)
+        job.problems = tuple(parsed.problems)
+        job.settings = parsed.job
+        return parsed.job
+
+    def _template_annotations(self, job: _Job) -> dict[str, str]:
+        spec = (job.workload or {}).get("spec") or {}
+        if job.kind == "JobSet":
+            for replicated in spec.get("replicatedJobs") or []:
+                template = ((replicated.get("template") or {}).get("spec") or {}).get("template") or {}
+                if opted_in(template):
+                    return dict(_meta(template).get("annotations") or {})
+            return {}
+        return dict(_meta(spec.get("template") or {}).get("annotations") or {})
+
+    async def _check_settings(self, job: _Job) -> None:
+        before = job.problems
+        self._parse_settings(job)
+        assert job.status is not None
+        if job.status.get("restartLimit") != job.settings.max_restarts:
+            await self._patch_status(job, {"restartLimit": job.settings.max_restarts})
+        checked = any(c.get("type") == "SettingsValid" for c in job.status.get("conditions") or [])
+        if job.problems == before and checked:
+            return
+        if job.problems:
+            message = "; ".join(job.problems)
+            await self._patch_status(
+                job, {}, condition=("SettingsValid", "False", "InvalidAnnotations", message)
+            )
+            await self._event(job, "InvalidAnnotations", message, warning=True, on_workload=True)
+        else:
+            await self._patch_status(
+                job, {}, condition=("SettingsValid", "True", "Valid", "every strata.dev annotation is valid")
+            )
+
+    async def _patch_status(
+        self,
+        job: _Job,
+        changes: Mapping[str, Any],
+        condition: tuple[str, str, str, str] | None = None,
+    ) -> None:
+        assert job.status is not None
+        patch = dict(changes)
+        if condition is not None:
+            patch["conditions"] = objects.set_condition(list(job.status.get("conditions") or []), *condition)
+        if "lastHeartbeat" not in patch and job.status.get("lastHeartbeat"):
+            patch["lastHeartbeat"] = job.status["lastHeartbeat"]
+        await self.api.merge_patch(self._stratajob_path(job, "status"), {"status": patch})
+        job.status.update(patch)
+
+    async def _event(
+        self, job: _Job, reason: str, message: str, *, warning: bool = False, on_workload: bool = False
+    ) -> None:
+        """An Event on the StrataJob (``kubectl describe stratajob``), and on the Job when asked."""
+        log.log(
+            logging.WARNING if warning else logging.INFO,
+            "%s/%s: %s: %s",
+            job.namespace,
+            job.name,
+            reason,
+            message,
+        )
+        targets = []
+        if job.stratajob is not None:
+            targets.append((names.API_VERSION, "StrataJob", _meta(job.stratajob).get("uid", "")))
+        if on_workload and job.workload is not None:
+            targets.append((str(job.workload.get("apiVersion", "batch/v1")), job.kind, job.uid))
+        now = _now()
+        for api_version, kind, uid in targets:
+            body = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
+                "involvedObject": {
+                    "apiVersion": api_version,
+                    "kind": kind,
+                    "name": job.name,
+                    "namespace": job.namespace,
+                    "uid": uid,
+                },
+                "reason": reason,
+                "message": message[:1024],
+                "type": "Warning" if warning else "Normal",
+                "source": {"component": "strata-operator"},
+                "reportingComponent": "strata.dev/operator",
+                "count": 1,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+            }
+            try:
+                await self.api.create(path("", "v1", "events", job.namespace), body)
+            except ApiError as exc:  # an Event is informational: never fail the decision for it
+                log.warning("%s/%s: could not post Event %s: %s", job.namespace, job.name, reason, exc)
+
+    # -- decisions ----------------------------------------------------------------------------------
+
+    def _failure(self, job: _Job, running: list[dict[str, Any]]) -> Failure | None:
+        found: list[Failure] = []
+        for pod in running:
+            if (pod.get("status") or {}).get("phase") == "Succeeded":
+                continue
+            failure = classify_pod(pod, container=self.trainer_container)
+            if failure is not None:
+                found.append(failure)
+        # The first cause wins: a pod the node lost or evicted beats the peers that died after it.
+        order = [FailureKind.LOST, FailureKind.EVICTED, FailureKind.OOM, FailureKind.DELETED]
+        found.sort(key=lambda f: order.index(f.kind) if f.kind in order else len(order))
+        return found[0] if found else None
+
+    async def _decide(self, job: _Job, failure: Failure, running: list[dict[str, Any]]) -> None:
+        assert job.status is not None
+        settings = job.settings
+        policy = RestartPolicy(
+            max_restarts=settings.max_restarts,
+            backoff_s=settings.backoff_seconds,
+            backoff_max_s=max(settings.backoff_max_seconds, settings.backoff_seconds),
+        )
+        tracker = RestartTracker(
+            policy, job.world, restarts=int(job.status.get("restarts") or 0), rng=self.rng
+        )
+        decision = tracker.decide(failure)
+        last = {
+            "reason": REASONS.get(failure.kind, "Failed"),
+            "kind": failure.kind.value,
+            "message": failure.describe(),
+            "pod": failure.detail.split(",")[0].removeprefix("pod ").split(":")[0]
+            if failure.detail.startswith("pod ")
+            else "",
+            "time": _now(),
+        }
+        if self.metrics is not None:
+            self.metrics.restarts.labels(reason=decision.reason).inc() if decision.restart else None
+        self.decisions.append((job.name, time.monotonic()))
+        if not decision.restart:
+            await self._patch_status(
+                job,
+                {"phase": "Failed", "lastFailure": last},
+                condition=("Failed", "True", "RestartLimitReached", decision.message),
+            )
+            await self._event(
+                job,
+                "RestartLimitReached",
+                decision.message
+                + "; the Job's replacement pods stay gated (they hold no accelerators): delete the Job, "
+                "or raise strata.dev/max-restarts to go on",
+                warning=True,
+                on_workload=True,
+            )
+            await self._stop_pods(job, running)
+            return
+        now = self.clock()
+        pending = {
+            "generation": job.generation(job.restart_count + 1),
+            "decidedAt": _now(),
+            "notBefore": datetime.datetime.fromtimestamp(now + decision.delay_s, tz=datetime.UTC).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ"
+            ),
+            "reason": decision.reason,
+        }
+        await self._patch_status(
+            job,
+            {
+                "phase": "Restarting",
+                "restarts": tracker.restarts,
+                "pendingRestart": pending,
+                "lastFailure": last,
+            },
+            condition=("Restarting", "True", decision.reason, decision.message),
+        )
+        await self._event(job, "GangRestart", decision.message, warning=True, on_workload=True)
+        await self._restart(job, [p for p in job.pods.values() if _owner_uid(p) in (None, job.uid)], pending)
+
+    async def _stop_pods(self, job: _Job, pods: list[dict[str, Any]]) -> None:
+        """Evict every pod that still runs (DisruptionTarget, which podFailurePolicy ignores); a
+        PodDisruptionBudget's 429 falls back to a delete."""
+        for pod in pods:
+            meta = _meta(pod)
+            if is_terminal(pod) or meta.get("deletionTimestamp") or _gated(pod):
+                continue
+            name = str(meta["name"])
+            eviction = {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": name, "namespace": job.namespace},
+            }
+            try:
+                await self.api.create(path("", "v1", "pods", job.namespace, name, "eviction"), eviction)
+            except ApiError as exc:
+                if exc.status == 404:
+                    continue
+                if exc.status != 429:
+                    raise
+                log.info(
+                    "%s/%s: eviction of %s refused by a disruption budget; deleting it",
+                    job.namespace,
+                    job.name,
+                    name,
+                )
+                await self.api.delete(path("", "v1", "pods", job.namespace, name))
+
+    async def _restart(self, job: _Job, pods: list[dict[str, Any]], pending: Mapping[str, Any]) -> None:
+        """Drive a decided gang restart: stop the old gang, fence what hangs, release the new one."""
+        target = str(pending["generation"])
+        old = [
+            p
+            for p in pods
+            if not _gated(p)
+            and (_meta(p).get("annotations") or {}).get(names.GENERATION_ANNOTATION) != target
+        ]
+        await self._stop_pods(job, old)
+        now = self.clock()
+        waiting_on: list[str] = []
+        for pod in old:
+            if is_terminal(pod):
+                continue
+            meta = _meta(pod)
+            name = str(meta["name"])
+            deleting = _parse_time(meta.get("deletionTimestamp"))
+            if deleting is None:
+                waiting_on.append(name)
+                continue
+            grace = float(meta.get("deletionGracePeriodSeconds") or 30)
+            deadline = deleting + grace + self.fence_margin_s
+            if now < deadline:
+                waiting_on.append(name)
+                self._wake(job, deadline)
+                continue
+            # Stuck Terminating (its node is gone): force-delete it. Storage fences its attempt off,
+            # so nothing it still writes can commit; without this its index never gets a replacement.
+            await self.api.delete(path("", "v1", "pods", job.namespace, name), {"gracePeriodSeconds": 0})
+            if name not in job.fenced:
+                job.fenced.add(name)
+                await self._event(
+                    job,
+                    "PodFenced",
+                    f"pod {name} was still Terminating {now - deleting:.0f} s after its deletion "
+                    f"(grace {grace:.0f} s + {self.fence_margin_s:.0f} s): force-deleted it; its attempt is "
+                    "fenced off in storage",
+                    warning=True,
+                )
+            waiting_on.append(name)
+        if waiting_on:
+            return  # the watch brings their end
+        not_before = _parse_time(str(pending.get("notBefore"))) or 0.0
+        if now < not_before:
+            self._wake(job, not_before)
+            return
+        gated = [
+            p for p in pods if _gated(p) and not is_terminal(p) and not _meta(p).get("deletionTimestamp")
+        ]
+        await self._release(job, gated, target, first=False)
+
+    async def _release(self, job: _Job, gated: list[dict[str, Any]], generation: str, *, first: bool) -> None:
+        """Write the generation on every gated pod and lift the gates, once all ranks are there."""
+        assert job.status is not None and job.workload is not None
+        indexes = {_index(p) for p in gated}
+        ready = len(gated) >= job.world if None in indexes else indexes >= set(range(job.world))
+        if not ready:
+            return  # the Job controller is still creating them: their ADDED events wake us
+        request = self._restore_request(job, first)
+        for pod in gated:
+            meta = _meta(pod)
+            gates = [
+                g
+                for g in (pod.get("spec") or {}).get("schedulingGates") or []
+                if g.get("name") != names.GANG_GATE
+            ]
+            annotations: dict[str, Any] = {names.GENERATION_ANNOTATION: generation}
+            annotations[names.RESTORE_REQUEST_ANNOTATION] = request
+            await self.api.merge_patch(
+                path("", "v1", "pods", job.namespace, str(meta["name"])),
+                {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
+            )
+        changes: dict[str, Any] = {
+            "phase": "Running",
+            "generation": generation,
+            "pendingRestart": None,
+            "generationStartedAt": _now(),
+        }
+        resume_from = job.settings.resume_from if job.settings.resume_from_set else None
+        if request is not None and job.settings.resume_from_set:
+            changes["resumeFromApplied"] = str(resume_from) if resume_from is not None else "none"
+        job.progress_at = self.clock()
+        job.progress.clear()
+        message = f"released {len(gated)} pods as generation {generation}" + (
+            f", restoring {'nothing (fresh)' if request == 'none' else f'step {request}'} once"
+            if request
+            else ""
+        )
+        await self._patch_status(job, changes, condition=("Restarting", "False", "Released", message))
+        await self._event(job, "GangReleased", message)
+
+    def _restore_request(self, job: _Job, first: bool) -> str | None:
+        """The one-shot restore request for the next generation: ``strata.dev/resume-from`` once per
+        value it takes, and "none" for the first generation of a fresh run."""
+        assert job.status is not None
+        if job.settings.resume_from_set:
+            wanted = "none" if job.settings.resume_from is None else str(job.settings.resume_from)
+            if job.status.get("resumeFromApplied") != wanted:
+                return wanted
+        if first and job.status.get("runMode") == "fresh":
+            return "none"
+        return None
+
+    # -- JobSet -------------------------------------------------------------------------------------
+
+    async def _reflect_jobset(self, job: _Job) -> None:
+        """JobSet restarts its gang itself: record the attempt it runs and why it restarted."""
+        assert job.status is not None
+        attempts = [
+            int(v)
+            for p in job.pods.values()
+            if (v := (_meta(p).get("labels") or {}).get(names.JOBSET_RESTART_LABEL)) is not None
+            and str(v).isdigit()
+        ]
+        attempt = max(attempts, default=0)
+        changes: dict[str, Any] = {}
+        if job.pods and job.generation(attempt) != job.status.get("generation"):
+            changes.update(generation=job.generation(attempt), restarts=attempt, phase="Running")
+            if attempt > job.restart_count:
+                await self._event(
+                    job,
+                    "JobSetRestarted",
+                    f"JobSet {job.name} restarted its gang (restart attempt {attempt}); "
+                    "Strata adds no retry of its own",
+                )
+        if job.status.get("phase") == "Pending" and job.pods:
+            changes["phase"] = "Running"
+        for pod in job.pods.values():
+            labels = _meta(pod).get("labels") or {}
+            if str(labels.get(names.JOBSET_RESTART_LABEL, "0")) != str(attempt):
+                continue
+            failure = classify_pod(pod, container=self.trainer_container)
+            if failure is not None:
+                last = {
+                    "reason": REASONS.get(failure.kind, "Failed"),
+                    "kind": failure.kind.value,
+                    "message": failure.describe(),
+                    "pod": str(_meta(pod).get("name")),
+                    "time": _now(),
+                }
+                known = job.status.get("lastFailure") or {}
+                if (known.get("pod"), known.get("reason")) != (last["pod"], last["reason"]):
+                    changes["lastFailure"] = last
+                break
+        if changes:
+            await self._patch_status(job, changes)

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the operator. Each instance owns its registry (never the global one), so
+tests, and several operators in one process, never share counters.
+
+One object, :class:`OperatorMetrics`, shared by the report endpoint (``reports.py``) and the
+controller. API calls are not counted by hand: :meth:`OperatorMetrics.track_api` hands the metric an
+``Api`` whose own ``calls`` counter it reads at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["REJECTION_REASONS", "REPORT_KINDS", "OperatorMetrics"]
+
+#: From a report received to its Checkpoint written: API round trips, so milliseconds to seconds.
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+#: Label values of ``strata_operator_reports_total{kind}`` (anything else counts as "unknown").
+REPORT_KINDS = ("commit", "delete", "heartbeat")
+#: Label values of ``strata_operator_report_rejections_total{reason}``.
+REJECTION_REASONS = ("token", "forbidden", "superseded", "invalid")
+
+
+class _Counted(Protocol):
+    calls: int
+
+
+class _ApiCalls(Collector):
+    """``strata_operator_api_calls_total``: the sum of the tracked clients' ``calls`` counters."""
+
+    def __init__(self) -> None:
+        self.apis: list[_Counted] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "strata_operator_api_calls",
+            "Kubernetes API requests the operator sent (reads, writes, TokenReviews).",
+        )
+        family.add_metric([], float(sum(api.calls for api in self.apis)))
+        yield family
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.reports = Counter(
+            "strata_operator_reports_total",
+            "Report items from sidecars past authentication, by kind (commit, delete, heartbeat, "
+            "unknown) and result (accepted, rejected).",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.report_rejections = Counter(
+            "strata_operator_report_rejections_total",
+            "Refused reports by reason: token (401, per request), forbidden (403, per request), "
+            "superseded and invalid (per item).",
+            ["reason"],
+            registry=r,
+        )
+        self.report_to_cr = Histogram(
+            "strata_operator_report_to_cr_seconds",
+            "From a commit report received to its Checkpoint (spec, status and latest label) written.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.restarts = Counter(
+            "strata_operator_restarts_total",
+            "Gang restarts the operator started, by failure reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.reconcile_errors = Counter(
+            "strata_operator_reconcile_errors_total",
+            "Reconciliations (or report writes) that failed on an API error and will be retried.",
+            registry=r,
+        )
+        self.watched_jobs = Gauge(
+            "strata_operator_watched_jobs",
+            "Opted-in Jobs and JobSets the operator is watching.",
+            registry=r,
+        )
+        self._api_calls = _ApiCalls()
+        r.register(self._api_calls)
+        for reason in REJECTION_REASONS:
+            self.report_rejections.labels(reason=reason)  # export zeros from the start
+
+    def track_api(self, api: _Counted) -> None:
+        """Count ``api.calls`` (an :class:`~sidecar.operator.kube.Api`) in
+        ``strata_operator_api_calls_total``; idempotent."""
+        if not any(tracked is api for tracked in self._api_calls.apis):
+            self._api_calls.apis.append(api)
+
+    def report(self, kind: object, result: str) -> None:
+        """Count one report item: ``result`` is "accepted" or "rejected"."""
+        label = kind if isinstance(kind, str) and kind in REPORT_KINDS else "unknown"
+        self.reports.labels(kind=label, result=result).inc()
+
+    def reject(self, reason: str, count: int = 1) -> None:
+        """Count refusals: ``reason`` is one of :data:`REJECTION_REASONS`."""
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}; one of {REJECTION_REASONS}")
+        self.report_rejections.labels(reason=reason).inc(count)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start a /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http_server = server
+        return int(server.server_address[1])
+
+    def shutdown(self) -> None:
+        server = getattr(self, "_http_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -1,0 +1,812 @@
+"""The operator's report endpoint: sidecars POST what they committed, deleted and saw; the operator turns
+it into Checkpoint objects (and feeds heartbeats to the controller's hang detection).
+
+The operator holds no storage credentials and is never on the commit path: a sidecar has committed to
+storage before it reports, and a lost report only delays the Checkpoint object.
+
+Wire (HTTPS)::
+
+    POST /v1/reports
+    Authorization: Bearer <projected service-account token, audience names.REPORT_AUDIENCE>
+    {"reports": [item, ...]}
+
+    200 {"accepted": n, "rejected": [{"index": i, "error": "..."}]}
+    400 malformed body: not JSON, no "reports" list, larger than the cap
+    401 missing, invalid, expired or wrong-audience token
+    403 the token's pod may not report about a job named in an item (the whole batch is refused)
+    503 the Kubernetes API failed; nothing was refused, send the batch again (writes are idempotent)
+
+Items: ``{"kind": "commit", ...}`` (what :func:`objects.checkpoint_body` accepts), ``{"kind":
+"delete", "namespace", "job", "step", "attempt"}`` (storage retention deleted that step), and
+``{"kind": "heartbeat", "namespace", "job", "rank", "generation", "attempt", "restore_step", "step",
+"saves", "time"}``.
+
+Public surface: :class:`Authenticator` (TokenReview and pod checks, cached), :class:`Identity`,
+:class:`CheckpointWriter` (items to Checkpoints), :class:`Rejected`, :func:`make_app`,
+:func:`start_server`, :class:`ReportServer`, :func:`server_ssl_context`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import dataclasses
+import datetime
+import hashlib
+import inspect
+import json
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.operator import objects
+from sidecar.operator.kube import Api, ApiError, path
+from sidecar.operator.metrics import OperatorMetrics
+from sidecar.operator.names import (
+    API_VERSION,
+    GROUP,
+    JOB_LABEL,
+    JOB_NAME_LABEL,
+    JOBSET_NAME_LABEL,
+    LATEST_LABEL,
+    REPORT_AUDIENCE,
+    VERSION,
+)
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_ITEMS",
+    "AttemptOf",
+    "Authenticator",
+    "CheckpointWriter",
+    "Forbidden",
+    "Identity",
+    "OnHeartbeat",
+    "Rejected",
+    "ReportServer",
+    "Unauthenticated",
+    "make_app",
+    "server_ssl_context",
+    "start_server",
+]
+
+log = logging.getLogger("strata.operator.reports")
+
+#: Cap on a request body: a commit report of a few thousand ranks fits many times over.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Cap on the items of one batch.
+MAX_ITEMS = 1000
+
+_POD_NAME_KEY = "authentication.kubernetes.io/pod-name"
+_POD_UID_KEY = "authentication.kubernetes.io/pod-uid"
+_SA_PREFIX = "system:serviceaccount:"
+_CHECKPOINT = "Checkpoint"
+
+#: ``attempt_of(namespace, job)``: the newest attempt the controller knows and that attempt's restore
+#: step (None: it restored nothing), or None when it knows no attempt of the job.
+AttemptOf = Callable[[str, str], "tuple[int, int | None] | None"]
+#: ``on_heartbeat(item, pod_name)``: the controller's hang detection; may be a coroutine function.
+#: Told (namespace, job, step, Checkpoint name) when a job's newest Checkpoint was written.
+OnCommit = Callable[[str, str, int, str], Awaitable[None]]
+OnHeartbeat = Callable[[Mapping[str, Any], str], "Awaitable[None] | None"]
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+
+class Unauthenticated(Exception):
+    """401: the bearer token is missing, invalid, expired or for another audience."""
+
+
+class Forbidden(Exception):
+    """403: the token's pod may not report about a job named in the batch."""
+
+
+class Rejected(Exception):
+    """One item refused (the rest of the batch goes on): ``reason`` is "superseded" or "invalid"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# ---- authentication ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who a token names: a pod, by the service account it runs as."""
+
+    namespace: str
+    service_account: str
+    pod_name: str
+    pod_uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.pod_name}"
+
+
+def _token_expiry(token: str) -> float | None:
+    """The ``exp`` claim of a JWT, unverified (the TokenReview verified it): a cache never keeps a
+    review past it. None when the token is not a JWT or has no expiry."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        payload = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (ValueError, TypeError):
+        return None
+    exp = payload.get("exp") if isinstance(payload, dict) else None
+    return float(exp) if isinstance(exp, int | float) and not isinstance(exp, bool) else None
+
+
+class _TtlCache:
+    """A bounded map whose entries expire at their own deadline; the least recently used goes first."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._entries: collections.OrderedDict[Any, tuple[float, Any]] = collections.OrderedDict()
+        self._max = max_entries
+
+    def get(self, key: Any, now: float) -> Any:
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        deadline, value = found
+        if now >= deadline:
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: Any, value: Any, deadline: float) -> None:
+        self._entries[key] = (deadline, value)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Authenticator:
+    """Tokens to pod identities (TokenReview), and whether a pod may report about a job (its labels).
+
+    Successful reviews are cached by the token's SHA-256 (never the token) for ``ttl`` seconds and
+    never past the token's own ``exp``; pod lookups by (namespace, name, uid) for ``ttl``. Failures
+    are not cached. ``clock`` is wall time (JWT expiries are unix times).
+    """
+
+    def __init__(
+        self,
+        api: Api,
+        *,
+        audience: str = REPORT_AUDIENCE,
+        ttl: float = 60.0,
+        max_entries: int = 4096,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api = api
+        self.audience = audience
+        self.ttl = ttl
+        self.clock = clock
+        self._reviews = _TtlCache(max_entries)
+        self._pods = _TtlCache(max_entries)
+
+    async def authenticate(self, token: str) -> Identity:
+        """The pod a token names; Unauthenticated when the apiserver does not vouch for it (ApiError
+        when the apiserver cannot answer)."""
+        if not token:
+            raise Unauthenticated("missing bearer token")
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = self.clock()
+        cached: Identity | None = self._reviews.get(key, now)
+        if cached is not None:
+            return cached
+        expiry = _token_expiry(token)
+        if expiry is not None and expiry <= now:
+            raise Unauthenticated("token has expired")
+        review = await self.api.create(
+            path("authentication.k8s.io", "v1", "tokenreviews"),
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [self.audience]},
+            },
+        )
+        status = review.get("status") or {}
+        if not status.get("authenticated"):
+            # The apiserver's error string names the problem (expired, audience), never the token.
+            raise Unauthenticated(f"token not authenticated: {status.get('error') or 'no reason given'}")
+        if self.audience not in (status.get("audiences") or []):
+            raise Unauthenticated(f"token is not for audience {self.audience!r}")
+        user = status.get("user") or {}
+        username = str(user.get("username") or "")
+        if not username.startswith(_SA_PREFIX) or len(username.split(":")) != 4:
+            raise Unauthenticated(f"token is not a service account's: {username!r}")
+        _, _, namespace, account = username.split(":")
+        extra = user.get("extra") or {}
+        pod_names = extra.get(_POD_NAME_KEY) or []
+        pod_uids = extra.get(_POD_UID_KEY) or []
+        if not pod_names or not pod_uids:
+            raise Unauthenticated("token is not bound to a pod (use a projected service-account token)")
+        identity = Identity(namespace, account, str(pod_names[0]), str(pod_uids[0]))
+        deadline = now + self.ttl if expiry is None else min(now + self.ttl, expiry)
+        self._reviews.put(key, identity, deadline)
+        return identity
+
+    async def jobs_of(self, identity: Identity) -> frozenset[str]:
+        """The jobs (Job or JobSet names) the identity's pod belongs to; Forbidden when the pod is gone
+        or is another pod of the same name."""
+        key = (identity.namespace, identity.pod_name, identity.pod_uid)
+        now = self.clock()
+        cached: frozenset[str] | None = self._pods.get(key, now)
+        if cached is not None:
+            return cached
+        pod = await self.api.get(path("", "v1", "pods", identity.namespace, identity.pod_name))
+        if pod is None:
+            raise Forbidden(f"pod {identity} does not exist")
+        meta = pod.get("metadata") or {}
+        if meta.get("uid") != identity.pod_uid:
+            raise Forbidden(f"pod {identity} is not the pod the token was issued to (uid differs)")
+        labels = meta.get("labels") or {}
+        jobs = frozenset(
+            str(labels[label]) for label in (JOB_NAME_LABEL, JOBSET_NAME_LABEL) if labels.get(label)
+        )
+        self._pods.put(key, jobs, now + self.ttl)
+        return jobs
+
+    async def authorize(self, identity: Identity, items: list[Any]) -> None:
+        """Forbidden unless the pod may report about every (namespace, job) the items name. Items that
+        name neither as strings are left for validation to reject."""
+        named = {
+            (item["namespace"], item["job"])
+            for item in items
+            if isinstance(item, Mapping)
+            and isinstance(item.get("namespace"), str)
+            and isinstance(item.get("job"), str)
+        }
+        if not named:
+            return
+        for namespace, job in sorted(named):
+            if namespace != identity.namespace:
+                raise Forbidden(f"pod {identity} may not report about job {namespace}/{job}")
+        jobs = await self.jobs_of(identity)
+        for namespace, job in sorted(named):
+            if job not in jobs:
+                raise Forbidden(f"pod {identity} may not report about job {namespace}/{job}")
+
+
+# ---- Checkpoint writing ------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _checkpoints(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    return path(GROUP, VERSION, "checkpoints", namespace, name, subresource)
+
+
+def _field(
+    item: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, nullable: bool = False
+) -> Any:
+    what = f"{item.get('kind')} report"
+    if key not in item:
+        raise ValueError(f"{what} lacks {key!r}")
+    value = item[key]
+    if value is None and nullable:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in kinds) + (" or None" if nullable else "")
+        raise ValueError(f"{what} key {key!r} must be {names}, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise ValueError(f"{what} key {key!r} must be >= 0, got {value}")
+    return value
+
+
+def _heartbeat(item: Mapping[str, Any]) -> dict[str, Any]:
+    """The heartbeat with its keys checked (ValueError naming the first bad one)."""
+    for key, kind, nullable in (
+        ("namespace", str, False),
+        ("job", str, False),
+        ("rank", int, False),
+        ("generation", str, False),
+        ("attempt", int, True),
+        ("restore_step", int, True),
+        ("step", int, True),
+        ("saves", int, False),
+        ("time", (int, float), False),
+    ):
+        _field(item, key, kind, nullable=nullable)
+    return dict(item)
+
+
+def _delete_target(item: Mapping[str, Any]) -> tuple[str, str, int, int]:
+    """(namespace, job, step, attempt) of a delete report, checked (ValueError naming the bad key)."""
+    namespace = _field(item, "namespace", str)
+    job = _field(item, "job", str)
+    step = _field(item, "step", int)
+    attempt = _field(item, "attempt", int)
+    objects.checkpoint_name(job, step)
+    return namespace, job, step, attempt
+
+
+@dataclasses.dataclass
+class _Job:
+    """What the writer knows of one job's Checkpoints (loaded by one LIST on first sight)."""
+
+    steps: set[int]
+    latest: int | None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+class CheckpointWriter:
+    """Report items to Checkpoint objects (and heartbeats to ``on_heartbeat``).
+
+    Commits upsert ``<job>-<step>`` (create; on conflict update spec and labels if the report's attempt
+    is not older than the stored one), then write its status through the status subresource, keep
+    ``strata.dev/latest`` on the job's newest step, and post a ``Committed`` Event. Commits of a
+    superseded attempt (older than the newest known attempt, for a step past that attempt's restore
+    step) are rejected and change nothing. Checkpoints are not owned by the Job: they outlive it.
+    """
+
+    def __init__(
+        self,
+        api: Api,
+        *,
+        attempt_of: AttemptOf | None = None,
+        on_heartbeat: OnHeartbeat | None = None,
+        metrics: OperatorMetrics | None = None,
+        on_commit: OnCommit | None = None,
+    ) -> None:
+        self.api = api
+        self.attempt_of = attempt_of
+        self.on_heartbeat = on_heartbeat
+        self.on_commit = on_commit
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
+        self.metrics.track_api(api)
+        self._jobs: dict[tuple[str, str], _Job] = {}
+        self._loading: dict[tuple[str, str], asyncio.Lock] = {}
+        # Newest attempt (and its restore step) seen in heartbeats, per (namespace, job).
+        self._heard: dict[tuple[str, str], tuple[int, int | None]] = {}
+
+    # -- knowledge ----------------------------------------------------------------------------------------
+
+    def attempt(self, namespace: str, job: str) -> tuple[int, int | None] | None:
+        """The newest attempt known (from the controller and from heartbeats) and its restore step."""
+        told = self.attempt_of(namespace, job) if self.attempt_of is not None else None
+        heard = self._heard.get((namespace, job))
+        if told is None or (heard is not None and heard[0] > told[0]):
+            return heard
+        return told
+
+    def latest(self, namespace: str, job: str) -> int | None:
+        """The step this writer labelled latest, None when it has not seen the job (or it has none)."""
+        state = self._jobs.get((namespace, job))
+        return None if state is None else state.latest
+
+    def forget(self, namespace: str, job: str) -> None:
+        """Drop what the writer knows of a job (e.g. its workload was deleted): the next report about it
+        LISTs its Checkpoints again."""
+        self._jobs.pop((namespace, job), None)
+        self._loading.pop((namespace, job), None)
+        self._heard.pop((namespace, job), None)
+
+    def _hear(self, namespace: str, job: str, attempt: int | None, restore_step: int | None) -> None:
+        if attempt is None:
+            return
+        key = (namespace, job)
+        heard = self._heard.get(key)
+        if (
+            heard is None
+            or attempt > heard[0]
+            or (attempt == heard[0] and heard[1] is None and restore_step is not None)
+        ):
+            self._heard[key] = (attempt, restore_step)
+
+    async def _job(self, namespace: str, job: str) -> _Job:
+        key = (namespace, job)
+        if key in self._jobs:
+            return self._jobs[key]
+        async with self._loading.setdefault(key, asyncio.Lock()):
+            if key in self._jobs:
+                return self._jobs[key]
+            listing = await self.api.request(
+                "GET", _checkpoints(namespace), params={"labelSelector": f"{JOB_LABEL}={job}"}
+            )
+            found = {
+                int(item["spec"]["step"]): item
+                for item in (listing or {}).get("items") or []
+                if isinstance((item.get("spec") or {}).get("step"), int)
+            }
+            state = _Job(steps=set(found), latest=max(found) if found else None)
+            # Repair what a previous operator may have left half-done: exactly the newest is latest.
+            for step, item in found.items():
+                labelled = ((item.get("metadata") or {}).get("labels") or {}).get(LATEST_LABEL)
+                wanted = "true" if step == state.latest else "false"
+                if labelled != wanted:
+                    await self._label(namespace, item["metadata"]["name"], wanted)
+            self._jobs[key] = state
+            return state
+
+    async def _label(self, namespace: str, name: str, latest: str) -> bool:
+        try:
+            await self.api.merge_patch(
+                _checkpoints(namespace, name), {"metadata": {"labels": {LATEST_LABEL: latest}}}
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    # -- items --------------------------------------------------------------------------------------------
+
+    async def write(self, item: Any, pod_name: str, received: float | None = None) -> None:
+        """Apply one report item. Rejected for an invalid or superseded item; ApiError when the API
+        fails (the item can be sent again). ``received`` is the ``time.monotonic()`` it arrived."""
+        received = time.monotonic() if received is None else received
+        if not isinstance(item, Mapping):
+            raise Rejected("invalid", f"a report item must be an object, got {type(item).__name__}")
+        kind = item.get("kind")
+        # Validate first: a ValueError from here on would be ours (or the controller's), not the item's.
+        try:
+            if kind == "commit":
+                body = objects.checkpoint_body(item)
+            elif kind == "delete":
+                target = _delete_target(item)
+            elif kind == "heartbeat":
+                beat = _heartbeat(item)
+            else:
+                raise ValueError(f"report key 'kind' must be commit, delete or heartbeat, got {kind!r}")
+        except ValueError as exc:
+            raise Rejected("invalid", str(exc)) from exc
+        if kind == "commit":
+            await self._commit(body, received)
+        elif kind == "delete":
+            await self._delete(*target)
+        else:
+            await self._beat(beat, pod_name)
+
+    async def _beat(self, beat: dict[str, Any], pod_name: str) -> None:
+        self._hear(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"])
+        if self.on_heartbeat is None:
+            return
+        try:
+            done = self.on_heartbeat(beat, pod_name)
+            if inspect.isawaitable(done):
+                await done
+        except Exception:
+            # The controller's trouble, not the sidecar's: the heartbeat is taken, the error counted.
+            self.metrics.reconcile_errors.inc()
+            log.exception("hang detection failed on a heartbeat from pod %s", pod_name)
+
+    def _superseded(self, namespace: str, job: str, step: int, attempt: int) -> str | None:
+        known = self.attempt(namespace, job)
+        if known is None:
+            return None
+        newest, restore = known
+        if attempt < newest and (restore is None or step > restore):
+            since = "restored nothing" if restore is None else f"restored step {restore}"
+            return (
+                f"attempt {attempt} of job {namespace}/{job} is superseded by attempt {newest} "
+                f"({since}): step {step} is not recorded"
+            )
+        return None
+
+    async def _commit(self, body: dict[str, Any], received: float) -> None:
+        meta, spec = body["metadata"], body["spec"]
+        namespace, name = meta["namespace"], meta["name"]
+        job, step, attempt = spec["job"], spec["step"], spec["attempt"]
+        if (why := self._superseded(namespace, job, step, attempt)) is not None:
+            raise Rejected("superseded", why)
+        state = await self._job(namespace, job)
+        async with state.lock:
+            if (why := self._superseded(namespace, job, step, attempt)) is not None:
+                raise Rejected("superseded", why)
+            newest = state.latest is None or step >= state.latest
+            labels = {**meta["labels"], LATEST_LABEL: "true" if newest else "false"}
+            meta["labels"] = labels
+            # A real apiserver drops status on create (the status subresource is on): it is written
+            # below; generation 1 is what a fresh object gets.
+            body["status"] = objects.checkpoint_status(spec, observed_generation=1)
+            stored = await self._upsert(body)
+            wanted = objects.checkpoint_status(
+                spec, (stored.get("status") or {}).get("conditions"), stored["metadata"].get("generation")
+            )
+            if _status_differs(stored.get("status"), wanted):
+                stored = await self.api.merge_patch(
+                    _checkpoints(namespace, name, "status"), {"status": wanted}
+                )
+            if newest and state.latest is not None and state.latest != step:
+                await self._label(namespace, objects.checkpoint_name(job, state.latest), "false")
+            state.steps.add(step)
+            if newest:
+                state.latest = step
+            self.metrics.report_to_cr.observe(max(0.0, time.monotonic() - received))
+        ranks = f"{len(spec['ranks'])}/{spec['worldSize']}"
+        await self._event(
+            stored,
+            "Committed",
+            f"step {step} attempt {attempt} committed by {ranks} ranks, {spec['bytes']} bytes"
+            + (f" ({spec['type']} on {spec['baseStep']})" if spec["type"] == "diff" else " (full)"),
+        )
+        if newest and self.on_commit is not None:
+            await self.on_commit(namespace, job, step, name)
+
+    async def _upsert(self, body: dict[str, Any]) -> dict[str, Any]:
+        meta, spec = body["metadata"], body["spec"]
+        namespace, name = meta["namespace"], meta["name"]
+        for _ in range(5):
+            try:
+                return await self.api.create(_checkpoints(namespace), body)
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+            stored = await self.api.get(_checkpoints(namespace, name))
+            if stored is None:
+                continue  # deleted in between: create it again
+            held = int((stored.get("spec") or {}).get("attempt", -1))
+            if spec["attempt"] < held:
+                raise Rejected(
+                    "superseded",
+                    f"Checkpoint {namespace}/{name} holds attempt {held}; "
+                    f"the report of attempt {spec['attempt']} does not change it",
+                )
+            stored_meta = stored.get("metadata") or {}
+            patch = {
+                "metadata": {
+                    "labels": meta["labels"],
+                    "resourceVersion": stored_meta.get("resourceVersion"),
+                },
+                "spec": spec,
+            }
+            try:
+                return await self.api.merge_patch(_checkpoints(namespace, name), patch)
+            except ApiError as exc:
+                if exc.status not in (404, 409):
+                    raise
+        raise ApiError(409, "Conflict", f"Checkpoint {namespace}/{name} kept changing; not written")
+
+    async def _delete(self, namespace: str, job: str, step: int, attempt: int) -> None:
+        name = objects.checkpoint_name(job, step)
+        state = await self._job(namespace, job)
+        async with state.lock:
+            for _ in range(5):
+                stored = await self.api.get(_checkpoints(namespace, name))
+                if stored is None:
+                    break
+                held = (stored.get("spec") or {}).get("attempt")
+                if held != attempt:
+                    log.info(
+                        "retention of attempt %s deleted step %s of %s/%s; "
+                        "Checkpoint %s holds attempt %s: kept",
+                        attempt,
+                        step,
+                        namespace,
+                        job,
+                        name,
+                        held,
+                    )
+                    return
+                stored_meta = stored.get("metadata") or {}
+                preconditions = {
+                    "uid": stored_meta.get("uid"),
+                    "resourceVersion": stored_meta.get("resourceVersion"),
+                }
+                try:
+                    await self.api.delete(
+                        _checkpoints(namespace, name),
+                        {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions},
+                    )
+                    break
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise
+            else:
+                raise ApiError(409, "Conflict", f"Checkpoint {namespace}/{name} kept changing; not deleted")
+            state.steps.discard(step)
+            if state.latest == step:
+                state.latest = None
+                for candidate in sorted(state.steps, reverse=True):
+                    if await self._label(namespace, objects.checkpoint_name(job, candidate), "true"):
+                        state.latest = candidate
+                        break
+                    state.steps.discard(candidate)
+
+    async def _event(self, involved: Mapping[str, Any], reason: str, message: str) -> None:
+        """A Normal Event on a Checkpoint; a failure is logged, never fails the report."""
+        meta = involved.get("metadata") or {}
+        namespace = meta.get("namespace", "default")
+        now = _now()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": _CHECKPOINT,
+                "name": meta.get("name"),
+                "namespace": namespace,
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": reason,
+            "message": message,
+            "type": "Normal",
+            "source": {"component": "strata-operator"},
+            "reportingComponent": "strata.dev/operator",
+            "count": 1,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+        }
+        try:
+            await self.api.create(path("", "v1", "events", namespace), event)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            log.warning(
+                "could not post Event %s on Checkpoint %s/%s: %s", reason, namespace, meta.get("name"), exc
+            )
+
+
+def _status_differs(current: Any, wanted: Mapping[str, Any]) -> bool:
+    """Whether the stored status needs writing (a real apiserver drops status on create)."""
+    if not isinstance(current, Mapping):
+        return True
+
+    def strip(status: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in status.items() if v is not None}
+
+    return strip(current) != strip(wanted)
+
+
+# ---- the HTTP server ---------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _read_bounded(request: web.Request, limit: int) -> bytes | None:
+    """The body, or None when it is larger than ``limit`` (reading stops there)."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(64 * 1024)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+
+
+def make_app(
+    authenticator: Authenticator,
+    writer: CheckpointWriter,
+    metrics: OperatorMetrics | None = None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_items: int = MAX_ITEMS,
+) -> web.Application:
+    """The report endpoint (``POST /v1/reports``) and ``GET /healthz``, as an aiohttp application."""
+    counted = metrics if metrics is not None else writer.metrics
+    counted.track_api(authenticator.api)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def reports(request: web.Request) -> web.Response:
+        received = time.monotonic()
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            counted.reject("token")
+            return _error(401, "missing bearer token (Authorization: Bearer <service-account token>)")
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            return _error(400, f"body larger than {max_body_bytes} bytes")
+        try:
+            identity = await authenticator.authenticate(token)
+        except Unauthenticated as exc:
+            counted.reject("token")
+            log.info("report refused (401) from %s: %s", request.remote, exc)
+            return _error(401, str(exc))
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            counted.reconcile_errors.inc()
+            log.warning("TokenReview failed: %s", exc)
+            return _error(503, f"could not review the token: {exc}")
+        raw = await _read_bounded(request, max_body_bytes)
+        if raw is None:
+            return _error(400, f"body larger than {max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(400, f"body is not JSON: {exc}")
+        items = body.get("reports") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            return _error(400, 'body must be an object with a "reports" list')
+        if len(items) > max_items:
+            return _error(400, f"a batch holds at most {max_items} reports, got {len(items)}")
+        try:
+            await authenticator.authorize(identity, items)
+        except Forbidden as exc:
+            counted.reject("forbidden")
+            for item in items:
+                counted.report(item.get("kind") if isinstance(item, Mapping) else None, "rejected")
+            log.warning("report refused (403): %s", exc)
+            return _error(403, str(exc))
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            counted.reconcile_errors.inc()
+            log.warning("pod lookup for %s failed: %s", identity, exc)
+            return _error(503, f"could not look up pod {identity}: {exc}")
+        accepted = 0
+        rejected: list[dict[str, Any]] = []
+        for index, item in enumerate(items):
+            kind = item.get("kind") if isinstance(item, Mapping) else None
+            try:
+                await writer.write(item, identity.pod_name, received)
+            except Rejected as exc:
+                counted.reject(exc.reason)
+                counted.report(kind, "rejected")
+                rejected.append({"index": index, "error": exc.message})
+                log.info("report %d from pod %s rejected (%s): %s", index, identity, exc.reason, exc.message)
+            except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+                counted.reconcile_errors.inc()
+                log.warning("writing report %d from pod %s failed: %s", index, identity, exc)
+                return _error(
+                    503, f"the Kubernetes API failed on report {index}: {exc}; send the batch again"
+                )
+            else:
+                counted.report(kind, "accepted")
+                accepted += 1
+        return web.json_response({"accepted": accepted, "rejected": rejected})
+
+    app = web.Application(client_max_size=max_body_bytes)
+    app.router.add_post("/v1/reports", reports)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+@dataclasses.dataclass
+class ReportServer:
+    """A started report endpoint: its runner and the port it bound (useful with port 0)."""
+
+    runner: web.AppRunner
+    port: int
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(
+    app: web.Application,
+    host: str = "0.0.0.0",
+    port: int = 8443,
+    ssl_context: ssl.SSLContext | None = None,
+) -> ReportServer:
+    """Serve ``app`` on host:port (HTTPS with ``ssl_context``) on the running loop."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    addresses = runner.addresses
+    bound = int(addresses[0][1]) if addresses else port
+    return ReportServer(runner, bound)
+
+
+def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """A TLS server context from a certificate chain and its key (PEM files, e.g. a cert-manager Secret)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context

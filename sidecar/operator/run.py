@@ -1,0 +1,183 @@
+"""The operator process: kopf watches, the controller decides, the report endpoint turns sidecar
+reports into Checkpoints, and a metrics endpoint serves ``strata_operator_*``.
+
+``strata operator --help`` starts it; tests start :func:`serve` on their own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from sidecar.operator import names, reports
+from sidecar.operator.admission import opted_in
+from sidecar.operator.controller import Controller
+from sidecar.operator.kube import Api, _credentials
+from sidecar.operator.metrics import OperatorMetrics
+
+__all__ = ["Operator", "OperatorConfig", "build_registry", "serve"]
+
+log = logging.getLogger("strata.operator")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    kubeconfig: str | None = None  # None: in-cluster, else $KUBECONFIG / ~/.kube/config
+    #: Name of the trainer container: only its exit counts as a training failure (None: any).
+    trainer_container: str | None = None
+    fence_margin_s: float = 30.0
+    #: kopf peering name for more than one replica (None: standalone, one replica).
+    peering: str | None = None
+    #: The report endpoint (HTTPS when cert and key are given); port 0 picks a free one, None: off.
+    report_host: str = "0.0.0.0"
+    report_port: int | None = 8443
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    #: Prometheus metrics (``strata_operator_*``); None: not served.
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None
+
+
+def _owned_by_jobset(body: Mapping[str, Any]) -> bool:
+    meta = body.get("metadata") or {}
+    if names.JOBSET_NAME_LABEL in (meta.get("labels") or {}):
+        return True
+    return any(ref.get("kind") == "JobSet" for ref in meta.get("ownerReferences") or [])
+
+
+def build_registry(controller: Controller, kubeconfig: str | None = None) -> kopf.OperatorRegistry:
+    """kopf handlers feeding ``controller``: Jobs and JobSets whose pod template opts in, and
+    opted-in pods. Watch events only (``on.event``): kopf writes nothing to these objects."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        found = _credentials(kubeconfig)
+        token = found.headers.get("Authorization", "").removeprefix("Bearer ") or None
+        return kopf.ConnectionInfo(
+            server=found.host,
+            token=token,
+            insecure=found.ssl is False,
+            ca_path=found.ca_path,
+        )
+
+    def job_opted_in(body: Mapping[str, Any], **_: Any) -> bool:
+        template = (body.get("spec") or {}).get("template") or {}
+        return opted_in(template) and not _owned_by_jobset(body)
+
+    @kopf.on.event("batch", "v1", "jobs", registry=registry, when=job_opted_in)
+    async def job_event(event: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> None:
+        await controller.on_job(event.get("type"), dict(body))
+
+    def jobset_opted_in(body: Mapping[str, Any], **_: Any) -> bool:
+        for replicated in (body.get("spec") or {}).get("replicatedJobs") or []:
+            if opted_in(((replicated.get("template") or {}).get("spec") or {}).get("template") or {}):
+                return True
+        return False
+
+    @kopf.on.event(names.JOBSET_API_GROUP, "v1alpha2", "jobsets", registry=registry, when=jobset_opted_in)
+    async def jobset_event(event: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> None:
+        await controller.on_job(event.get("type"), dict(body))
+
+    @kopf.on.event("", "v1", "pods", registry=registry, labels={names.OPT_IN_LABEL: names.OPT_IN_VALUE})
+    async def pod_event(event: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> None:
+        await controller.on_pod(event.get("type"), dict(body))
+
+    return registry
+
+
+def _settings(config: OperatorConfig) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.posting.level = logging.WARNING  # kopf's own Events: only its problems
+    settings.posting.reporting_component = "strata-operator"
+    settings.watching.server_timeout = 300
+    settings.queueing.exit_timeout = 1.0
+    settings.queueing.idle_timeout = 1.0
+    settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
+    if config.peering:
+        settings.peering.name = config.peering
+        settings.peering.standalone = False
+    else:
+        settings.peering.standalone = True
+    return settings
+
+
+@dataclass
+class Operator:
+    """A running operator: its controller, report writer, metrics, and where it serves."""
+
+    controller: Controller
+    writer: reports.CheckpointWriter
+    metrics: OperatorMetrics
+    api: Api
+    report_url: str | None
+    metrics_port: int | None
+
+
+@contextlib.asynccontextmanager
+async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = None) -> AsyncIterator[Operator]:
+    """Run the operator on the current event loop until the context exits."""
+    metrics = metrics if metrics is not None else OperatorMetrics()
+    api = Api.from_config(config.kubeconfig)
+    metrics.track_api(api)
+    controller = Controller(
+        api, metrics=metrics, trainer_container=config.trainer_container, fence_margin_s=config.fence_margin_s
+    )
+    writer = reports.CheckpointWriter(
+        api,
+        attempt_of=controller.attempt_of,
+        on_heartbeat=controller.on_heartbeat,
+        on_commit=controller.on_commit,
+        metrics=metrics,
+    )
+    server: reports.ReportServer | None = None
+    report_url = None
+    if config.report_port is not None:
+        context = None
+        if config.tls_cert_file and config.tls_key_file:
+            context = reports.server_ssl_context(config.tls_cert_file, config.tls_key_file)
+        app = reports.make_app(reports.Authenticator(api), writer, metrics)
+        server = await reports.start_server(app, config.report_host, config.report_port, context)
+        host = "127.0.0.1" if config.report_host in ("0.0.0.0", "") else config.report_host
+        report_url = f"{'https' if context else 'http'}://{host}:{server.port}"
+    metrics_port = (
+        metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
+    )
+    registry = build_registry(controller, config.kubeconfig)
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=registry,
+            settings=_settings(config),
+            clusterwide=True,
+            standalone=config.peering is None,
+            peering_name=config.peering,
+            stop_flag=stop,
+            ready_flag=ready,
+        )
+    )
+    waiter = asyncio.ensure_future(ready.wait())
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # raises why kopf could not start
+        log.info("operator ready: reports at %s, metrics on port %s", report_url, metrics_port)
+        yield Operator(controller, writer, metrics, api, report_url, metrics_port)
+    finally:
+        waiter.cancel()
+        controller.close()
+        if server is not None:
+            await server.close()
+        await api.close()  # first: kopf waits for every task it did not start, open connections too
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        if metrics_port is not None:
+            metrics.shutdown()

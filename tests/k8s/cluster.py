@@ -1,0 +1,333 @@
+"""The controllers a real cluster runs, reduced to what the operator's tests need, writing through
+the emulated API's HTTP interface like the real ones:
+
+- a Job controller for Indexed Jobs: one pod per index, a replacement only once the old pod is
+  Failed or gone (``podReplacementPolicy: Failed``, which podFailurePolicy forces), each passed
+  through the admission logic (``mutate_pod``: the gang gate), as the webhook would;
+- kubelets: an ungated pod is scheduled and runs; a deleted pod stops after ``termination_s``
+  (its containers end, it goes Failed, then it is removed) unless its node is "lost", where it
+  hangs in Terminating until force-deleted.
+
+Tests drive failures with the helpers (``fail``, ``kubelet_evict``, ``lose_node``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import random
+import string
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonpatch
+
+from sidecar.operator import names
+from sidecar.operator.admission import mutate_pod
+from tests.k8s.conftest import K8s, call
+from tests.k8s.emulator import PODS
+
+JOBS = ("batch", "v1", "jobs")
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _age(timestamp: str | None) -> float:
+    if not timestamp:
+        return 0.0
+    then = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    return (datetime.datetime.now(tz=datetime.UTC) - then).total_seconds()
+
+
+class Cluster:
+    def __init__(self, k8s: K8s, *, termination_s: float = 2.0, nodes: int = 4, tick_s: float = 0.05) -> None:
+        self.k8s = k8s
+        self.termination_s = termination_s
+        self.nodes = nodes
+        self.tick_s = tick_s
+        self.lost_nodes: set[str] = set()
+        self.created: list[str] = []  # every pod name the Job controller created, in order
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: dict[str, float] = {}  # pod -> monotonic time its kubelet saw the deletion
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Cluster]:
+        self._task = asyncio.create_task(self._loop())
+        try:
+            yield self
+        finally:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await self.step()
+            await asyncio.sleep(self.tick_s)
+
+    def _objects(self, plural: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(obj.raw)
+            for (resource, _, _), obj in list(self.k8s.api._objects.items())
+            if resource.plural == plural and not obj.deleted
+        ]
+
+    def pods(self, job: str | None = None) -> list[dict[str, Any]]:
+        found = self._objects("pods")
+        if job is not None:
+            found = [p for p in found if p["metadata"].get("labels", {}).get(names.JOB_NAME_LABEL) == job]
+        return sorted(found, key=lambda p: p["metadata"]["name"])
+
+    async def step(self) -> None:
+        for job in self._objects("jobs"):
+            await self._job_controller(job)
+        for pod in self._objects("pods"):
+            await self._kubelet(pod)
+
+    # -- Job controller -----------------------------------------------------------------------------
+
+    async def _job_controller(self, job: dict[str, Any]) -> None:
+        spec = job.get("spec", {})
+        if spec.get("completionMode") != "Indexed" or spec.get("suspend"):
+            return
+        if any(
+            c.get("type") in ("Failed", "Complete") for c in job.get("status", {}).get("conditions") or []
+        ):
+            return
+        meta = job["metadata"]
+        mine = [
+            p
+            for p in self._objects("pods")
+            if any(r.get("uid") == meta["uid"] for r in p["metadata"].get("ownerReferences") or [])
+        ]
+        for index in range(int(spec.get("completions") or 1)):
+            pods = [p for p in mine if p["metadata"]["labels"].get(names.JOB_INDEX_LABEL) == str(index)]
+            if any(p.get("status", {}).get("phase") == "Succeeded" for p in pods):
+                continue
+            if all(p.get("status", {}).get("phase") == "Failed" for p in pods):
+                await self._create_pod(job, index)
+
+    async def _create_pod(self, job: dict[str, Any], index: int) -> None:
+        meta = job["metadata"]
+        template = copy.deepcopy(job["spec"]["template"])
+        suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+        pod: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{meta['name']}-{index}-{suffix}",
+                "namespace": meta["namespace"],
+                "labels": {
+                    **(template.get("metadata", {}).get("labels") or {}),
+                    names.JOB_NAME_LABEL: meta["name"],
+                    names.JOB_INDEX_LABEL: str(index),
+                    "batch.kubernetes.io/controller-uid": meta["uid"],
+                },
+                "annotations": dict(template.get("metadata", {}).get("annotations") or {}),
+                "ownerReferences": [
+                    {
+                        "apiVersion": "batch/v1",
+                        "kind": "Job",
+                        "name": meta["name"],
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": template.get("spec", {}),
+            "status": {"phase": "Pending"},
+        }
+        patch = mutate_pod(pod)  # the mutating webhook
+        if patch:
+            pod = jsonpatch.apply_patch(pod, patch)
+        status, body = await call(self.k8s, "POST", f"/api/v1/namespaces/{meta['namespace']}/pods", pod)
+        assert status in (200, 201), body
+        self.created.append(pod["metadata"]["name"])
+
+    # -- kubelets -----------------------------------------------------------------------------------
+
+    async def _kubelet(self, pod: dict[str, Any]) -> None:
+        meta, spec, status = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
+        name, namespace = meta["name"], meta["namespace"]
+        url = f"/api/v1/namespaces/{namespace}/pods/{name}"
+        node = spec.get("nodeName")
+        if node in self.lost_nodes:
+            return  # its kubelet is gone: nothing here changes until someone force-deletes it
+        if meta.get("deletionTimestamp"):
+            started = self._stopping.setdefault(name, asyncio.get_running_loop().time())
+            if asyncio.get_running_loop().time() - started < self.termination_s:
+                return
+            if status.get("phase") not in ("Failed", "Succeeded"):
+                await self._set_terminated(pod, 143, "Error")
+            await call(self.k8s, "DELETE", url, {"gracePeriodSeconds": 0})
+            self._stopping.pop(name, None)
+            return
+        if spec.get("schedulingGates") or status.get("phase") != "Pending":
+            return
+        index = int(meta.get("labels", {}).get(names.JOB_INDEX_LABEL, "0"))
+        await call(self.k8s, "PATCH", url, {"spec": {"nodeName": f"node-{index % self.nodes}"}})
+        containers = [
+            {"name": c["name"], "ready": True, "restartCount": 0, "state": {"running": {"startedAt": _now()}}}
+            for c in spec.get("containers") or []
+        ]
+        await call(
+            self.k8s,
+            "PATCH",
+            url + "/status",
+            {
+                "status": {
+                    "phase": "Running",
+                    "startTime": _now(),
+                    "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": _now()}],
+                    "containerStatuses": containers,
+                }
+            },
+        )
+
+    async def _set_terminated(
+        self, pod: dict[str, Any], code: int, reason: str, container: str | None = None
+    ) -> None:
+        meta, spec = pod["metadata"], pod.get("spec", {})
+        statuses = []
+        for c in spec.get("containers") or []:
+            ends = container is None or c["name"] == container
+            state: dict[str, Any] = (
+                {"terminated": {"exitCode": code, "reason": reason, "finishedAt": _now()}}
+                if ends
+                else {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": _now()}}
+            )
+            statuses.append({"name": c["name"], "ready": False, "restartCount": 0, "state": state})
+        await call(
+            self.k8s,
+            "PATCH",
+            f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+            {"status": {"phase": "Failed" if code else "Succeeded", "containerStatuses": statuses}},
+        )
+
+    # -- what tests do ------------------------------------------------------------------------------
+
+    async def fail(
+        self, pod: dict[str, Any], code: int = 1, *, reason: str = "Error", container: str | None = None
+    ) -> None:
+        """The pod's trainer exits with ``code`` (reason "OOMKilled" for the OOM killer)."""
+        await self._set_terminated(pod, code, reason, container)
+
+    async def succeed(self, pod: dict[str, Any]) -> None:
+        await self._set_terminated(pod, 0, "Completed")
+
+    async def kubelet_evict(self, pod: dict[str, Any]) -> None:
+        """Node-pressure eviction: the kubelet fails the pod with reason Evicted."""
+        meta = pod["metadata"]
+        await call(
+            self.k8s,
+            "PATCH",
+            f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+            {
+                "status": {
+                    "phase": "Failed",
+                    "reason": "Evicted",
+                    "message": "The node was low on resource: memory.",
+                }
+            },
+        )
+
+    async def lose_node(self, node: str) -> None:
+        """The node stops answering: its pods get the taint manager's DisruptionTarget and are deleted,
+        but no kubelet finishes them, so they hang in Terminating."""
+        self.lost_nodes.add(node)
+        for pod in self._objects("pods"):
+            if pod.get("spec", {}).get("nodeName") != node:
+                continue
+            meta = pod["metadata"]
+            url = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+            conditions = [
+                c for c in pod.get("status", {}).get("conditions") or [] if c.get("type") != "Ready"
+            ]
+            conditions += [
+                {
+                    "type": "Ready",
+                    "status": "Unknown",
+                    "reason": "NodeNotReady",
+                    "lastTransitionTime": _now(),
+                },
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "DeletionByTaintManager",
+                    "message": "Taint manager: deleting due to NoExecute taint",
+                    "lastTransitionTime": _now(),
+                },
+            ]
+            await call(self.k8s, "PATCH", url + "/status", {"status": {"conditions": conditions}})
+            await call(self.k8s, "DELETE", url)
+
+
+def indexed_job(
+    name: str,
+    world: int,
+    *,
+    annotations: dict[str, str] | None = None,
+    job_annotations: dict[str, str] | None = None,
+    labelled: bool = True,
+    grace_s: int = 2,
+) -> dict[str, Any]:
+    """An opted-in Indexed Job as the docs recommend it (podFailurePolicy with Strata's exit codes)."""
+    labels = {names.OPT_IN_LABEL: names.OPT_IN_VALUE} if labelled else {}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": "default", "annotations": dict(job_annotations or {})},
+        "spec": {
+            "completions": world,
+            "parallelism": world,
+            "completionMode": "Indexed",
+            "backoffLimitPerIndex": 1,
+            "podReplacementPolicy": "Failed",
+            "podFailurePolicy": {
+                "rules": [
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                    {
+                        "action": "Ignore",
+                        "onExitCodes": {
+                            "containerName": "trainer",
+                            "operator": "In",
+                            "values": [names.EXIT_PEER_DIED],
+                        },
+                    },
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": "trainer",
+                            "operator": "In",
+                            "values": [names.EXIT_LIMIT_SPENT],
+                        },
+                    },
+                ]
+            },
+            "template": {
+                "metadata": {"labels": labels, "annotations": dict(annotations or {})},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": grace_s,
+                    "containers": [{"name": "trainer", "image": "trainer:1"}],
+                },
+            },
+        },
+    }
+
+
+async def create(k8s: K8s, plural_path: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, created = await call(k8s, "POST", plural_path, body)
+    assert status in (200, 201), created
+    result: dict[str, Any] = created
+    return result
+
+
+__all__ = ["PODS", "Cluster", "create", "indexed_job"]

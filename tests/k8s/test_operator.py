@@ -1,0 +1,598 @@
+"""The operator's restart protocol end to end: kopf watching the emulated API, the controller
+deciding, a Job controller and kubelets (tests/k8s/cluster.py) doing what a cluster does.
+
+Cluster-agnostic: everything goes through the API, so the same checks can run against kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from sidecar.operator import names
+from sidecar.operator.run import OperatorConfig, serve
+from tests.k8s.cluster import Cluster, create, indexed_job
+from tests.k8s.conftest import K8s, call, kubectl
+from tests.k8s.test_crds import install_crds, rows, validator
+
+JOBS = "/apis/batch/v1/namespaces/default/jobs"
+STRATAJOBS = "/apis/strata.dev/v1alpha1/namespaces/default/stratajobs"
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+
+async def until(what: Callable[[], Awaitable[Any] | Any], timeout: float = 30.0, message: str = "") -> Any:
+    """Wait until ``what()`` returns something truthy (polled: this is the test, not the operator)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = what()
+        if asyncio.iscoroutine(found):
+            found = await found
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {message or what}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def operator(k8s: K8s, **config: Any) -> AsyncIterator[Any]:
+    async with serve(
+        OperatorConfig(kubeconfig=str(k8s.kubeconfig), fence_margin_s=1.0, **config)
+    ) as controller:
+        yield controller
+
+
+@pytest_asyncio.fixture
+async def cluster(k8s: K8s) -> AsyncIterator[Cluster]:
+    await install_crds(k8s)
+    async with Cluster(k8s, termination_s=2.0).running() as running:
+        yield running
+
+
+async def stratajob(k8s: K8s, name: str) -> dict[str, Any] | None:
+    status, body = await call(k8s, "GET", f"{STRATAJOBS}/{name}")
+    return body if status == 200 else None
+
+
+async def status_of(k8s: K8s, name: str) -> dict[str, Any]:
+    found = await stratajob(k8s, name)
+    return (found or {}).get("status") or {}
+
+
+def generation_of(pod: dict[str, Any]) -> str | None:
+    return (pod["metadata"].get("annotations") or {}).get(names.GENERATION_ANNOTATION)
+
+
+def running(cluster: Cluster, job: str, generation: str, world: int) -> list[dict[str, Any]] | None:
+    pods = [
+        p
+        for p in cluster.pods(job)
+        if p.get("status", {}).get("phase") == "Running"
+        and not p["metadata"].get("deletionTimestamp")
+        and generation_of(p) == generation
+        and not p.get("spec", {}).get("schedulingGates")
+    ]
+    return pods if len(pods) == world else None
+
+
+async def events_about(k8s: K8s, name: str) -> list[dict[str, Any]]:
+    status, body = await call(k8s, "GET", "/api/v1/namespaces/default/events")
+    assert status == 200
+    return [e for e in body["items"] if e["involvedObject"]["name"] == name]
+
+
+async def start_job(k8s: K8s, cluster: Cluster, job: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Create ``job`` and wait for its first generation to run; (RUN of the generation, its pods)."""
+    created = await create(k8s, JOBS, job)
+    name, world = created["metadata"]["name"], created["spec"]["completions"]
+
+    async def released() -> str | None:
+        found = await stratajob(k8s, name) or {}
+        generation = (found.get("status") or {}).get("generation") or ""
+        mine = found.get("spec", {}).get("workload", {}).get("uid") == created["metadata"]["uid"]
+        return generation.removesuffix("/0") if mine and generation.endswith("/0") else None
+
+    run = await until(released, message="the StrataJob of this Job at generation 0")
+    pods = await until(lambda: running(cluster, name, f"{run}/0", world), message="generation 0 running")
+    return run, pods
+
+
+def release_order(k8s: K8s, old: set[str], new: set[str]) -> tuple[int, int]:
+    """(resourceVersion when the last old pod became terminal or gone, resourceVersion when the first
+    new pod lost its gate), from the emulator's event log."""
+    old_done: dict[str, int] = {}
+    new_released: dict[str, int] = {}
+    for rv, resource, event in k8s.api._log:
+        if resource.plural != "pods":
+            continue
+        pod = event["object"]
+        name = pod["metadata"]["name"]
+        ended = event["type"] == "DELETED" or pod.get("status", {}).get("phase") in ("Failed", "Succeeded")
+        if name in old and name not in old_done and ended:
+            old_done[name] = rv
+        gates = [g["name"] for g in pod.get("spec", {}).get("schedulingGates") or []]
+        if (
+            name in new
+            and name not in new_released
+            and event["type"] != "ADDED"
+            and names.GANG_GATE not in gates
+        ):
+            new_released[name] = rv
+    assert set(old_done) == old, f"old pods never ended: {old - set(old_done)}"
+    assert set(new_released) == new, f"new pods never released: {new - set(new_released)}"
+    return max(old_done.values()), min(new_released.values())
+
+
+# ---- first start ----------------------------------------------------------------------------------------
+
+
+async def test_operator_releases_a_new_gang_as_generation_zero(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(k8s, cluster, indexed_job("recsys", 3))
+        status = await status_of(k8s, "recsys")
+        assert status["phase"] == "Running" and status["generation"] == f"{run}/0"
+        assert status["restarts"] == 0 and status["restartLimit"] == 3 and status["runMode"] == "resumed"
+        assert all(generation_of(p) == f"{run}/0" for p in pods)
+        found = await stratajob(k8s, "recsys")
+        assert found is not None
+        errors = [e.message for e in validator("stratajobs.strata.dev").iter_errors(found)]
+        assert errors == []
+
+
+async def test_operator_leaves_unlabeled_workloads_untouched(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s) as op:
+        await create(k8s, JOBS, indexed_job("plain", 2, labelled=False))
+        pods = await until(
+            lambda: (
+                [p for p in cluster.pods("plain") if p["status"].get("phase") == "Running"]
+                if len(cluster.pods("plain")) == 2
+                else None
+            )
+        )
+        await cluster.fail(pods[0])
+        await asyncio.sleep(1.0)
+        assert await stratajob(k8s, "plain") is None
+        assert op.controller.jobs == {}
+        assert all(not p.get("spec", {}).get("schedulingGates") for p in cluster.pods("plain"))
+        assert all(generation_of(p) is None for p in cluster.pods("plain"))
+        assert k8s.api.evictions == []
+
+
+# ---- gang restarts --------------------------------------------------------------------------------------
+
+
+async def test_operator_pod_failure_restarts_the_whole_gang_after_the_old_one_ends(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        job = indexed_job("recsys", 3, annotations={"strata.dev/backoff-seconds": "0.2"})
+        run, pods = await start_job(k8s, cluster, job)
+        failed = next(p for p in pods if p["metadata"]["labels"][names.JOB_INDEX_LABEL] == "1")
+        await cluster.fail(failed, 1)
+        new = await until(lambda: running(cluster, "recsys", f"{run}/1", 3), message="generation 1 running")
+        status = await status_of(k8s, "recsys")
+        assert status["generation"] == f"{run}/1" and status["restarts"] == 1 and status["phase"] == "Running"
+        assert status["lastFailure"]["reason"] == "ExitError"
+        assert failed["metadata"]["name"] in status["lastFailure"]["pod"]
+        # Survivors were evicted (DisruptionTarget, which podFailurePolicy ignores), never the failed one.
+        survivors = {p["metadata"]["name"] for p in pods} - {failed["metadata"]["name"]}
+        assert set(k8s.api.evictions) == survivors
+        last_old, first_new = release_order(
+            k8s, {p["metadata"]["name"] for p in pods}, {p["metadata"]["name"] for p in new}
+        )
+        assert last_old < first_new, "a new pod was released before every old pod had ended"
+        reasons = [e["reason"] for e in await events_about(k8s, "recsys")]
+        assert "GangRestart" in reasons and reasons.count("GangReleased") == 2
+
+
+async def test_operator_oomkilled_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("oom", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        await cluster.fail(pods[0], 137, reason="OOMKilled")
+        await until(lambda: running(cluster, "oom", f"{run}/1", 2), message="generation 1")
+        status = await status_of(k8s, "oom")
+        assert status["lastFailure"]["reason"] == "OOMKilled" and status["lastFailure"]["kind"] == "oom"
+        assert "OOM killer" in status["lastFailure"]["message"]
+
+
+async def test_operator_evicted_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("evict", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        await cluster.kubelet_evict(pods[1])
+        await until(lambda: running(cluster, "evict", f"{run}/1", 2), message="generation 1")
+        assert (await status_of(k8s, "evict"))["lastFailure"]["reason"] == "Evicted"
+
+
+async def test_operator_deleted_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("deleted", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        status, body = await call(
+            k8s, "DELETE", f"/api/v1/namespaces/default/pods/{pods[0]['metadata']['name']}"
+        )
+        assert status == 200, body
+        await until(lambda: running(cluster, "deleted", f"{run}/1", 2), message="generation 1")
+        assert (await status_of(k8s, "deleted"))["lastFailure"]["reason"] == "PodDeleted"
+
+
+async def test_operator_eviction_refused_by_a_disruption_budget_falls_back_to_delete(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("pdb", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        k8s.api.pdb_blocked.add(("default", pods[1]["metadata"]["name"]))
+        await cluster.fail(pods[0], 1)
+        await until(lambda: running(cluster, "pdb", f"{run}/1", 2), message="generation 1")
+        assert k8s.api.evictions == []  # refused (429), then deleted
+
+
+async def test_operator_stuck_terminating_pod_is_fenced_and_never_mixed_with_the_new_gang(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("lost", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        lost = pods[0]
+        await cluster.lose_node(lost["spec"]["nodeName"])
+        # Grace 2 s + margin 1 s: the gang waits, and nothing of generation 1 runs meanwhile.
+        await asyncio.sleep(1.5)
+        assert not any(
+            generation_of(p) == f"{run}/1" and not p["spec"].get("schedulingGates")
+            for p in cluster.pods("lost")
+        )
+        assert any(p["metadata"]["name"] == lost["metadata"]["name"] for p in cluster.pods("lost"))
+        new = await until(lambda: running(cluster, "lost", f"{run}/1", 2), message="generation 1")
+        status = await status_of(k8s, "lost")
+        assert status["lastFailure"]["reason"] == "NodeLost"
+        reasons = [e["reason"] for e in await events_about(k8s, "lost")]
+        assert "PodFenced" in reasons
+        last_old, first_new = release_order(
+            k8s, {p["metadata"]["name"] for p in pods}, {p["metadata"]["name"] for p in new}
+        )
+        assert last_old < first_new
+
+
+async def test_operator_restart_limit_is_respected_then_the_job_fails(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        annotations = {"strata.dev/backoff-seconds": "0", "strata.dev/max-restarts": "1"}
+        run, pods = await start_job(k8s, cluster, indexed_job("limit", 2, annotations=annotations))
+        await cluster.fail(pods[0], 1)
+        pods = await until(lambda: running(cluster, "limit", f"{run}/1", 2), message="generation 1")
+        await cluster.fail(pods[1], 1)
+        status = await until(lambda: _phase(k8s, "limit", "Failed"), message="phase Failed")
+        assert status["restarts"] == 1 and status["restartLimit"] == 1
+        failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+        assert failed["status"] == "True" and failed["reason"] == "RestartLimitReached"
+        await asyncio.sleep(1.0)
+        # Nothing of a third generation runs: the replacements stay gated.
+        assert not any(generation_of(p) == f"{run}/2" for p in cluster.pods("limit"))
+        reasons = [e["reason"] for e in await events_about(k8s, "limit")]
+        assert "RestartLimitReached" in reasons
+
+
+async def _phase(k8s: K8s, name: str, phase: str) -> dict[str, Any] | None:
+    status = await status_of(k8s, name)
+    return status if status.get("phase") == phase else None
+
+
+async def test_operator_malformed_annotations_get_a_condition_and_an_event_naming_them(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        job = indexed_job(
+            "typo", 1, annotations={"strata.dev/max-restart": "2", "strata.dev/backoff-seconds": "soon"}
+        )
+        await create(k8s, JOBS, job)
+        status = await until(lambda: _condition(k8s, "typo", "SettingsValid"), message="SettingsValid")
+        assert status["status"] == "False" and status["reason"] == "InvalidAnnotations"
+        assert (
+            "strata.dev/max-restart" in status["message"]
+            and "did you mean strata.dev/max-restarts" in status["message"]
+        )
+        assert "strata.dev/backoff-seconds" in status["message"]
+        events = [e for e in await events_about(k8s, "typo") if e["reason"] == "InvalidAnnotations"]
+        assert {e["involvedObject"]["kind"] for e in events} == {"StrataJob", "Job"}
+        assert all(e["type"] == "Warning" for e in events)
+
+
+async def _condition(k8s: K8s, name: str, kind: str) -> dict[str, Any] | None:
+    for condition in (await status_of(k8s, name)).get("conditions") or []:
+        if condition["type"] == kind:
+            found: dict[str, Any] = condition
+            return found
+    return None
+
+
+async def test_operator_restarted_mid_restart_resumes_the_decision(k8s: K8s, cluster: Cluster) -> None:
+    annotations = {"strata.dev/backoff-seconds": "3", "strata.dev/backoff-max-seconds": "3"}
+    async with operator(k8s):
+        run, pods = await start_job(k8s, cluster, indexed_job("resume", 2, annotations=annotations))
+        await cluster.fail(pods[0], 1)
+        pending = await until(lambda: _pending(k8s, "resume"), message="a pending restart")
+        assert pending["generation"] == f"{run}/1"
+    # The operator is down while the backoff runs; a new one picks the decision up from the status.
+    async with operator(k8s):
+        await until(lambda: running(cluster, "resume", f"{run}/1", 2), message="generation 1")
+        status = await status_of(k8s, "resume")
+        assert status["restarts"] == 1, "the restart was counted twice"
+        assert status.get("pendingRestart") is None
+
+
+async def _pending(k8s: K8s, name: str) -> dict[str, Any] | None:
+    found: dict[str, Any] | None = (await status_of(k8s, name)).get("pendingRestart")
+    return found
+
+
+async def test_operator_kubectl_get_stratajob_shows_the_job_level_status(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("recsys", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        await cluster.fail(pods[0], 137, reason="OOMKilled")
+        await until(lambda: running(cluster, "recsys", f"{run}/1", 2), message="generation 1")
+        table = rows(await kubectl(k8s, "get", "stratajobs"))
+        assert table[0] == [
+            "NAME",
+            "WORKLOAD",
+            "PHASE",
+            "STEP",
+            "ATTEMPT",
+            "RESTARTS",
+            "LIMIT",
+            "LAST-FAILURE",
+            "AGE",
+        ]
+        row = table[1]
+        assert row[:3] == ["recsys", "Job", "Running"] and row[5:8] == ["1", "3", "OOMKilled"]
+        described = await kubectl(k8s, "describe", "stratajob", "recsys")
+        assert "GangRestart" in described and "GangReleased" in described
+        assert "OOM killer" in described
+
+
+async def _with_run(k8s: K8s, name: str) -> dict[str, Any] | None:
+    status = await status_of(k8s, name)
+    return status if status.get("run") else None
+
+
+# ---- hang, rollback, resubmission, JobSet ---------------------------------------------------------------
+
+
+def heartbeat(job: str, rank: int, step: int | None, saves: int, attempt: int = 1) -> dict[str, Any]:
+    return {
+        "kind": "heartbeat",
+        "namespace": "default",
+        "job": job,
+        "rank": rank,
+        "generation": "x/0",
+        "attempt": attempt,
+        "restore_step": None,
+        "step": step,
+        "saves": saves,
+        "time": time.time(),
+    }
+
+
+async def test_operator_hang_timeout_restarts_a_gang_whose_heartbeats_show_no_progress(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    annotations = {"strata.dev/backoff-seconds": "0", "strata.dev/hang-timeout": "3"}
+    async with operator(k8s) as op:
+        run, pods = await start_job(k8s, cluster, indexed_job("hung", 2, annotations=annotations))
+        # Progress keeps it alive past the timeout...
+        for saves in range(1, 6):
+            for rank in (0, 1):
+                await op.controller.on_heartbeat(
+                    heartbeat("hung", rank, saves * 100, saves), pods[rank]["metadata"]["name"]
+                )
+            await asyncio.sleep(0.5)
+        status = await status_of(k8s, "hung")
+        assert status["generation"] == f"{run}/0" and status["attempt"] == 1
+        # ...heartbeats that repeat the same step and save count do not.
+        for _ in range(4):
+            for rank in (0, 1):
+                await op.controller.on_heartbeat(
+                    heartbeat("hung", rank, 500, 5), pods[rank]["metadata"]["name"]
+                )
+            await asyncio.sleep(0.6)
+        await until(lambda: running(cluster, "hung", f"{run}/1", 2), message="generation 1")
+        status = await status_of(k8s, "hung")
+        assert status["lastFailure"]["reason"] == "Hang" and "3 s" in status["lastFailure"]["message"]
+
+
+async def test_operator_resume_from_is_passed_once_with_the_next_generation(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    job = indexed_job(
+        "rollback",
+        2,
+        annotations={"strata.dev/backoff-seconds": "0"},
+        job_annotations={names.RESUME_FROM_ANNOTATION: "1200"},
+    )
+    async with operator(k8s):
+        run, pods = await start_job(k8s, cluster, job)
+        requests = {
+            (p["metadata"].get("annotations") or {}).get(names.RESTORE_REQUEST_ANNOTATION) for p in pods
+        }
+        assert requests == {"1200"}
+        assert (await status_of(k8s, "rollback"))["resumeFromApplied"] == "1200"
+        await cluster.fail(pods[0], 1)
+        pods = await until(lambda: running(cluster, "rollback", f"{run}/1", 2), message="generation 1")
+        # Never re-applied at a later restart: the sidecar restores the newest commit again.
+        assert all(
+            names.RESTORE_REQUEST_ANNOTATION not in (p["metadata"].get("annotations") or {}) for p in pods
+        )
+        # A new value on the Job's metadata applies once more, at the next generation.
+        status, body = await call(
+            k8s,
+            "PATCH",
+            f"{JOBS}/rollback",
+            {"metadata": {"annotations": {names.RESUME_FROM_ANNOTATION: "none"}}},
+        )
+        assert status == 200, body
+        await asyncio.sleep(0.5)
+        await cluster.fail(pods[1], 1)
+        pods = await until(lambda: running(cluster, "rollback", f"{run}/2", 2), message="generation 2")
+        assert {p["metadata"]["annotations"].get(names.RESTORE_REQUEST_ANNOTATION) for p in pods} == {"none"}
+        assert (await status_of(k8s, "rollback"))["resumeFromApplied"] == "none"
+
+
+async def test_operator_resubmitted_job_resumes_by_default_and_starts_fresh_on_request(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        first_run, pods = await start_job(
+            k8s, cluster, indexed_job("again", 1, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        await cluster.fail(pods[0], 1)
+        await until(lambda: running(cluster, "again", f"{first_run}/1", 1), message="generation 1")
+        assert (await status_of(k8s, "again"))["restarts"] == 1
+        status, body = await call(k8s, "DELETE", f"{JOBS}/again")
+        assert status == 200, body
+        for pod in cluster.pods("again"):  # no garbage collector here: remove its pods as it would
+            await call(
+                k8s,
+                "DELETE",
+                f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}",
+                {"gracePeriodSeconds": 0},
+            )
+        await asyncio.sleep(0.3)
+        assert await stratajob(k8s, "again") is not None, "the StrataJob must outlive its Job"
+        # Resubmitted: a new run with its own restart budget, resuming the checkpoints.
+        resumed_run, pods = await start_job(k8s, cluster, indexed_job("again", 1))
+        status = await status_of(k8s, "again")
+        assert resumed_run != first_run and status["runMode"] == "resumed" and status["restarts"] == 0
+        assert all(
+            names.RESTORE_REQUEST_ANNOTATION not in (p["metadata"].get("annotations") or {}) for p in pods
+        )
+        await call(k8s, "DELETE", f"{JOBS}/again")
+        for pod in cluster.pods("again"):
+            await call(
+                k8s,
+                "DELETE",
+                f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}",
+                {"gracePeriodSeconds": 0},
+            )
+        await asyncio.sleep(0.3)
+        fresh_run, pods = await start_job(
+            k8s, cluster, indexed_job("again", 1, job_annotations={names.RUN_ANNOTATION: "fresh"})
+        )
+        status = await status_of(k8s, "again")
+        assert fresh_run not in (first_run, resumed_run) and status["runMode"] == "fresh"
+        assert {p["metadata"]["annotations"][names.RESTORE_REQUEST_ANNOTATION] for p in pods} == {"none"}
+        reasons = [e["reason"] for e in await events_about(k8s, "again")]
+        assert reasons.count("NewRun") == 2
+
+
+JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets"
+
+
+def jobset_pod(jobset: dict[str, Any], index: int, attempt: int) -> dict[str, Any]:
+    """A pod as the JobSet's child Job creates it (JobSet pods are never gated)."""
+    name = jobset["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{name}-workers-0-{index}-a{attempt}",
+            "namespace": "default",
+            "labels": {
+                names.OPT_IN_LABEL: names.OPT_IN_VALUE,
+                names.JOBSET_NAME_LABEL: name,
+                names.JOBSET_RESTART_LABEL: str(attempt),
+                names.JOB_NAME_LABEL: f"{name}-workers-0",
+                names.JOB_INDEX_LABEL: str(index),
+            },
+        },
+        "spec": {"nodeName": f"node-{index}", "containers": [{"name": "trainer", "image": "trainer:1"}]},
+        "status": {"phase": "Running"},
+    }
+
+
+async def test_operator_jobset_restart_is_reflected_without_a_second_retry_layer(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    jobset = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "llm", "namespace": "default"},
+        "spec": {
+            "failurePolicy": {"maxRestarts": 3, "restartStrategy": "BlockingRecreate"},
+            "replicatedJobs": [
+                {
+                    "name": "workers",
+                    "replicas": 1,
+                    "template": {
+                        "spec": {
+                            "completions": 2,
+                            "parallelism": 2,
+                            "template": {
+                                "metadata": {"labels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}},
+                                "spec": {
+                                    "restartPolicy": "Never",
+                                    "containers": [{"name": "trainer", "image": "t:1"}],
+                                },
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+    async with operator(k8s):
+        created = await create(k8s, JOBSETS, jobset)
+        pods = [
+            await create(k8s, "/api/v1/namespaces/default/pods", jobset_pod(created, i, 0)) for i in (0, 1)
+        ]
+        run = (await until(lambda: _with_run(k8s, "llm"), message="the StrataJob"))["run"]
+        await until(lambda: _phase(k8s, "llm", "Running"), message="Running")
+        # A worker OOMs: recorded, but the JobSet's own controller restarts the gang.
+        await cluster.fail(pods[0], 137, reason="OOMKilled")
+        await until(lambda: status_of(k8s, "llm"), message="status")
+        status = await until(lambda: _failed_with(k8s, "llm", "OOMKilled"), message="the failure recorded")
+        assert status["restarts"] == 0
+        await asyncio.sleep(0.5)
+        assert k8s.api.evictions == [], "the operator must not evict JobSet pods"
+        assert all(
+            not p["spec"].get("schedulingGates")
+            for p in cluster.pods()
+            if names.JOBSET_NAME_LABEL in p["metadata"]["labels"]
+        )
+        # JobSet recreates the gang as restart attempt 1: reflected as the generation.
+        for pod in pods:
+            await call(
+                k8s,
+                "DELETE",
+                f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}",
+                {"gracePeriodSeconds": 0},
+            )
+        for i in (0, 1):
+            await create(k8s, "/api/v1/namespaces/default/pods", jobset_pod(created, i, 1))
+        status = await until(lambda: _generation(k8s, "llm", f"{run}/1"), message="generation 1 reflected")
+        assert status["restarts"] == 1 and status.get("pendingRestart") is None
+        assert "JobSetRestarted" in [e["reason"] for e in await events_about(k8s, "llm")]
+        assert k8s.api.evictions == []
+
+
+async def _failed_with(k8s: K8s, name: str, reason: str) -> dict[str, Any] | None:
+    status = await status_of(k8s, name)
+    return status if (status.get("lastFailure") or {}).get("reason") == reason else None
+
+
+async def _generation(k8s: K8s, name: str, generation: str) -> dict[str, Any] | None:
+    status = await status_of(k8s, name)
+    return status if status.get("generation") == generation else None
