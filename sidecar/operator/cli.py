@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tls-cert-file", help="certificate of the report endpoint (HTTPS)")
     parser.add_argument("--tls-key-file", help="private key of the report endpoint")
+    parser.add_argument(
+        "--lift-gates",
+        action="store_true",
+        help="remove the strata.dev/gang scheduling gate from every pod and exit "
+        "(the chart's pre-delete hook: no pod waits for a removed operator)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics")
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="port of /metrics (strata_operator_*; -1: off)"
@@ -60,6 +66,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--tls-cert-file and --tls-key-file go together")
     if args.fence_margin_seconds < 0:
         raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
+    if args.lift_gates:
+        return _lift_gates(args.kubeconfig)
     from sidecar.operator.run import OperatorConfig, serve
 
     config = OperatorConfig(
@@ -87,4 +95,22 @@ def main(args: argparse.Namespace) -> int:
         log.info("stopped")
 
     asyncio.run(run())
+    return 0
+
+
+def _lift_gates(kubeconfig: str | None) -> int:
+    from sidecar.operator.controller import lift_gates
+    from sidecar.operator.kube import Api
+
+    async def run() -> list[str]:
+        api = Api.from_config(kubeconfig)
+        try:
+            return await lift_gates(api)
+        finally:
+            await api.close()
+
+    released = asyncio.run(run())
+    for name in released:
+        print(f"released {name}")
+    print(f"lifted the strata.dev/gang gate from {len(released)} pod(s)")
     return 0

@@ -36,7 +36,7 @@ from sidecar.operator.admission import opted_in
 from sidecar.operator.classify import classify_pod, is_terminal
 from sidecar.operator.kube import Api, ApiError, path
 
-__all__ = ["Controller"]
+__all__ = ["Controller", "lift_gates"]
 
 log = logging.getLogger("strata.operator")
 
@@ -779,3 +779,32 @@ class Controller:
                 break
         if changes:
             await self._patch_status(job, changes)
+
+
+async def lift_gates(api: Api) -> list[str]:
+    """Remove the ``strata.dev/gang`` gate from every pod that has it (``helm uninstall``'s pre-delete
+    hook runs this, so no pod waits for an operator that is going away). Other gates stay. Returns
+    the pods released, as namespace/name."""
+    listing = await api.request(
+        "GET", path("", "v1", "pods"), params={"labelSelector": f"{names.OPT_IN_LABEL}={names.OPT_IN_VALUE}"}
+    )
+    released = []
+    for pod in (listing or {}).get("items") or []:
+        gates = (pod.get("spec") or {}).get("schedulingGates") or []
+        positions = [i for i, g in enumerate(gates) if g.get("name") == names.GANG_GATE]
+        if not positions:
+            continue
+        meta = _meta(pod)
+        ops: list[dict[str, Any]] = []
+        for i in reversed(positions):  # a test op first: never remove someone else's gate
+            ops.append({"op": "test", "path": f"/spec/schedulingGates/{i}/name", "value": names.GANG_GATE})
+            ops.append({"op": "remove", "path": f"/spec/schedulingGates/{i}"})
+        try:
+            await api.json_patch(path("", "v1", "pods", str(meta.get("namespace")), str(meta["name"])), ops)
+        except ApiError as exc:
+            if exc.status in (404, 409, 422):  # gone, or changed meanwhile: the next run sees it
+                log.warning("could not lift the gate of %s/%s: %s", meta.get("namespace"), meta["name"], exc)
+                continue
+            raise
+        released.append(f"{meta.get('namespace')}/{meta['name']}")
+    return released

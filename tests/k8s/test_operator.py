@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -596,3 +597,43 @@ async def _failed_with(k8s: K8s, name: str, reason: str) -> dict[str, Any] | Non
 async def _generation(k8s: K8s, name: str, generation: str) -> dict[str, Any] | None:
     status = await status_of(k8s, name)
     return status if status.get("generation") == generation else None
+
+
+async def test_operator_lift_gates_releases_every_gated_pod_and_keeps_other_gates(k8s: K8s) -> None:
+    def pod(name: str, gates: list[str]) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": "default",
+                "labels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE},
+            },
+            "spec": {"schedulingGates": [{"name": g} for g in gates], "containers": [{"name": "trainer"}]},
+        }
+
+    await create(k8s, "/api/v1/namespaces/default/pods", pod("a", [names.GANG_GATE]))
+    await create(
+        k8s, "/api/v1/namespaces/default/pods", pod("b", ["kueue.x-k8s.io/admission", names.GANG_GATE])
+    )
+    await create(k8s, "/api/v1/namespaces/default/pods", pod("c", ["other"]))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "sidecar.cli",
+        "operator",
+        "--lift-gates",
+        "--kubeconfig",
+        str(k8s.kubeconfig),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    assert "lifted the strata.dev/gang gate from 2 pod(s)" in out.decode()
+    gates = {}
+    for name in "abc":
+        status, body = await call(k8s, "GET", f"/api/v1/namespaces/default/pods/{name}")
+        assert status == 200, body
+        gates[name] = [g["name"] for g in body["spec"].get("schedulingGates") or []]
+    assert gates == {"a": [], "b": ["kueue.x-k8s.io/admission"], "c": ["other"]}
