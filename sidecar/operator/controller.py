@@ -630,7 +630,34 @@ class Controller:
                     job.name,
                     name,
                 )
-                await self.api.delete(path("", "v1", "pods", job.namespace, name))
+                await self._disrupt_and_delete(job, pod)
+
+    async def _disrupt_and_delete(self, job: _Job, pod: Mapping[str, Any]) -> None:
+        """What the taint manager and the pod GC do: mark the pod DisruptionTarget (so the Job's
+        podFailurePolicy ignores it, as it ignores an eviction), then delete it."""
+        meta = _meta(pod)
+        url = path("", "v1", "pods", job.namespace, str(meta["name"]))
+        conditions = [
+            c
+            for c in (pod.get("status") or {}).get("conditions") or []
+            if c.get("type") != "DisruptionTarget"
+        ]
+        conditions.append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "DeletionByStrataGangRestart",
+                "message": "Strata operator: the gang restarts (a disruption budget refused the eviction)",
+                "lastTransitionTime": _now(),
+            }
+        )
+        try:
+            await self.api.strategic_patch(url + "/status", {"status": {"conditions": conditions}})
+        except ApiError as exc:
+            if exc.status == 404:
+                return
+            raise
+        await self.api.delete(url)
 
     async def _restart(self, job: _Job, pods: list[dict[str, Any]], pending: Mapping[str, Any]) -> None:
         """Drive a decided gang restart: stop the old gang, fence what hangs, release the new one."""

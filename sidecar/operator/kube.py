@@ -165,6 +165,13 @@ class Api:
         )
         return patched
 
+    async def strategic_patch(self, url: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A strategic merge patch (built-in kinds only): lists merge by key, e.g. conditions by type."""
+        patched: dict[str, Any] = await self.request(
+            "PATCH", url, dict(patch), content_type="application/strategic-merge-patch+json"
+        )
+        return patched
+
     async def json_patch(self, url: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
         patched: dict[str, Any] = await self.request(
             "PATCH", url, ops, content_type="application/json-patch+json"

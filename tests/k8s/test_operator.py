@@ -239,6 +239,18 @@ async def test_operator_eviction_refused_by_a_disruption_budget_falls_back_to_de
         await cluster.fail(pods[0], 1)
         await until(lambda: running(cluster, "pdb", f"{run}/1", 2), message="generation 1")
         assert k8s.api.evictions == []  # refused (429), then deleted
+        # ...marked DisruptionTarget first, so the Job's podFailurePolicy ignores it like an eviction.
+        deleted = pods[1]["metadata"]["name"]
+        marked = [
+            event["object"]
+            for _, resource, event in k8s.api._log
+            if resource.plural == "pods"
+            and event["object"]["metadata"]["name"] == deleted
+            and event["object"]["metadata"].get("deletionTimestamp")
+        ]
+        assert marked, "the pod was never deleted"
+        conditions = {c["type"]: c for c in marked[0]["status"]["conditions"]}
+        assert conditions["DisruptionTarget"]["reason"] == "DeletionByStrataGangRestart"
 
 
 async def test_operator_stuck_terminating_pod_is_fenced_and_never_mixed_with_the_new_gang(
