@@ -41,6 +41,8 @@ __all__ = ["Controller", "lift_gates"]
 log = logging.getLogger("strata.operator")
 
 STRATAJOBS = ("strata.dev", "v1alpha1", "stratajobs")
+#: lastHeartbeat is written at most this often (each heartbeat would be a write otherwise).
+HEARTBEAT_WRITE_S = 60.0
 #: lastFailure.reason (CamelCase, as Kubernetes reasons are) for each failure kind.
 REASONS = {
     FailureKind.EXIT_ERROR: "ExitError",
@@ -113,6 +115,7 @@ class _Job:
     #: Hang detection: when save progress was last seen, and the (rank -> (step, saves)) it saw.
     progress_at: float = 0.0
     progress: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    heartbeat_written: float = 0.0
     #: Warned about a pod stuck Terminating (one Event per pod).
     fenced: set[str] = dataclasses.field(default_factory=set)
 
@@ -232,10 +235,12 @@ class Controller:
         ):
             changes["attempt"] = attempt
             changes["restoreStep"] = item.get("restore_step")
-        if set(changes) - {"lastHeartbeat"}:
+        stale = self.clock() - job.heartbeat_written > HEARTBEAT_WRITE_S
+        if set(changes) - {"lastHeartbeat"} or stale:
+            job.heartbeat_written = self.clock()
             await self._patch_status(job, changes)
         else:
-            job.status.update(changes)  # kept in memory; written with the next status change
+            job.status.update(changes)  # written with the next status change, or within a minute
 
     def attempt_of(self, namespace: str, job_name: str) -> tuple[int, int | None] | None:
         """The newest attempt known for a job and the step it restored (report checks use it)."""
@@ -576,7 +581,7 @@ class Controller:
                 "RestartLimitReached",
                 decision.message
                 + "; the Job's replacement pods stay gated (they hold no accelerators): delete the Job, "
-                "or raise strata.dev/max-restarts to go on",
+                f"or raise the limit: kubectl annotate job {job.name} strata.dev/max-restarts=N --overwrite",
                 warning=True,
                 on_workload=True,
             )

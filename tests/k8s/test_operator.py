@@ -296,6 +296,16 @@ async def test_operator_restart_limit_is_respected_then_the_job_fails(k8s: K8s, 
         assert not any(generation_of(p) == f"{run}/2" for p in cluster.pods("limit"))
         reasons = [e["reason"] for e in await events_about(k8s, "limit")]
         assert "RestartLimitReached" in reasons
+        # Raising the limit on the Job's own metadata (its template is immutable) lets it go on.
+        status, body = await call(
+            k8s, "PATCH", f"{JOBS}/limit", {"metadata": {"annotations": {"strata.dev/max-restarts": "2"}}}
+        )
+        assert status == 200, body
+        await until(
+            lambda: running(cluster, "limit", f"{run}/2", 2), message="generation 2 after raising the limit"
+        )
+        status = await status_of(k8s, "limit")
+        assert status["phase"] == "Running" and status["restarts"] == 2 and status["restartLimit"] == 2
 
 
 async def _phase(k8s: K8s, name: str, phase: str) -> dict[str, Any] | None:
