@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,28 @@ class SidecarSettings:
         "long, then finish uploads and exit; keep it below terminationGracePeriodSeconds (0: no drain)",
     )
 
+    report_url: str = _opt(
+        "",
+        "operator URL the sidecar reports commits, retention deletes and heartbeats to, best effort and "
+        "never on the commit path (https://...; empty: no reports)",
+    )
+    report_token_file: str = _opt(
+        "",
+        "file holding the bearer token sent with each report, read again at every send (a projected "
+        "service-account token rotates); empty: no token",
+    )
+    report_ca_file: str = _opt(
+        "", "CA bundle that verifies the operator's HTTPS certificate (empty: the system's CAs)"
+    )
+    heartbeat_s: float = _opt(
+        10.0, "seconds between heartbeats per rank to the operator (hang detection; 0: off)"
+    )
+    restore_request_file: str = _opt(
+        "",
+        "file holding the operator's one-shot restore request for a new generation (a committed step, "
+        "or none for a fresh start; a downward-API volume); missing or empty: restore the newest",
+    )
+
     def __post_init__(self) -> None:
         if not self.socket:
             self.socket = default_socket_path()
@@ -147,6 +170,18 @@ class SidecarSettings:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
         if self.hint_fallback_s <= 0:
             raise ValueError(f"--hint-fallback-s must be positive, got {self.hint_fallback_s}")
+        if self.report_url:
+            parts = urllib.parse.urlsplit(self.report_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"--report-url must be http(s)://HOST[:PORT][/PATH], got {self.report_url!r}"
+                )
+            if parts.username or parts.password or parts.query or parts.fragment:
+                raise ValueError("--report-url must carry no credentials, query or fragment")
+        if self.report_ca_file and not os.path.isfile(self.report_ca_file):
+            raise ValueError(f"--report-ca-file {self.report_ca_file!r} is not a file")
+        if not self.heartbeat_s >= 0:
+            raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {self.heartbeat_s}")
         if len(self.socket.encode()) > 107:
             raise ValueError(f"--socket path is {len(self.socket.encode())} bytes; unix sockets allow 107")
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import manifest as mf
+from sidecar import reporting
 from sidecar.api import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, pb
 from sidecar.api.dtypes import expected_nbytes
 from sidecar.budget import MemoryBudget, Reservation, default_limit
@@ -207,6 +208,18 @@ class Engine:
         # Single ranks of protocol-1 clients (which declare no generation): slot -> the
         # generation this sidecar gave the trainer process at its handshake (see greet).
         self._v1_solo: dict[tuple[str, str, int], str] = {}
+        # Reports to the operator (sidecar.reporting; off without --report-url). Per rank, what its
+        # heartbeats say; per job, the attempt of each step reported committed (for delete reports).
+        self._beats: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._reported: dict[tuple[str, str], dict[int, int]] = {}
+        self.reporter = reporting.Reporter(
+            settings.report_url,
+            metrics.registry,
+            token_file=settings.report_token_file,
+            ca_file=settings.report_ca_file,
+            heartbeat_s=settings.heartbeat_s,
+            heartbeats=self._heartbeat_items,
+        )
 
     @property
     def stopping(self) -> bool:
@@ -240,6 +253,7 @@ class Engine:
         self._uploads.shutdown(wait=True)
         self.segments.close()
         self.peers.close()
+        self.reporter.close(reporting.FLUSH_TIMEOUT_S)  # the commits just finished are reported too
 
     # --- generations and attempts -----------------------------------------------------------
 
@@ -304,6 +318,11 @@ class Engine:
     def epoch_for(self, identity: Identity) -> mf.Epoch:
         """The attempt ``identity``'s generation runs as: rank 0's sidecar creates it (after
         settling what it still uploads), every other rank waits until it exists."""
+        epoch = self._epoch_for(identity)
+        self._note_rank(identity, epoch)
+        return epoch
+
+    def _epoch_for(self, identity: Identity) -> mf.Epoch:
         generation = self.generation_of(identity)
         gang = self.gang(identity.job_key)
         with gang.cond:
@@ -330,6 +349,7 @@ class Engine:
                     return gang.epoch
             epoch = self._find_or_create_epoch(identity, gang, generation)
             self._adopt(gang, epoch)
+            self._report_retained(gang)
             return epoch
 
     def _find_or_create_epoch(self, identity: Identity, gang: JobGang, generation: mf.Generation) -> mf.Epoch:
@@ -363,10 +383,10 @@ class Engine:
                         f"{newest.attempt}); this trainer belongs to a gang that was restarted"
                     )
             if identity.rank == 0:
-                restore = self._decide_restore(identity, fences)
+                restore, reason = self._decide_restore(identity, fences)
                 try:
                     return mf.create_epoch(
-                        self.store, ns, job, generation, identity.world_size, restore, fences
+                        self.store, ns, job, generation, identity.world_size, restore, fences, reason
                     )
                 except PreconditionFailed:
                     # Another writer took that attempt number: read again, decide again.
@@ -387,10 +407,64 @@ class Engine:
                 gang.cond.wait(delay)
             delay = min(delay * 1.5, 1.0)
 
-    def _decide_restore(self, identity: Identity, fences: mf.Fences) -> Position | None:
+    def _decide_restore(self, identity: Identity, fences: mf.Fences) -> tuple[Position | None, str]:
+        """The restore step of a new attempt and how it was chosen (recorded in its EPOCH): the
+        operator's one-shot restore request when this pod has one, else the newest usable commit."""
         ns, job = identity.job_key
         unusable = mf.unusable_commits(self.store, ns, job) | self._unusable.get(identity.job_key, set())
-        return mf.newest_valid(self.store, ns, job, fences, exclude=unusable)
+        request = self._restore_request()
+        if request is None:
+            return mf.newest_valid(self.store, ns, job, fences, exclude=unusable), ""
+        if request == "none":
+            log.info("%s/%s: restore request: none (a fresh start; older commits are fenced off)", ns, job)
+            return None, "fresh"
+        step = int(request)
+        attempts = [
+            a
+            for a in mf.step_commits(self.store, ns, job, step)
+            if fences.valid(a, step) and (a, step) not in unusable
+        ]
+        problem = "" if attempts else "it has no valid, usable COMMIT"
+        if attempts:
+            try:
+                commit = mf.read_commit(self.store, ns, job, step, attempts[-1])
+            except (ObjectNotFound, CorruptObject) as exc:
+                problem = f"its COMMIT is unreadable ({exc})"
+            else:
+                if commit.world_size != identity.world_size:
+                    problem = (
+                        f"it was saved by {commit.world_size} ranks and this job runs {identity.world_size}"
+                    )
+        if problem:
+            valid = sorted(
+                {s for a, s in mf.valid_commits(self.store, ns, job, fences) if (a, s) not in unusable}
+            )
+            raise FailedPrecondition(
+                f"{ns}/{job}: the operator's restore request names step {step}, but {problem}; "
+                f"valid committed steps: {valid or 'none'}. Nothing was restored or deleted"
+            )
+        log.info("%s/%s: restore request: step %d (attempt %d)", ns, job, step, attempts[-1])
+        return (attempts[-1], step), "requested"
+
+    def _restore_request(self) -> str | None:
+        """The pod's one-shot restore request: "none", a step number, or None (no file, or empty)."""
+        path = self.settings.restore_request_file
+        if not path:
+            return None
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot read the restore request file {path}: {exc}") from None
+        if not text:
+            return None
+        if text != "none" and not text.isdigit():
+            raise FailedPrecondition(
+                f"restore request file {path} holds {text[:64]!r}: expected a committed step number or none"
+            )
+        return text
 
     def _mark_unusable(self, identity: Identity, position: Position, reason: str) -> None:
         # Also remembered here: a marker that failed to write must not send us round in circles.
@@ -426,6 +500,90 @@ class Engine:
                     self._held_layers.pop(slot, None)
                     self._account_held(slot)
         self._update_held_gauge()
+
+    # --- reports to the operator (best effort; never on the commit path) --------------------
+
+    def _note_rank(self, identity: Identity, epoch: mf.Epoch) -> None:
+        """What this rank's heartbeats say: its generation and attempt (saves and step as they go)."""
+        if not self.reporter.enabled:
+            return
+        with self._lock:
+            beat = self._beats.get(identity.slot)
+            if beat is None:
+                beat = self._beats[identity.slot] = {
+                    "kind": "heartbeat",
+                    "namespace": identity.namespace,
+                    "job": identity.job,
+                    "rank": identity.rank,
+                    "step": None,
+                    "saves": 0,
+                }
+            beat.update(generation=epoch.generation, attempt=epoch.attempt, restore_step=epoch.restore_step)
+
+    def _heartbeat_items(self) -> list[dict[str, Any]]:
+        now = time.time()
+        with self._lock:
+            return [{**beat, "time": now} for beat in self._beats.values()]
+
+    def _report_heartbeat(self, slot: tuple[str, str, int]) -> None:
+        with self._lock:
+            beat = self._beats.get(slot)
+            item = None if beat is None else {**beat, "time": time.time()}
+        if item is not None:
+            self.reporter.report(item)
+
+    def _location(self, namespace: str, job: str) -> str:
+        return reporting.location(self.settings.storage, namespace, job)
+
+    def _report_commit(
+        self, commit: mf.Commit, ref: mf.CommitRef, bodies: dict[int, tuple[str, bytes]]
+    ) -> None:
+        """Queue the commit report; it is built in the reporting thread (off the commit path)."""
+        if not self.reporter.enabled:
+            return
+        try:
+            with self._lock:
+                self._reported.setdefault((commit.namespace, commit.job), {})[commit.step] = commit.attempt
+            where = self._location(commit.namespace, commit.job)
+            self.reporter.report(lambda: reporting.commit_item(commit, ref.sha256, bodies, where))
+        except Exception:  # a report never fails a commit
+            log.exception("step %d committed; its report to the operator failed", commit.step)
+
+    def _report_retained(self, gang: JobGang) -> None:
+        """Rank 0 of a new attempt re-reports every retained committed step (the operator may
+        have missed them while it was down), read from storage in the background."""
+        if not self.reporter.enabled:
+            return
+        fences = gang.fences
+        ns, job = gang.namespace, gang.job
+
+        def read() -> None:
+            try:
+                positions = mf.valid_commits(self.store, ns, job, fences)
+                with self._lock:
+                    self._reported.setdefault((ns, job), {}).update({s: a for a, s in positions})
+                items = reporting.stored_commit_items(self.store, ns, job, self._location(ns, job), positions)
+                for item in items:
+                    self.reporter.report(item)
+                log.info("%s/%s: re-reported %d retained committed steps", ns, job, len(items))
+            except Exception as exc:
+                log.warning("%s/%s: retained steps not re-reported: %s", ns, job, exc)
+
+        threading.Thread(target=read, name="strata-rereport", daemon=True).start()
+
+    def _report_deletes(self, gang: JobGang, deleted: list[int], known: dict[int, list[int]]) -> None:
+        if not deleted or not self.reporter.enabled:
+            return
+        key = (gang.namespace, gang.job)
+        for step in deleted:
+            with self._lock:
+                attempt = self._reported.get(key, {}).pop(step, None)
+            if attempt is None:  # not reported by this process: the newest valid commit retention knew
+                attempts = [a for a in known.get(step, []) if gang.fences.valid(a, step)]
+                if not attempts:
+                    continue
+                attempt = attempts[-1]
+            self.reporter.report(reporting.delete_item(gang.namespace, gang.job, step, attempt))
 
     # --- save -----------------------------------------------------------------------------
 
@@ -562,6 +720,9 @@ class Engine:
             if segment is not None:
                 snap.segment, snap.received = segment[0], offset
             held.append(snap)
+            beat = self._beats.get(identity.slot)
+            if beat is not None:
+                beat["saves"] += 1
         self._update_held_gauge()
         self.rank_back(identity, epoch.attempt)  # saving: whatever a dropped stream said no longer holds
         return snap
@@ -732,11 +893,16 @@ class Engine:
             self.metrics.last_committed_step.labels(job).set(snap.step)
             log.info("rank %d: step %d committed (%d bytes)", ident.rank, snap.step, snap.total_bytes)
             self._keep_newest_committed(snap)
+            with self._lock:
+                beat = self._beats.get(ident.slot)
+                if beat is not None:
+                    beat["step"] = snap.step
         finally:
             if scratch is not None:
                 scratch.release()
             snap.done.set()
         if snap.state == "committed" and ident.rank == 0:
+            self._report_heartbeat(ident.slot)
             # After the trainer hears "committed": retention is not on the path to durable.
             self._collect_garbage(snap, gang)
 
@@ -887,6 +1053,7 @@ class Engine:
         except StorageError as exc:  # LATEST is a hint; discovery finds the COMMIT without it
             log.warning("step %d committed; LATEST not advanced: %s", snap.step, exc)
             gang.latest_etag = ""
+        self._report_commit(commit, ref, bodies)  # after the COMMIT is durable, never before
         return ref
 
     def _verified_manifests(
@@ -1001,8 +1168,15 @@ class Engine:
 
     def _collect_garbage(self, snap: Snapshot, gang: JobGang) -> None:
         """Retention runs after rank 0's commit; a failure here never fails the save."""
+        # The attempts retention knew of each step before the pass (for delete reports).
+        known = (
+            {step: list(attempts) for step, attempts in gang.retention._commits.items()}
+            if self.reporter.enabled
+            else {}
+        )
         try:
-            gang.retention.run(snap.attempt, gang.fences)
+            deleted = gang.retention.run(snap.attempt, gang.fences)
+            self._report_deletes(gang, deleted, known)
         except (StrataError, OSError) as exc:
             log.warning(
                 "retention of %s/%s failed (will retry after the next commit): %s",
@@ -1230,10 +1404,9 @@ class Engine:
         with gang.epoch_lock:
             while True:
                 fences = gang.refresh_fences()
+                restore, reason = self._decide_restore(identity, fences)
                 try:
-                    epoch = mf.create_epoch(
-                        self.store, ns, job, generation, 1, self._decide_restore(identity, fences), fences
-                    )
+                    epoch = mf.create_epoch(self.store, ns, job, generation, 1, restore, fences, reason)
                 except PreconditionFailed:
                     if time.monotonic() > deadline:
                         raise FailedPrecondition(f"{ns}/{job}: could not allocate an attempt") from None

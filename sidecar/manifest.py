@@ -375,9 +375,16 @@ class Epoch:
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
     kind: str = "strata.epoch"
+    #: How the restore step was chosen when the operator asked: "requested" (its one-shot restore
+    #: request named the step) or "fresh" (it asked for none); "" for the default, the newest usable
+    #: commit. Left out of the record when "", so default records stay readable by older sidecars.
+    restore_reason: str = ""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        body = asdict(self)
+        if not body["restore_reason"]:
+            del body["restore_reason"]
+        return json.dumps(body, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, key: str = "EPOCH") -> Epoch:
@@ -454,8 +461,10 @@ def create_epoch(
     world_size: int,
     restore: tuple[int, int] | None,
     fences: Fences,
+    reason: str = "",
 ) -> Epoch:
-    """Create the next EPOCH record (create-only) naming ``generation`` and its restore point.
+    """Create the next EPOCH record (create-only) naming ``generation`` and its restore point
+    (and ``reason``, how it was chosen: see :attr:`Epoch.restore_reason`).
 
     Raises PreconditionFailed when another writer took that number first: the caller
     re-reads the fences and decides again.
@@ -474,6 +483,7 @@ def create_epoch(
         None if restore is None else restore[1],
         None if restore is None else restore[0],
         history,
+        restore_reason=reason,
     )
     store.put(epoch_key(namespace, job, attempt), epoch.to_json(), if_none_match=True)
     log.info(
