@@ -400,9 +400,10 @@ class CheckpointWriter:
         self._loading.pop((namespace, job), None)
         self._heard.pop((namespace, job), None)
 
-    def _hear(self, namespace: str, job: str, attempt: int | None, restore_step: int | None) -> None:
+    def _hear(self, namespace: str, job: str, attempt: int | None, restore_step: int | None) -> bool:
+        """Note the attempt a heartbeat names; True when it is newer than any heard before."""
         if attempt is None:
-            return
+            return False
         key = (namespace, job)
         heard = self._heard.get(key)
         if (
@@ -411,6 +412,53 @@ class CheckpointWriter:
             or (attempt == heard[0] and heard[1] is None and restore_step is not None)
         ):
             self._heard[key] = (attempt, restore_step)
+            return heard is None or attempt > heard[0]
+        return False
+
+    async def _sweep(self, namespace: str, job: str, attempt: int, restore_step: int | None) -> None:
+        """A new attempt restored ``restore_step`` (None: nothing): older attempts' steps after it are
+        fenced off in storage and can never be restored, so their Checkpoints go (one LIST, one
+        DELETE each), and ``strata.dev/latest`` moves to the newest step still valid."""
+        state = await self._job(namespace, job)
+        async with state.lock:
+            listing = await self.api.request(
+                "GET", _checkpoints(namespace), params={"labelSelector": f"{JOB_LABEL}={job}"}
+            )
+            fenced = [
+                item
+                for item in (listing or {}).get("items") or []
+                if int((item.get("spec") or {}).get("attempt", attempt)) < attempt
+                and (restore_step is None or int(item["spec"]["step"]) > restore_step)
+            ]
+            for item in fenced:
+                meta = item["metadata"]
+                preconditions = {"uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")}
+                try:
+                    await self.api.delete(
+                        _checkpoints(namespace, meta["name"]),
+                        {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions},
+                    )
+                except ApiError as exc:
+                    if exc.status != 409:  # changed meanwhile (a newer report): leave it
+                        raise
+                    continue
+                state.steps.discard(int(item["spec"]["step"]))
+                log.info(
+                    "%s/%s: attempt %d restored %s: Checkpoint %s (attempt %s) is fenced off, removed",
+                    namespace,
+                    job,
+                    attempt,
+                    "nothing" if restore_step is None else f"step {restore_step}",
+                    meta["name"],
+                    item["spec"].get("attempt"),
+                )
+            if fenced and (state.latest is None or state.latest not in state.steps):
+                state.latest = None
+                for candidate in sorted(state.steps, reverse=True):
+                    if await self._label(namespace, objects.checkpoint_name(job, candidate), "true"):
+                        state.latest = candidate
+                        break
+                    state.steps.discard(candidate)
 
     async def _job(self, namespace: str, job: str) -> _Job:
         key = (namespace, job)
@@ -477,7 +525,8 @@ class CheckpointWriter:
             await self._beat(beat, pod_name)
 
     async def _beat(self, beat: dict[str, Any], pod_name: str) -> None:
-        self._hear(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"])
+        if self._hear(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"]):
+            await self._sweep(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"])
         if self.on_heartbeat is None:
             return
         try:

@@ -302,7 +302,11 @@ async def test_second_batch_with_same_token_costs_no_tokenreview_nor_pod_lookup(
     assert op.api.calls - before == 3
     before = op.api.calls
     assert (await op.post(token, [heartbeat(), heartbeat(rank=1)]))[1]["accepted"] == 2
-    assert op.api.calls == before  # heartbeats cost no API call at all
+    # The first heartbeat naming an attempt costs one LIST (Checkpoints it fenced off are swept)...
+    assert op.api.calls - before == 1
+    before = op.api.calls
+    assert (await op.post(token, [heartbeat(), heartbeat(rank=1)]))[1]["accepted"] == 2
+    assert op.api.calls == before  # ...later ones cost no API call at all
     reviews = [r for r in k8s.api if r.resource == TOKENREVIEWS]
     assert len(reviews) == 1
     assert sample(op.metrics, "strata_operator_api_calls_total") == op.api.calls
@@ -449,13 +453,27 @@ async def test_superseded_attempt_never_changes_checkpoint(op: Operator, token: 
     after = await op.checkpoint(1400)
     assert after is not None and after["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
 
-    # Heartbeats tell the writer of a newer attempt too (restored nothing: every older step is stale).
+    # Heartbeats tell the writer of a newer attempt too (restored nothing: every older step is
+    # fenced off in storage), and the Checkpoints of those steps go: none can be restored.
     assert (await op.post(token, [heartbeat(attempt=5, restore_step=None)]))[1]["accepted"] == 1
     status, answer = await op.post(token, [report(1600, attempt=4)])
     assert "restored nothing" in answer["rejected"][0]["error"]
     assert await op.checkpoint(1600) is None
     assert sample(op.metrics, "strata_operator_report_rejections_total", reason="superseded") == 3
+    assert await op.checkpoint(1400) is None and await op.checkpoint(1000) is None
+    assert await op.latest() == []
+
+
+async def test_a_new_attempt_sweeps_the_checkpoints_it_fenced_off_and_moves_latest(
+    op: Operator, token: str
+) -> None:
+    assert (await op.post(token, [report(s, attempt=2) for s in (1000, 1200, 1400)]))[1]["accepted"] == 3
     assert await op.latest() == ["recsys-000000001400"]
+    # Attempt 3 rolled back to step 1200: 1400 of attempt 2 is fenced off, 1000 and 1200 stay valid.
+    assert (await op.post(token, [heartbeat(attempt=3, restore_step=1200)]))[1]["accepted"] == 1
+    assert await op.checkpoint(1400) is None
+    assert await op.checkpoint(1000) is not None and await op.checkpoint(1200) is not None
+    assert await op.latest() == ["recsys-000000001200"]
 
 
 async def test_latest_label_moves(k8s: K8s, op: Operator, token: str) -> None:
@@ -558,8 +576,8 @@ async def test_api_failure_answers_503_and_batch_can_be_resent(k8s: K8s) -> None
     op = await start_operator(k8s)  # no CRDs installed: the Checkpoint API answers 404
     try:
         token = issue(k8s, await seed_pod(k8s, "recsys-0"))
-        status, answer = await op.post(token, [heartbeat(), report(1200)])
-        assert status == 503 and "report 1" in answer["error"]
+        status, answer = await op.post(token, [report(1200), heartbeat()])
+        assert status == 503 and "report 0" in answer["error"]
         assert sample(op.metrics, "strata_operator_reconcile_errors_total") == 1
         await install_crds(k8s)
         assert (await op.post(token, [heartbeat(), report(1200)]))[1]["accepted"] == 2
