@@ -6,6 +6,7 @@ the launcher/operator never multiplies retries with another policy.
 
 from sidecar.coordinator.core import (
     OOM_EXIT_CODE,
+    PERMANENT,
     Decision,
     Failure,
     FailureKind,
@@ -16,6 +17,7 @@ from sidecar.coordinator.core import (
 
 __all__ = [
     "OOM_EXIT_CODE",
+    "PERMANENT",
     "Decision",
     "Failure",
     "FailureKind",

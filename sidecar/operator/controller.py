@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sidecar.coordinator import Failure, FailureKind, RestartPolicy, RestartTracker
+from sidecar.coordinator import PERMANENT, Failure, FailureKind, RestartPolicy, RestartTracker
 from sidecar.operator import annotations as table
 from sidecar.operator import names, objects
 from sidecar.operator.admission import opted_in
@@ -332,12 +332,12 @@ class Controller:
         if current is None:
             await self._release(job, gated, job.generation(0), first=True)
             return
-        failure = self._failure(job, running)
-        if failure is None and phase == "Failed" and last.get("kind"):
+        found = self._failure(job, running)
+        if found is None and phase == "Failed" and last.get("kind"):
             # Raised limit after giving up: decide again on the failure that spent it.
-            failure = Failure(FailureKind(last["kind"]), detail=last.get("message", ""))
-        if failure is not None:
-            await self._decide(job, failure, running)
+            found = Failure(FailureKind(last["kind"]), detail=last.get("message", "")), last.get("pod", "")
+        if found is not None:
+            await self._decide(job, found[0], running, found[1])
             return
         done = {_index(p) for p in running if (p.get("status") or {}).get("phase") == "Succeeded"}
         if running and len(done) >= job.world:
@@ -533,20 +533,23 @@ class Controller:
 
     # -- decisions ----------------------------------------------------------------------------------
 
-    def _failure(self, job: _Job, running: list[dict[str, Any]]) -> Failure | None:
-        found: list[Failure] = []
+    def _failure(self, job: _Job, running: list[dict[str, Any]]) -> tuple[Failure, str] | None:
+        """The failure to act on, and its pod: the first cause wins (a pod the node lost or evicted
+        beats the peers that died after it)."""
+        found: list[tuple[Failure, str]] = []
         for pod in running:
             if (pod.get("status") or {}).get("phase") == "Succeeded":
                 continue
             failure = classify_pod(pod, container=self.trainer_container)
             if failure is not None:
-                found.append(failure)
-        # The first cause wins: a pod the node lost or evicted beats the peers that died after it.
+                found.append((failure, str(_meta(pod).get("name", ""))))
         order = [FailureKind.LOST, FailureKind.EVICTED, FailureKind.OOM, FailureKind.DELETED]
-        found.sort(key=lambda f: order.index(f.kind) if f.kind in order else len(order))
+        found.sort(key=lambda f: order.index(f[0].kind) if f[0].kind in order else len(order))
         return found[0] if found else None
 
-    async def _decide(self, job: _Job, failure: Failure, running: list[dict[str, Any]]) -> None:
+    async def _decide(
+        self, job: _Job, failure: Failure, running: list[dict[str, Any]], pod: str = ""
+    ) -> None:
         assert job.status is not None
         settings = job.settings
         policy = RestartPolicy(
@@ -557,36 +560,54 @@ class Controller:
         tracker = RestartTracker(
             policy, job.world, restarts=int(job.status.get("restarts") or 0), rng=self.rng
         )
+        done = sorted(
+            {str(_index(p)) for p in running if (p.get("status") or {}).get("phase") == "Succeeded"}
+        )
+        if done:
+            # The Job controller never re-creates a succeeded index, so no whole gang can start again.
+            failure = Failure(
+                FailureKind.CONFIG,
+                failure.rank,
+                failure.exit_code,
+                failure.signal,
+                f"{failure.describe()}, after index(es) {', '.join(done)} had succeeded: "
+                "a gang restart cannot bring completed indexes back",
+            )
         decision = tracker.decide(failure)
         last = {
             "reason": REASONS.get(failure.kind, "Failed"),
             "kind": failure.kind.value,
             "message": failure.describe(),
-            "pod": failure.detail.split(",")[0].removeprefix("pod ").split(":")[0]
-            if failure.detail.startswith("pod ")
-            else "",
+            "pod": pod,
             "time": _now(),
         }
-        if self.metrics is not None:
-            self.metrics.restarts.labels(reason=decision.reason).inc() if decision.restart else None
         self.decisions.append((job.name, time.monotonic()))
         if not decision.restart:
+            permanent = failure.kind in PERMANENT
+            reason = "NotRestartable" if permanent else "RestartLimitReached"
             await self._patch_status(
                 job,
                 {"phase": "Failed", "lastFailure": last},
-                condition=("Failed", "True", "RestartLimitReached", decision.message),
+                condition=("Failed", "True", reason, decision.message),
+            )
+            advice = (
+                "delete the Job"
+                if permanent
+                else "delete the Job, or raise the limit: "
+                f"kubectl annotate job {job.name} strata.dev/max-restarts=N --overwrite"
             )
             await self._event(
                 job,
-                "RestartLimitReached",
-                decision.message
-                + "; the Job's replacement pods stay gated (they hold no accelerators): delete the Job, "
-                f"or raise the limit: kubectl annotate job {job.name} strata.dev/max-restarts=N --overwrite",
+                reason,
+                f"{decision.message}; the Job's replacement pods stay gated "
+                f"(they hold no accelerators): {advice}",
                 warning=True,
                 on_workload=True,
             )
             await self._stop_pods(job, running)
             return
+        if self.metrics is not None:
+            self.metrics.restarts.labels(reason=decision.reason).inc()
         now = self.clock()
         pending = {
             "generation": job.generation(job.restart_count + 1),

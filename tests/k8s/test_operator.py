@@ -44,10 +44,9 @@ async def until(what: Callable[[], Awaitable[Any] | Any], timeout: float = 30.0,
 
 @contextlib.asynccontextmanager
 async def operator(k8s: K8s, **config: Any) -> AsyncIterator[Any]:
-    async with serve(
-        OperatorConfig(kubeconfig=str(k8s.kubeconfig), fence_margin_s=1.0, **config)
-    ) as controller:
-        yield controller
+    config = {"fence_margin_s": 1.0, "report_port": 0, "report_host": "127.0.0.1", **config}
+    async with serve(OperatorConfig(kubeconfig=str(k8s.kubeconfig), **config)) as running_operator:
+        yield running_operator
 
 
 @pytest_asyncio.fixture
@@ -659,3 +658,20 @@ async def test_operator_lift_gates_releases_every_gated_pod_and_keeps_other_gate
         assert status == 200, body
         gates[name] = [g["name"] for g in body["spec"].get("schedulingGates") or []]
     assert gates == {"a": [], "b": ["kueue.x-k8s.io/admission"], "c": ["other"]}
+
+
+async def test_operator_failure_after_some_ranks_succeeded_fails_the_job_instead_of_restarting(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("ending", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        await cluster.succeed(pods[0])
+        await asyncio.sleep(0.3)
+        await cluster.fail(pods[1], 1)
+        status = await until(lambda: _phase(k8s, "ending", "Failed"), message="phase Failed")
+        failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "NotRestartable" and "index(es) 0 had succeeded" in failed["message"]
+        assert status["restarts"] == 0
+        assert not any(generation_of(p) == f"{run}/1" for p in cluster.pods("ending"))
