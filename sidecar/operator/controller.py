@@ -116,6 +116,15 @@ class _Job:
     progress_at: float = 0.0
     progress: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     heartbeat_written: float = 0.0
+    #: When this operator process loaded the job (the hang clock never starts earlier).
+    seen_at: float = 0.0
+    #: Pods of the current generation whose DELETED event came before any failure showed.
+    vanished: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: Pods this operator process released (a watch event older than the release may still show
+    #: them gated: they are not replacements).
+    released_uids: set[str] = dataclasses.field(default_factory=set)
+    #: Warned about pods of an earlier run of the same name still running.
+    warned_earlier_run: bool = False
     #: Warned about a pod stuck Terminating (one Event per pod).
     fenced: set[str] = dataclasses.field(default_factory=set)
 
@@ -180,8 +189,6 @@ class Controller:
         key = (namespace, name)
         if key not in self.jobs:
             self.jobs[key] = _Job(namespace, name)
-            if self.metrics is not None:
-                self.metrics.watched_jobs.set(len(self.jobs))
         return self.jobs[key]
 
     async def on_job(self, event_type: str | None, body: Mapping[str, Any]) -> None:
@@ -192,14 +199,16 @@ class Controller:
         job = self._job(str(meta.get("namespace", "default")), str(meta["name"]))
         if event_type == "DELETED":
             # The StrataJob and the Checkpoints stay: a Job resubmitted under this name finds them.
+            # Its pods stay in the index until they are gone: a resubmission waits for them.
             if job.timer is not None:
                 job.timer.cancel()
-            self.jobs.pop(job.key, None)
-            if self.metrics is not None:
-                self.metrics.watched_jobs.set(len(self.jobs))
+            job.workload = job.status = job.stratajob = None
+            job.vanished.clear()
+            self._tidy(job)
             return
         job.kind = str(body.get("kind", "Job"))
         job.workload = dict(body)
+        self._tidy(job)
         await self.reconcile(job)
 
     async def on_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
@@ -209,18 +218,44 @@ class Controller:
         owner = labels.get(names.JOBSET_NAME_LABEL) or labels.get(names.JOB_NAME_LABEL)
         if not owner:
             return  # a bare pod: nothing restarts it, nothing to do
-        job = self._job(str(meta.get("namespace", "default")), str(owner))
+        key = (str(meta.get("namespace", "default")), str(owner))
+        if event_type == "DELETED" and key not in self.jobs:
+            return  # a pod of a job no longer watched (the Job was deleted)
+        job = self._job(*key)
+        name = str(meta["name"])
         if event_type == "DELETED":
-            job.pods.pop(str(meta["name"]), None)
+            last = job.pods.pop(name, None) or dict(body)
+            if job.workload is None:
+                self._tidy(job)
+                return
+            generation = (_meta(last).get("annotations") or {}).get(names.GENERATION_ANNOTATION)
+            if (
+                job.status is not None
+                and generation is not None
+                and generation == job.status.get("generation")
+                and not _gated(last)
+                and not is_terminal(last)
+            ):
+                job.vanished[name] = last  # gone before any failure showed: a failure still
         else:
-            job.pods[str(meta["name"])] = dict(body)
+            job.pods[name] = dict(body)
         await self.reconcile(job)
+
+    def _tidy(self, job: _Job) -> None:
+        """Drop a job neither watched nor holding pods (its Job was deleted and its pods are gone);
+        count the watched ones."""
+        if job.workload is None and not job.pods and self.jobs.get(job.key) is job:
+            del self.jobs[job.key]
+        if self.metrics is not None:
+            self.metrics.watched_jobs.set(sum(1 for j in self.jobs.values() if j.workload is not None))
 
     async def on_heartbeat(self, item: Mapping[str, Any], pod: str | None = None) -> None:
         """A sidecar heartbeat: save progress (for hang detection) and the attempt it runs."""
         job = self.jobs.get((str(item.get("namespace")), str(item.get("job"))))
         if job is None or job.status is None:
             return
+        if item.get("generation") != job.status.get("generation"):
+            return  # a sidecar of an earlier generation, still stopping: not this gang's progress
         rank = int(item.get("rank", 0))
         seen = (item.get("step"), item.get("saves"))
         if job.progress.get(rank) != seen:
@@ -316,7 +351,7 @@ class Controller:
         spent = int(job.status.get("restarts") or 0) >= job.settings.max_restarts
         if phase == "Failed" and (spent or last.get("kind") == "config"):
             return
-        pods = [p for p in job.pods.values() if _owner_uid(p) in (None, job.uid)]
+        pods = self._own_pods(job)
         pending = job.status.get("pendingRestart")
         if pending:
             await self._restart(job, pods, pending)
@@ -328,11 +363,11 @@ class Controller:
             for p in released
             if (_meta(p).get("annotations") or {}).get(names.GENERATION_ANNOTATION) == current
         ]
-        gated = [p for p in pods if _gated(p)]
         if current is None:
-            await self._release(job, gated, job.generation(0), first=True)
+            if await self._earlier_run_gone(job):
+                await self._release(job, pods, job.generation(0), first=True)
             return
-        found = self._failure(job, running)
+        found = self._failure(job, running) or self._vanished(job, pods, running)
         if found is None and phase == "Failed" and last.get("kind"):
             # Raised limit after giving up: decide again on the failure that spent it.
             found = Failure(FailureKind(last["kind"]), detail=last.get("message", "")), last.get("pod", "")
@@ -348,7 +383,11 @@ class Controller:
             )
             return
         if job.settings.hang_timeout > 0 and phase == "Running":
-            started = max(job.progress_at, _parse_time(job.status.get("generationStartedAt")) or 0.0)
+            # From the newest progress, the release, or this operator's first sight of the job
+            # (progress seen by an earlier operator process is not known here).
+            started = max(
+                job.progress_at, job.seen_at, _parse_time(job.status.get("generationStartedAt")) or 0.0
+            )
             deadline = started + job.settings.hang_timeout
             if self.clock() >= deadline:
                 await self._decide(
@@ -391,10 +430,12 @@ class Controller:
             status = self._new_run(job, found.get("status") or {}, resumed=False, fresh=fresh)
             job.stratajob = found
             job.status = dict(found.get("status") or {})
+            job.seen_at = self.clock()
             await self._patch_status(job, status)
             return
         job.stratajob = found
         job.status = dict(found.get("status") or {})
+        job.seen_at = self.clock()
         known_uid = ((found.get("spec") or {}).get("workload") or {}).get("uid")
         if known_uid != job.uid:
             # Resubmitted under the same name: a new run (its own retry budget), resuming the
@@ -429,8 +470,7 @@ class Controller:
             "restoreStep": None,
             "lastFailure": old.get("lastFailure") if resumed else None,
         }
-        if fresh:
-            status["resumeFromApplied"] = None
+        status["resumeFromApplied"] = None  # a new run applies the Job's resume-from once
         return status
 
     def _parse_settings(self, job: _Job) -> table.JobSettings:
@@ -628,7 +668,7 @@ class Controller:
             condition=("Restarting", "True", decision.reason, decision.message),
         )
         await self._event(job, "GangRestart", decision.message, warning=True, on_workload=True)
-        await self._restart(job, [p for p in job.pods.values() if _owner_uid(p) in (None, job.uid)], pending)
+        await self._restart(job, self._own_pods(job), pending)
 
     async def _stop_pods(self, job: _Job, pods: list[dict[str, Any]]) -> None:
         """Evict every pod that still runs (DisruptionTarget, which podFailurePolicy ignores); a
@@ -695,54 +735,118 @@ class Controller:
             and (_meta(p).get("annotations") or {}).get(names.GENERATION_ANNOTATION) != target
         ]
         await self._stop_pods(job, old)
+        if not await self._wait_gone(job, old):
+            return  # the watch brings their end (or a timer, to fence one stuck Terminating)
+        not_before = _parse_time(str(pending.get("notBefore"))) or 0.0
+        if self.clock() < not_before:
+            self._wake(job, not_before)
+            return
+        await self._release(job, pods, target, first=False)
+
+    async def _wait_gone(self, job: _Job, pods: list[dict[str, Any]]) -> bool:
+        """True once every pod in ``pods`` is terminal or gone. A pod still Terminating
+        ``--fence-margin-seconds`` after its deletion deadline (its node is gone) is force-deleted:
+        storage fences its attempt off, so nothing it still writes can commit, and without this its
+        index never gets a replacement (podReplacementPolicy: Failed)."""
         now = self.clock()
-        waiting_on: list[str] = []
-        for pod in old:
+        waiting = False
+        for pod in pods:
             if is_terminal(pod):
                 continue
+            waiting = True
             meta = _meta(pod)
+            # The apiserver sets deletionTimestamp to the end of the grace period.
+            deadline = _parse_time(meta.get("deletionTimestamp"))
+            if deadline is None:
+                continue
+            if now < deadline + self.fence_margin_s:
+                self._wake(job, deadline + self.fence_margin_s)
+                continue
             name = str(meta["name"])
-            deleting = _parse_time(meta.get("deletionTimestamp"))
-            if deleting is None:
-                waiting_on.append(name)
-                continue
-            grace = float(meta.get("deletionGracePeriodSeconds") or 30)
-            deadline = deleting + grace + self.fence_margin_s
-            if now < deadline:
-                waiting_on.append(name)
-                self._wake(job, deadline)
-                continue
-            # Stuck Terminating (its node is gone): force-delete it. Storage fences its attempt off,
-            # so nothing it still writes can commit; without this its index never gets a replacement.
             await self.api.delete(path("", "v1", "pods", job.namespace, name), {"gracePeriodSeconds": 0})
             if name not in job.fenced:
                 job.fenced.add(name)
                 await self._event(
                     job,
                     "PodFenced",
-                    f"pod {name} was still Terminating {now - deleting:.0f} s after its deletion "
-                    f"(grace {grace:.0f} s + {self.fence_margin_s:.0f} s): force-deleted it; its attempt is "
-                    "fenced off in storage",
+                    f"pod {name} was still Terminating {now - deadline:.0f} s after its grace period ended "
+                    f"(margin {self.fence_margin_s:.0f} s): force-deleted it; its attempt is fenced off in "
+                    "storage",
                     warning=True,
                 )
-            waiting_on.append(name)
-        if waiting_on:
-            return  # the watch brings their end
-        not_before = _parse_time(str(pending.get("notBefore"))) or 0.0
-        if now < not_before:
-            self._wake(job, not_before)
-            return
-        gated = [
-            p for p in pods if _gated(p) and not is_terminal(p) and not _meta(p).get("deletionTimestamp")
-        ]
-        await self._release(job, gated, target, first=False)
+        return not waiting
 
-    async def _release(self, job: _Job, gated: list[dict[str, Any]], generation: str, *, first: bool) -> None:
-        """Write the generation on every gated pod and lift the gates, once all ranks are there."""
+    def _own_pods(self, job: _Job) -> list[dict[str, Any]]:
+        """Pods this Job controls (not those of an earlier Job of the same name)."""
+        return [p for p in job.pods.values() if _owner_uid(p) == job.uid]
+
+    async def _earlier_run_gone(self, job: _Job) -> bool:
+        """A resubmitted Job's first gang waits for the pods of the earlier Job of its name (still
+        Terminating, or orphaned): two runs never train side by side."""
+        earlier = [p for p in job.pods.values() if _owner_uid(p) != job.uid and not is_terminal(p)]
+        if await self._wait_gone(job, earlier):
+            return True
+        if not job.warned_earlier_run:
+            job.warned_earlier_run = True
+            names_left = ", ".join(sorted(str(_meta(p).get("name")) for p in earlier)[:5])
+            await self._event(
+                job,
+                "WaitingForEarlierRun",
+                f"{len(earlier)} pod(s) of an earlier {job.kind} named {job.name} still run ({names_left}); "
+                "this run starts when they are gone (delete them if they were orphaned)",
+                warning=True,
+                on_workload=True,
+            )
+        return False
+
+    def _vanished(
+        self, job: _Job, pods: list[dict[str, Any]], running: list[dict[str, Any]]
+    ) -> tuple[Failure, str] | None:
+        """A pod of the current generation that is gone without a failure showing: its DELETED event
+        came first, or (after an operator restart) its index has only a gated replacement, which the
+        Job controller creates only once the pod it replaces failed or went away."""
+        for name, pod in sorted(job.vanished.items()):
+            return Failure(
+                FailureKind.DELETED, _index(pod), detail=f"pod {name} disappeared while it ran"
+            ), name
+        live = {_index(p) for p in running if not is_terminal(p)}
+        started = (job.status or {}).get("generationStartedAt") or ""
+        for pod in pods:
+            index = _index(pod)
+            meta = _meta(pod)
+            replacement = (
+                _gated(pod)
+                and str(meta.get("uid")) not in job.released_uids
+                and str(meta.get("creationTimestamp") or "") >= started  # RFC 3339 UTC: orders as text
+            )
+            if replacement and index is not None and index not in live:
+                return (
+                    Failure(
+                        FailureKind.DELETED,
+                        index,
+                        detail=f"the pod of index {index} is gone "
+                        f"(its replacement {_meta(pod).get('name')} waits)",
+                    ),
+                    "",
+                )
+        return None
+
+    async def _release(self, job: _Job, pods: list[dict[str, Any]], generation: str, *, first: bool) -> None:
+        """Write the generation on every gated pod and lift the gates, once every index has its pod.
+        Idempotent: pods a failed earlier attempt at this release already carry ``generation`` count
+        as released, so a release cut short (an API error, an operator restart) completes."""
         assert job.status is not None and job.workload is not None
-        indexes = {_index(p) for p in gated}
-        ready = len(gated) >= job.world if None in indexes else indexes >= set(range(job.world))
-        if not ready:
+        live = [p for p in pods if not is_terminal(p) and not _meta(p).get("deletionTimestamp")]
+        gated = [p for p in live if _gated(p)]
+        done = [
+            p
+            for p in live
+            if not _gated(p)
+            and (_meta(p).get("annotations") or {}).get(names.GENERATION_ANNOTATION) == generation
+        ]
+        indexes = {_index(p) for p in gated + done}
+        ready = len(gated) + len(done) >= job.world if None in indexes else indexes >= set(range(job.world))
+        if not ready or not gated:
             return  # the Job controller is still creating them: their ADDED events wake us
         request = self._restore_request(job, first)
         for pod in gated:
@@ -754,10 +858,13 @@ class Controller:
             ]
             annotations: dict[str, Any] = {names.GENERATION_ANNOTATION: generation}
             annotations[names.RESTORE_REQUEST_ANNOTATION] = request
-            await self.api.merge_patch(
+            updated = await self.api.merge_patch(
                 path("", "v1", "pods", job.namespace, str(meta["name"])),
                 {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
             )
+            job.released_uids.add(str(meta.get("uid")))
+            if isinstance(updated, dict) and str(meta["name"]) in job.pods:
+                job.pods[str(meta["name"])] = updated  # the watch brings the same; do not wait for it
         changes: dict[str, Any] = {
             "phase": "Running",
             "generation": generation,
@@ -769,7 +876,9 @@ class Controller:
             changes["resumeFromApplied"] = str(resume_from) if resume_from is not None else "none"
         job.progress_at = self.clock()
         job.progress.clear()
-        message = f"released {len(gated)} pods as generation {generation}" + (
+        job.vanished.clear()
+        released = len(gated) + len(done)
+        message = f"released {released} pods as generation {generation}" + (
             f", restoring {'nothing (fresh)' if request == 'none' else f'step {request}'} once"
             if request
             else ""

@@ -55,8 +55,9 @@ VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update
 _NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # the apiserver's generateName alphabet
 
 
-def _now() -> str:
-    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now(later_s: float = 0) -> str:
+    moment = datetime.datetime.now(tz=datetime.UTC) + datetime.timedelta(seconds=later_s)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _age(timestamp: str | None) -> str:
@@ -323,7 +324,8 @@ class Emulator(kmock.KubernetesEmulator):
         if meta.get("finalizers") or grace > 0:
             # A pod on a node is deleted gracefully: it stays, Terminating, until its kubelet (or a
             # force delete, gracePeriodSeconds=0) removes it.
-            meta.setdefault("deletionTimestamp", _now())
+            # As the apiserver does: a pod's deletionTimestamp is when its grace period ends.
+            meta.setdefault("deletionTimestamp", _now(grace if request.resource == PODS else 0))
             if request.resource == PODS:
                 meta["deletionGracePeriodSeconds"] = grace
             self._bump(raw)

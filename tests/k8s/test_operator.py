@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from sidecar.operator import names
+from sidecar.operator.kube import ApiError
 from sidecar.operator.run import OperatorConfig, serve
 from tests.k8s.cluster import Cluster, create, indexed_job
 from tests.k8s.conftest import K8s, call, kubectl
@@ -394,13 +395,15 @@ async def _with_run(k8s: K8s, name: str) -> dict[str, Any] | None:
 # ---- hang, rollback, resubmission, JobSet ---------------------------------------------------------------
 
 
-def heartbeat(job: str, rank: int, step: int | None, saves: int, attempt: int = 1) -> dict[str, Any]:
+def heartbeat(
+    job: str, generation: str, rank: int, step: int | None, saves: int, attempt: int = 1
+) -> dict[str, Any]:
     return {
         "kind": "heartbeat",
         "namespace": "default",
         "job": job,
         "rank": rank,
-        "generation": "x/0",
+        "generation": generation,
         "attempt": attempt,
         "restore_step": None,
         "step": step,
@@ -419,7 +422,7 @@ async def test_operator_hang_timeout_restarts_a_gang_whose_heartbeats_show_no_pr
         for saves in range(1, 6):
             for rank in (0, 1):
                 await op.controller.on_heartbeat(
-                    heartbeat("hung", rank, saves * 100, saves), pods[rank]["metadata"]["name"]
+                    heartbeat("hung", f"{run}/0", rank, saves * 100, saves), pods[rank]["metadata"]["name"]
                 )
             await asyncio.sleep(0.5)
         status = await status_of(k8s, "hung")
@@ -428,7 +431,7 @@ async def test_operator_hang_timeout_restarts_a_gang_whose_heartbeats_show_no_pr
         for _ in range(4):
             for rank in (0, 1):
                 await op.controller.on_heartbeat(
-                    heartbeat("hung", rank, 500, 5), pods[rank]["metadata"]["name"]
+                    heartbeat("hung", f"{run}/0", rank, 500, 5), pods[rank]["metadata"]["name"]
                 )
             await asyncio.sleep(0.6)
         await until(lambda: running(cluster, "hung", f"{run}/1", 2), message="generation 1")
@@ -675,3 +678,111 @@ async def test_operator_failure_after_some_ranks_succeeded_fails_the_job_instead
         assert failed["reason"] == "NotRestartable" and "index(es) 0 had succeeded" in failed["message"]
         assert status["restarts"] == 0
         assert not any(generation_of(p) == f"{run}/1" for p in cluster.pods("ending"))
+
+
+# ---- regressions: releases cut short, pods that vanish, runs that overlap, operator restarts ---------------
+
+
+async def test_operator_release_cut_short_by_an_api_error_completes_on_retry(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s) as op:
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("part", 3, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        api = op.controller.api
+        patch = api.merge_patch
+        calls = {"n": 0}
+
+        async def flaky(url: str, body: Any) -> Any:
+            generation = ((body.get("metadata") or {}).get("annotations") or {}).get(
+                names.GENERATION_ANNOTATION
+            )
+            if generation == f"{run}/1":
+                calls["n"] += 1
+                if calls["n"] == 2:  # the second pod's release fails once
+                    raise ApiError(500, "InternalError", "injected")
+            return await patch(url, body)
+
+        api.merge_patch = flaky  # type: ignore[method-assign]
+        await cluster.fail(pods[0], 1)
+        await until(lambda: running(cluster, "part", f"{run}/1", 3), message="generation 1 complete")
+        assert (await status_of(k8s, "part"))["restarts"] == 1
+
+
+async def test_operator_force_deleted_pod_is_classified_as_deleted(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("force", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        name = pods[0]["metadata"]["name"]
+        status, body = await call(
+            k8s, "DELETE", f"/api/v1/namespaces/default/pods/{name}", {"gracePeriodSeconds": 0}
+        )
+        assert status == 200, body
+        await until(lambda: running(cluster, "force", f"{run}/1", 2), message="generation 1")
+        last = (await status_of(k8s, "force"))["lastFailure"]
+        assert last["reason"] == "PodDeleted" and name in last["message"]
+
+
+async def test_operator_pod_gone_while_the_operator_was_down_is_noticed_after_it_restarts(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("downtime", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+    name = pods[1]["metadata"]["name"]
+    await call(k8s, "DELETE", f"/api/v1/namespaces/default/pods/{name}", {"gracePeriodSeconds": 0})
+    await until(
+        lambda: [p for p in cluster.pods("downtime") if p["spec"].get("schedulingGates")],
+        message="a gated replacement",
+    )
+    async with operator(k8s):
+        await until(lambda: running(cluster, "downtime", f"{run}/1", 2), message="generation 1")
+        assert (await status_of(k8s, "downtime"))["lastFailure"]["reason"] == "PodDeleted"
+
+
+async def test_operator_resubmitted_job_waits_for_the_earlier_runs_pods(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        first_run, pods = await start_job(k8s, cluster, indexed_job("overlap", 2))
+        status, body = await call(k8s, "DELETE", f"{JOBS}/overlap")
+        assert status == 200, body
+        # Orphaned (as `kubectl delete --cascade=orphan` leaves them): they still run.
+        created = await create(k8s, JOBS, indexed_job("overlap", 2))
+        await until(lambda: _events_with(k8s, "overlap", "WaitingForEarlierRun"), message="the Warning")
+        assert not any(
+            generation_of(p) and not generation_of(p).startswith(first_run) for p in cluster.pods("overlap")
+        ), "the new run started while the earlier run's pods ran"
+        for pod in pods:
+            await call(k8s, "DELETE", f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}")
+        run = await until(
+            lambda: _new_generation(k8s, "overlap", created["metadata"]["uid"]), message="new run"
+        )
+        await until(lambda: running(cluster, "overlap", f"{run}/0", 2), message="the new run's gang")
+
+
+async def _events_with(k8s: K8s, name: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in await events_about(k8s, name) if e["reason"] == reason]
+
+
+async def _new_generation(k8s: K8s, name: str, uid: str) -> str | None:
+    found = await stratajob(k8s, name) or {}
+    generation = (found.get("status") or {}).get("generation") or ""
+    mine = found.get("spec", {}).get("workload", {}).get("uid") == uid
+    return generation.removesuffix("/0") if mine and generation.endswith("/0") else None
+
+
+async def test_operator_restart_does_not_count_an_old_generation_as_hung(k8s: K8s, cluster: Cluster) -> None:
+    annotations = {"strata.dev/backoff-seconds": "0", "strata.dev/hang-timeout": "3"}
+    async with operator(k8s) as op:
+        run, _ = await start_job(k8s, cluster, indexed_job("steady", 1, annotations=annotations))
+        for saves in range(1, 9):  # progress for longer than the hang timeout
+            await op.controller.on_heartbeat(heartbeat("steady", f"{run}/0", 0, saves, saves), "")
+            await asyncio.sleep(0.5)
+    async with operator(k8s) as op:
+        for saves in range(9, 13):  # the new operator hears progress too
+            await op.controller.on_heartbeat(heartbeat("steady", f"{run}/0", 0, saves, saves), "")
+            await asyncio.sleep(0.5)
+        status = await status_of(k8s, "steady")
+        assert status["restarts"] == 0 and status["generation"] == f"{run}/0", status.get("lastFailure")
