@@ -120,6 +120,8 @@ class _Job:
     seen_at: float = 0.0
     #: Pods of the current generation whose DELETED event came before any failure showed.
     vanished: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: Pods this operator process evicted or deleted (never twice: its view may lag its writes).
+    stopped: set[str] = dataclasses.field(default_factory=set)
     #: Pods this operator process released (a watch event older than the release may still show
     #: them gated: they are not replacements).
     released_uids: set[str] = dataclasses.field(default_factory=set)
@@ -277,6 +279,15 @@ class Controller:
         else:
             job.status.update(changes)  # written with the next status change, or within a minute
 
+    def workload_uid(self, namespace: str, job_name: str) -> str | None:
+        """The uid of the watched Job of that name (report checks compare pods' ownerReferences)."""
+        job = self.jobs.get((namespace, job_name))
+        return job.uid or None if job is not None and job.workload is not None and job.kind == "Job" else None
+
+    def current_generation(self, namespace: str, job_name: str) -> str | None:
+        job = self.jobs.get((namespace, job_name))
+        return None if job is None or job.status is None else job.status.get("generation")
+
     def attempt_of(self, namespace: str, job_name: str) -> tuple[int, int | None] | None:
         """The newest attempt known for a job and the step it restored (report checks use it)."""
         job = self.jobs.get((namespace, job_name))
@@ -284,12 +295,14 @@ class Controller:
             return None
         return int(job.status["attempt"]), job.status.get("restoreStep")
 
-    async def on_commit(self, namespace: str, job_name: str, step: int, checkpoint: str) -> None:
-        """A Checkpoint was written: the job's newest consistent step moves on."""
+    async def on_commit(
+        self, namespace: str, job_name: str, step: int | None, checkpoint: str | None
+    ) -> None:
+        """The job's newest Checkpoint changed (a newer commit, or a rollback swept newer ones away)."""
         job = self.jobs.get((namespace, job_name))
         if job is None or job.status is None:
             return
-        if step >= int(job.status.get("latestStep") or -1):
+        if (step, checkpoint) != (job.status.get("latestStep"), job.status.get("latestCheckpoint")):
             await self._patch_status(job, {"latestStep": step, "latestCheckpoint": checkpoint})
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -675,8 +688,11 @@ class Controller:
         PodDisruptionBudget's 429 falls back to a delete."""
         for pod in pods:
             meta = _meta(pod)
-            if is_terminal(pod) or meta.get("deletionTimestamp") or _gated(pod):
+            uid = str(meta.get("uid"))
+            # The index may lag our own evictions (the watch brings the deletion later): once each.
+            if is_terminal(pod) or meta.get("deletionTimestamp") or _gated(pod) or uid in job.stopped:
                 continue
+            job.stopped.add(uid)
             name = str(meta["name"])
             eviction = {
                 "apiVersion": "policy/v1",
@@ -684,19 +700,23 @@ class Controller:
                 "metadata": {"name": name, "namespace": job.namespace},
             }
             try:
-                await self.api.create(path("", "v1", "pods", job.namespace, name, "eviction"), eviction)
-            except ApiError as exc:
-                if exc.status == 404:
-                    continue
-                if exc.status != 429:
-                    raise
-                log.info(
-                    "%s/%s: eviction of %s refused by a disruption budget; deleting it",
-                    job.namespace,
-                    job.name,
-                    name,
-                )
-                await self._disrupt_and_delete(job, pod)
+                try:
+                    await self.api.create(path("", "v1", "pods", job.namespace, name, "eviction"), eviction)
+                except ApiError as exc:
+                    if exc.status == 404:
+                        continue
+                    if exc.status != 429:
+                        raise
+                    log.info(
+                        "%s/%s: eviction of %s refused by a disruption budget; deleting it",
+                        job.namespace,
+                        job.name,
+                        name,
+                    )
+                    await self._disrupt_and_delete(job, pod)
+            except BaseException:
+                job.stopped.discard(uid)  # not stopped after all: the retry tries again
+                raise
 
     async def _disrupt_and_delete(self, job: _Job, pod: Mapping[str, Any]) -> None:
         """What the taint manager and the pod GC do: mark the pod DisruptionTarget (so the Job's
@@ -877,6 +897,7 @@ class Controller:
         job.progress_at = self.clock()
         job.progress.clear()
         job.vanished.clear()
+        job.stopped.clear()
         released = len(gated) + len(done)
         message = f"released {released} pods as generation {generation}" + (
             f", restoring {'nothing (fresh)' if request == 'none' else f'step {request}'} once"

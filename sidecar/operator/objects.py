@@ -151,6 +151,8 @@ def checkpoint_body(report: Mapping[str, Any]) -> dict[str, Any]:
             f"commit report key 'location' must be a storage URL without credentials, got {parts.scheme}://..."
         )
     committed_at = _get(report, "committed_at", (int, float))
+    if not 0 <= committed_at < 1e11:  # unix seconds; beyond year 5000 is not a time
+        raise ValueError(f"commit report key 'committed_at' must be unix seconds, got {committed_at!r}")
     ranks_raw = _get(report, "ranks", list)
     ranks = sorted((_rank(entry, i) for i, entry in enumerate(ranks_raw)), key=lambda r: r["rank"])
     if len({r["rank"] for r in ranks}) != len(ranks):

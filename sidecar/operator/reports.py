@@ -55,6 +55,8 @@ from sidecar.operator.names import (
     JOB_NAME_LABEL,
     JOBSET_NAME_LABEL,
     LATEST_LABEL,
+    OPT_IN_LABEL,
+    OPT_IN_VALUE,
     REPORT_AUDIENCE,
     VERSION,
 )
@@ -79,6 +81,8 @@ __all__ = [
 log = logging.getLogger("strata.operator.reports")
 
 #: Cap on a request body: a commit report of a few thousand ranks fits many times over.
+#: How long a refused token is answered from memory (no TokenReview for every retry of a bad one).
+REFUSED_TTL_S = 10.0
 MAX_BODY_BYTES = 4 * 1024 * 1024
 #: Cap on the items of one batch.
 MAX_ITEMS = 1000
@@ -92,8 +96,9 @@ _CHECKPOINT = "Checkpoint"
 #: step (None: it restored nothing), or None when it knows no attempt of the job.
 AttemptOf = Callable[[str, str], "tuple[int, int | None] | None"]
 #: ``on_heartbeat(item, pod_name)``: the controller's hang detection; may be a coroutine function.
-#: Told (namespace, job, step, Checkpoint name) when a job's newest Checkpoint was written.
-OnCommit = Callable[[str, str, int, str], Awaitable[None]]
+#: Told (namespace, job, step, Checkpoint name) of a job's newest Checkpoint whenever it changes: a
+#: newer one was written, or a sweep removed the newest (then possibly (None, None)).
+OnCommit = Callable[[str, str, "int | None", "str | None"], Awaitable[None]]
 OnHeartbeat = Callable[[Mapping[str, Any], str], "Awaitable[None] | None"]
 
 
@@ -191,12 +196,15 @@ class Authenticator:
         ttl: float = 60.0,
         max_entries: int = 4096,
         clock: Callable[[], float] = time.time,
+        workload_uid: Callable[[str, str], str | None] | None = None,
     ) -> None:
         self.api = api
         self.audience = audience
         self.ttl = ttl
         self.clock = clock
+        self.workload_uid = workload_uid
         self._reviews = _TtlCache(max_entries)
+        self._refused = _TtlCache(max_entries)
         self._pods = _TtlCache(max_entries)
 
     async def authenticate(self, token: str) -> Identity:
@@ -209,6 +217,16 @@ class Authenticator:
         cached: Identity | None = self._reviews.get(key, now)
         if cached is not None:
             return cached
+        refused: str | None = self._refused.get(key, now)
+        if refused is not None:  # a refused token costs one TokenReview per REFUSED_TTL_S, not per request
+            raise Unauthenticated(refused)
+        try:
+            return await self._review(token, key, now)
+        except Unauthenticated as exc:
+            self._refused.put(key, str(exc), now + REFUSED_TTL_S)
+            raise
+
+    async def _review(self, token: str, key: str, now: float) -> Identity:
         expiry = _token_expiry(token)
         if expiry is not None and expiry <= now:
             raise Unauthenticated("token has expired")
@@ -255,12 +273,37 @@ class Authenticator:
         meta = pod.get("metadata") or {}
         if meta.get("uid") != identity.pod_uid:
             raise Forbidden(f"pod {identity} is not the pod the token was issued to (uid differs)")
-        labels = meta.get("labels") or {}
-        jobs = frozenset(
-            str(labels[label]) for label in (JOB_NAME_LABEL, JOBSET_NAME_LABEL) if labels.get(label)
-        )
+        jobs = self._owning_jobs(identity.namespace, meta)
         self._pods.put(key, jobs, now + self.ttl)
         return jobs
+
+    def _owning_jobs(self, namespace: str, meta: Mapping[str, Any]) -> frozenset[str]:
+        """The job a pod belongs to: opted in, and controlled by that Job (the ownerReference the Job
+        controller sets, with the uid of the Job the operator watches when it knows it), or by a Job
+        of that JobSet. A label alone names nothing: anyone who can create a pod can set it."""
+        labels = meta.get("labels") or {}
+        if labels.get(OPT_IN_LABEL) != OPT_IN_VALUE:
+            return frozenset()
+        owner = next(
+            (r for r in meta.get("ownerReferences") or [] if r.get("controller") and r.get("kind") == "Job"),
+            None,
+        )
+        if owner is None:
+            return frozenset()
+        jobset = labels.get(JOBSET_NAME_LABEL)
+        if jobset:
+            return (
+                frozenset({str(jobset)})
+                if str(owner.get("name", "")).startswith(f"{jobset}-")
+                else frozenset()
+            )
+        job = str(owner.get("name", ""))
+        if labels.get(JOB_NAME_LABEL) not in (None, job):
+            return frozenset()
+        known = self.workload_uid(namespace, job) if self.workload_uid is not None else None
+        if known is not None and owner.get("uid") != known:
+            return frozenset()
+        return frozenset({job})
 
     async def authorize(self, identity: Identity, items: list[Any]) -> None:
         """Forbidden unless the pod may report about every (namespace, job) the items name. Items that
@@ -366,11 +409,13 @@ class CheckpointWriter:
         on_heartbeat: OnHeartbeat | None = None,
         metrics: OperatorMetrics | None = None,
         on_commit: OnCommit | None = None,
+        current_generation: Callable[[str, str], str | None] | None = None,
     ) -> None:
         self.api = api
         self.attempt_of = attempt_of
         self.on_heartbeat = on_heartbeat
         self.on_commit = on_commit
+        self.current_generation = current_generation
         self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.metrics.track_api(api)
         self._jobs: dict[tuple[str, str], _Job] = {}
@@ -459,6 +504,14 @@ class CheckpointWriter:
                         state.latest = candidate
                         break
                     state.steps.discard(candidate)
+                if self.on_commit is not None:
+                    latest = state.latest
+                    await self.on_commit(
+                        namespace,
+                        job,
+                        latest,
+                        None if latest is None else objects.checkpoint_name(job, latest),
+                    )
 
     async def _job(self, namespace: str, job: str) -> _Job:
         key = (namespace, job)
@@ -525,7 +578,15 @@ class CheckpointWriter:
             await self._beat(beat, pod_name)
 
     async def _beat(self, beat: dict[str, Any], pod_name: str) -> None:
-        if self._hear(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"]):
+        known = (
+            self.current_generation(beat["namespace"], beat["job"])
+            if self.current_generation is not None
+            else None
+        )
+        # Only the current generation's sidecars say which attempt runs now (a stopping sidecar of an
+        # earlier one must not move it, nor sweep Checkpoints).
+        current = known is None or beat["generation"] == known
+        if current and self._hear(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"]):
             await self._sweep(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"])
         if self.on_heartbeat is None:
             return
@@ -779,7 +840,7 @@ def make_app(
             return _error(400, f"body larger than {max_body_bytes} bytes")
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             return _error(400, f"body is not JSON: {exc}")
         items = body.get("reports") if isinstance(body, dict) else None
         if not isinstance(items, list):

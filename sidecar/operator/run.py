@@ -134,6 +134,7 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         attempt_of=controller.attempt_of,
         on_heartbeat=controller.on_heartbeat,
         on_commit=controller.on_commit,
+        current_generation=controller.current_generation,
         metrics=metrics,
     )
     server: reports.ReportServer | None = None
@@ -142,7 +143,8 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         context = None
         if config.tls_cert_file and config.tls_key_file:
             context = reports.server_ssl_context(config.tls_cert_file, config.tls_key_file)
-        app = reports.make_app(reports.Authenticator(api), writer, metrics)
+        authenticator = reports.Authenticator(api, workload_uid=controller.workload_uid)
+        app = reports.make_app(authenticator, writer, metrics)
         server = await reports.start_server(app, config.report_host, config.report_port, context)
         host = "127.0.0.1" if config.report_host in ("0.0.0.0", "") else config.report_host
         report_url = f"{'https' if context else 'http'}://{host}:{server.port}"

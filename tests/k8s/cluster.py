@@ -72,27 +72,44 @@ class Cluster:
             await asyncio.sleep(self.tick_s)
 
     def _objects(self, plural: str) -> list[dict[str, Any]]:
+        """The stored objects, read-only: the emulator replaces a stored version on each write, never
+        changes one in place, so no copies are needed (with hundreds of pods, copies would stall
+        the loop the operator shares)."""
         return [
-            copy.deepcopy(obj.raw)
+            obj.raw
             for (resource, _, _), obj in list(self.k8s.api._objects.items())
             if resource.plural == plural and not obj.deleted
         ]
 
     def pods(self, job: str | None = None) -> list[dict[str, Any]]:
-        found = self._objects("pods")
+        found = [copy.deepcopy(p) for p in self._objects("pods")]  # the tests' own copies
         if job is not None:
             found = [p for p in found if p["metadata"].get("labels", {}).get(names.JOB_NAME_LABEL) == job]
         return sorted(found, key=lambda p: p["metadata"]["name"])
 
-    async def step(self) -> None:
-        for job in self._objects("jobs"):
-            await self._job_controller(job)
+    def by_job(self) -> dict[str, list[dict[str, Any]]]:
+        """Stored pods (read-only) by their Job's name, in one pass."""
+        found: dict[str, list[dict[str, Any]]] = {}
         for pod in self._objects("pods"):
+            job = (pod["metadata"].get("labels") or {}).get(names.JOB_NAME_LABEL)
+            if job:
+                found.setdefault(job, []).append(pod)
+        return found
+
+    async def step(self) -> None:
+        pods = self._objects("pods")
+        by_owner: dict[str, list[dict[str, Any]]] = {}
+        for pod in pods:
+            for ref in pod["metadata"].get("ownerReferences") or []:
+                by_owner.setdefault(str(ref.get("uid")), []).append(pod)
+        for job in self._objects("jobs"):
+            await self._job_controller(job, by_owner.get(job["metadata"]["uid"], []))
+        for pod in pods:
             await self._kubelet(pod)
 
     # -- Job controller -----------------------------------------------------------------------------
 
-    async def _job_controller(self, job: dict[str, Any]) -> None:
+    async def _job_controller(self, job: dict[str, Any], mine: list[dict[str, Any]]) -> None:
         spec = job.get("spec", {})
         if spec.get("completionMode") != "Indexed" or spec.get("suspend"):
             return
@@ -100,12 +117,6 @@ class Cluster:
             c.get("type") in ("Failed", "Complete") for c in job.get("status", {}).get("conditions") or []
         ):
             return
-        meta = job["metadata"]
-        mine = [
-            p
-            for p in self._objects("pods")
-            if any(r.get("uid") == meta["uid"] for r in p["metadata"].get("ownerReferences") or [])
-        ]
         for index in range(int(spec.get("completions") or 1)):
             pods = [p for p in mine if p["metadata"]["labels"].get(names.JOB_INDEX_LABEL) == str(index)]
             if any(p.get("status", {}).get("phase") == "Succeeded" for p in pods):

@@ -224,6 +224,10 @@ class Emulator(kmock.KubernetesEmulator):
     pdb_blocked: set[tuple[str, str]] = attrs.field(factory=set, init=False)
     #: Pods evicted through the Eviction API, in order.
     evictions: list[str] = attrs.field(factory=list, init=False)
+    #: Keep every request for assertions (kmock's history). Off for benchmarks: kmock matches each
+    #: new request against the whole history, which grows slower with every request.
+    keep_requests: bool = True
+    _inflight: set[int] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -419,6 +423,17 @@ class Emulator(kmock.KubernetesEmulator):
 
     @override
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if self.keep_requests:
+            return await self._handle_one(request)
+        self._inflight.add(id(request))
+        try:
+            return await self._handle_one(request)
+        finally:
+            # Forget what was answered; requests still being served (watch streams) stay.
+            self._inflight.discard(id(request))
+            self._requests[:] = [r for r in self._requests if id(r) in self._inflight]
+
+    async def _handle_one(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await apps.RawHandler._handle(self, request)
 

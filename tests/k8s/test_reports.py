@@ -28,6 +28,8 @@ from sidecar.operator.names import (
     JOB_NAME_LABEL,
     JOBSET_NAME_LABEL,
     LATEST_LABEL,
+    OPT_IN_LABEL,
+    OPT_IN_VALUE,
     REPORT_AUDIENCE,
 )
 from tests.k8s.conftest import K8s, call, kubectl
@@ -42,13 +44,43 @@ PODS = "/api/v1/namespaces/default/pods"
 # ---- helpers -----------------------------------------------------------------------------------------
 
 
-async def seed_pod(k8s: K8s, name: str, job: str = "recsys", *, jobset: bool = False) -> dict[str, Any]:
-    """A running pod of ``job`` (a Job's, or with ``jobset`` a JobSet's), as the controllers label it."""
-    labels = {JOBSET_NAME_LABEL: job, JOB_NAME_LABEL: f"{job}-workers-0"} if jobset else {JOB_NAME_LABEL: job}
+async def seed_pod(
+    k8s: K8s,
+    name: str,
+    job: str = "recsys",
+    *,
+    jobset: bool = False,
+    owner: str | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A running pod of ``job`` (a Job's, or with ``jobset`` a JobSet's), as the controllers make it:
+    opted in, labelled, and controlled by its Job (``owner`` overrides that Job's name; "" for none)."""
+    child = f"{job}-workers-0" if jobset else job
+    found = {JOBSET_NAME_LABEL: job, JOB_NAME_LABEL: child} if jobset else {JOB_NAME_LABEL: job}
+    found[OPT_IN_LABEL] = OPT_IN_VALUE
+    owner = child if owner is None else owner
+    references = (
+        [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "name": owner,
+                "uid": str(uuid.uuid4()),
+                "controller": True,
+            }
+        ]
+        if owner
+        else []
+    )
     body = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "labels": labels},
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": found if labels is None else labels,
+            "ownerReferences": references,
+        },
         "spec": {"serviceAccountName": "trainer", "containers": [{"name": "trainer", "image": "t"}]},
     }
     status, created = await call(k8s, "POST", PODS, body)
@@ -408,6 +440,24 @@ async def test_report_for_another_job_forbidden(k8s: K8s, op: Operator, token: s
     assert sample(op.metrics, "strata_operator_reports_total", kind="commit", result="rejected") == 3
     # Its own job is fine.
     assert (await op.post(token, [report(1200)]))[1]["accepted"] == 1
+
+
+async def test_a_label_alone_does_not_make_a_pod_part_of_a_job(k8s: K8s, op: Operator) -> None:
+    # Anyone who can create a pod can label it: the Job controller's ownerReference decides.
+    bare = issue(k8s, await seed_pod(k8s, "fake-0", owner=""))
+    other = issue(k8s, await seed_pod(k8s, "fake-1", owner="ranker"))  # recsys label, ranker's pod
+    unopted = issue(k8s, await seed_pod(k8s, "fake-2", labels={JOB_NAME_LABEL: "recsys"}))
+    for token in (bare, other, unopted):
+        status, answer = await op.post(token, [report(1200)])
+        assert status == 403 and "may not report about job default/recsys" in answer["error"]
+    assert await op.checkpoint(1200) is None
+
+
+async def test_a_refused_token_is_answered_from_memory_for_a_while(k8s: K8s, op: Operator) -> None:
+    for _ in range(3):
+        status, _answer = await op.post("forged", [report(1200)])
+        assert status == 401
+    assert len([r for r in k8s.api if r.resource == TOKENREVIEWS]) == 1
 
 
 async def test_token_of_deleted_or_replaced_pod_forbidden(k8s: K8s, op: Operator) -> None:
