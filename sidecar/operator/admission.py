@@ -128,7 +128,8 @@ def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: tab
     if not has_rule(names.EXIT_LIMIT_SPENT, "FailJob"):
         warnings.append(
             f"spec.podFailurePolicy has no rule onExitCodes In [{names.EXIT_LIMIT_SPENT}] action FailJob: "
-            "when Strata's restart limit is spent the Job keeps retrying"
+            'the code is reserved for "Strata\'s restart limit is spent", and a trainer that exits '
+            "with it would be retried"
         )
     if not any((r.get("onPodConditions") or []) and r.get("action") == "Ignore" for r in rules):
         warnings.append(

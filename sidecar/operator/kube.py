@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -55,6 +55,8 @@ class _Credentials:
     headers: dict[str, str]
     ssl: ssl.SSLContext | bool
     ca_path: str | None = None
+    #: Re-reads a rotating token (the pod's projected service-account token): "Bearer ..." or None.
+    refresh: Callable[[], str | None] | None = None
 
 
 def _credentials(kubeconfig: str | None) -> _Credentials:
@@ -81,14 +83,32 @@ def _credentials(kubeconfig: str | None) -> _Credentials:
             context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
             if configuration.cert_file:
                 context.load_cert_chain(configuration.cert_file, configuration.key_file)
-    return _Credentials(configuration.host.rstrip("/"), headers, context, configuration.ssl_ca_cert or None)
+    refresh = None
+    hook = getattr(configuration, "refresh_api_key_hook", None)
+    if hook is not None:
+
+        def refresh() -> str | None:
+            hook(configuration)  # the in-cluster loader re-reads the token file once it is due
+            token = configuration.api_key.get("authorization") or configuration.api_key.get("BearerToken")
+            return None if not token else token if token.lower().startswith("bearer ") else f"Bearer {token}"
+
+    return _Credentials(
+        configuration.host.rstrip("/"), headers, context, configuration.ssl_ca_cert or None, refresh
+    )
 
 
 class Api:
     """Async JSON calls to one apiserver. ``calls`` counts every request sent."""
 
-    def __init__(self, host: str, headers: Mapping[str, str] | None = None, ssl_context: Any = True) -> None:
+    def __init__(
+        self,
+        host: str,
+        headers: Mapping[str, str] | None = None,
+        ssl_context: Any = True,
+        refresh: Callable[[], str | None] | None = None,
+    ) -> None:
         self.host = host.rstrip("/")
+        self._refresh = refresh
         self._headers = dict(headers or {})
         self._ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
@@ -100,7 +120,7 @@ class Api:
         """In-cluster credentials when ``kubeconfig`` is None and the pod has them, else the kubeconfig
         (``$KUBECONFIG`` or ~/.kube/config when None)."""
         found = _credentials(kubeconfig)
-        return cls(found.host, found.headers, found.ssl)
+        return cls(found.host, found.headers, found.ssl, found.refresh)
 
     async def close(self) -> None:
         """Close the connections; later calls fail (503) rather than open new ones."""
@@ -125,6 +145,8 @@ class Api:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=self._ssl)
             )
+        if self._refresh is not None and (token := self._refresh()):
+            self._headers["Authorization"] = token  # projected tokens rotate (about hourly)
         headers = {**self._headers, "Accept": "application/json"}
         data = None
         if body is not None:
