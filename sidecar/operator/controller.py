@@ -557,28 +557,15 @@ class Controller:
             targets.append((names.API_VERSION, "StrataJob", _meta(job.stratajob).get("uid", "")))
         if on_workload and job.workload is not None:
             targets.append((str(job.workload.get("apiVersion", "batch/v1")), job.kind, job.uid))
-        now = _now()
         for api_version, kind, uid in targets:
-            body = {
-                "apiVersion": "v1",
-                "kind": "Event",
-                "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
-                "involvedObject": {
-                    "apiVersion": api_version,
-                    "kind": kind,
-                    "name": job.name,
-                    "namespace": job.namespace,
-                    "uid": uid,
-                },
-                "reason": reason,
-                "message": message[:1024],
-                "type": "Warning" if warning else "Normal",
-                "source": {"component": "strata-operator"},
-                "reportingComponent": "strata.dev/operator",
-                "count": 1,
-                "firstTimestamp": now,
-                "lastTimestamp": now,
+            involved = {
+                "apiVersion": api_version,
+                "kind": kind,
+                "name": job.name,
+                "namespace": job.namespace,
+                "uid": uid,
             }
+            body = objects.event_body(involved, reason, message, warning=warning)
             try:
                 await self.api.create(path("", "v1", "events", job.namespace), body)
             except ApiError as exc:  # an Event is informational: never fail the decision for it

@@ -17,7 +17,14 @@ from typing import Any
 
 from sidecar.operator.names import API_VERSION, JOB_LABEL, LATEST_LABEL
 
-__all__ = ["checkpoint_body", "checkpoint_name", "checkpoint_status", "set_condition", "stratajob_body"]
+__all__ = [
+    "checkpoint_body",
+    "checkpoint_name",
+    "checkpoint_status",
+    "event_body",
+    "set_condition",
+    "stratajob_body",
+]
 
 _MAX_NAME = 253  # DNS-1123 subdomain
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -286,4 +293,26 @@ def stratajob_body(
         "metadata": {"name": name, "namespace": namespace, "labels": {JOB_LABEL: name}},
         "spec": spec,
         "status": {"phase": "Pending", "restarts": 0},
+    }
+
+
+def event_body(
+    involved: Mapping[str, Any], reason: str, message: str, *, warning: bool = False
+) -> dict[str, Any]:
+    """A core/v1 Event from the operator about ``involved`` (apiVersion, kind, name, namespace, uid,
+    optionally resourceVersion). The name is generated; the message is cut to what the API keeps."""
+    now = _timestamp()
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{involved['name']}.", "namespace": involved["namespace"]},
+        "involvedObject": {k: v for k, v in involved.items() if v is not None},
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": "strata-operator"},
+        "reportingComponent": "strata.dev/operator",
+        "count": 1,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
     }

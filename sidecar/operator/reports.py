@@ -32,7 +32,6 @@ import asyncio
 import base64
 import collections
 import dataclasses
-import datetime
 import hashlib
 import inspect
 import json
@@ -327,10 +326,6 @@ class Authenticator:
 
 
 # ---- Checkpoint writing ------------------------------------------------------------------------------
-
-
-def _now() -> str:
-    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _checkpoints(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
@@ -736,12 +731,8 @@ class CheckpointWriter:
         """A Normal Event on a Checkpoint; a failure is logged, never fails the report."""
         meta = involved.get("metadata") or {}
         namespace = meta.get("namespace", "default")
-        now = _now()
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
-            "involvedObject": {
+        event = objects.event_body(
+            {
                 "apiVersion": API_VERSION,
                 "kind": _CHECKPOINT,
                 "name": meta.get("name"),
@@ -749,15 +740,9 @@ class CheckpointWriter:
                 "uid": meta.get("uid"),
                 "resourceVersion": meta.get("resourceVersion"),
             },
-            "reason": reason,
-            "message": message,
-            "type": "Normal",
-            "source": {"component": "strata-operator"},
-            "reportingComponent": "strata.dev/operator",
-            "count": 1,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-        }
+            reason,
+            message,
+        )
         try:
             await self.api.create(path("", "v1", "events", namespace), event)
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:

@@ -193,39 +193,40 @@ async def test_operator_pod_failure_restarts_the_whole_gang_after_the_old_one_en
         assert "GangRestart" in reasons and reasons.count("GangReleased") == 2
 
 
-async def test_operator_oomkilled_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
+async def restarted_by(
+    k8s: K8s, cluster: Cluster, name: str, act: Callable[[list[dict[str, Any]]], Awaitable[Any]]
+) -> dict[str, Any]:
+    """Start a 2-rank job, do ``act`` to its pods, wait for its second generation; its status."""
     async with operator(k8s):
-        run, pods = await start_job(
-            k8s, cluster, indexed_job("oom", 2, annotations={"strata.dev/backoff-seconds": "0"})
-        )
-        await cluster.fail(pods[0], 137, reason="OOMKilled")
-        await until(lambda: running(cluster, "oom", f"{run}/1", 2), message="generation 1")
-        status = await status_of(k8s, "oom")
-        assert status["lastFailure"]["reason"] == "OOMKilled" and status["lastFailure"]["kind"] == "oom"
-        assert "OOM killer" in status["lastFailure"]["message"]
+        job = indexed_job(name, 2, annotations={"strata.dev/backoff-seconds": "0"})
+        run, pods = await start_job(k8s, cluster, job)
+        await act(pods)
+        await until(lambda: running(cluster, name, f"{run}/1", 2), message="generation 1")
+        return await status_of(k8s, name)
+
+
+async def test_operator_oomkilled_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
+    status = await restarted_by(
+        k8s, cluster, "oom", lambda pods: cluster.fail(pods[0], 137, reason="OOMKilled")
+    )
+    assert status["lastFailure"]["reason"] == "OOMKilled" and status["lastFailure"]["kind"] == "oom"
+    assert "OOM killer" in status["lastFailure"]["message"]
 
 
 async def test_operator_evicted_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
-    async with operator(k8s):
-        run, pods = await start_job(
-            k8s, cluster, indexed_job("evict", 2, annotations={"strata.dev/backoff-seconds": "0"})
-        )
-        await cluster.kubelet_evict(pods[1])
-        await until(lambda: running(cluster, "evict", f"{run}/1", 2), message="generation 1")
-        assert (await status_of(k8s, "evict"))["lastFailure"]["reason"] == "Evicted"
+    status = await restarted_by(k8s, cluster, "evict", lambda pods: cluster.kubelet_evict(pods[1]))
+    assert status["lastFailure"]["reason"] == "Evicted"
 
 
 async def test_operator_deleted_pod_is_classified_and_restarts_the_gang(k8s: K8s, cluster: Cluster) -> None:
-    async with operator(k8s):
-        run, pods = await start_job(
-            k8s, cluster, indexed_job("deleted", 2, annotations={"strata.dev/backoff-seconds": "0"})
-        )
+    async def delete(pods: list[dict[str, Any]]) -> None:
         status, body = await call(
             k8s, "DELETE", f"/api/v1/namespaces/default/pods/{pods[0]['metadata']['name']}"
         )
         assert status == 200, body
-        await until(lambda: running(cluster, "deleted", f"{run}/1", 2), message="generation 1")
-        assert (await status_of(k8s, "deleted"))["lastFailure"]["reason"] == "PodDeleted"
+
+    status = await restarted_by(k8s, cluster, "deleted", delete)
+    assert status["lastFailure"]["reason"] == "PodDeleted"
 
 
 async def test_operator_eviction_refused_by_a_disruption_budget_falls_back_to_delete(
@@ -711,18 +712,16 @@ async def test_operator_release_cut_short_by_an_api_error_completes_on_retry(
 
 
 async def test_operator_force_deleted_pod_is_classified_as_deleted(k8s: K8s, cluster: Cluster) -> None:
-    async with operator(k8s):
-        run, pods = await start_job(
-            k8s, cluster, indexed_job("force", 2, annotations={"strata.dev/backoff-seconds": "0"})
-        )
-        name = pods[0]["metadata"]["name"]
-        status, body = await call(
-            k8s, "DELETE", f"/api/v1/namespaces/default/pods/{name}", {"gracePeriodSeconds": 0}
-        )
+    deleted: list[str] = []
+
+    async def force_delete(pods: list[dict[str, Any]]) -> None:
+        deleted.append(pods[0]["metadata"]["name"])
+        url = f"/api/v1/namespaces/default/pods/{deleted[0]}"
+        status, body = await call(k8s, "DELETE", url, {"gracePeriodSeconds": 0})
         assert status == 200, body
-        await until(lambda: running(cluster, "force", f"{run}/1", 2), message="generation 1")
-        last = (await status_of(k8s, "force"))["lastFailure"]
-        assert last["reason"] == "PodDeleted" and name in last["message"]
+
+    last = (await restarted_by(k8s, cluster, "force", force_delete))["lastFailure"]
+    assert last["reason"] == "PodDeleted" and deleted[0] in last["message"]
 
 
 async def test_operator_pod_gone_while_the_operator_was_down_is_noticed_after_it_restarts(
