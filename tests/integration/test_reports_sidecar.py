@@ -6,11 +6,9 @@ retention deletes, heartbeats, re-reports at start; and the operator's one-shot 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,58 +19,8 @@ from sidecar import manifest as mf
 from sidecar import reporting
 from sidecar.operator.objects import checkpoint_body
 from sidecar.store import open_store
+from tests.fixtures.report_receiver import Receiver
 from trainer_client import RestoreError
-
-
-class Receiver:
-    """Records every POST; answers ``statuses`` first, then 200 with everything accepted."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.posts: list[dict[str, Any]] = []
-        self.statuses: list[int] = []
-        #: while set, every POST is answered 503 (the operator is busy)
-        self.busy = threading.Event()
-        self.lock = threading.Lock()
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with owner.lock:
-                    status = owner.statuses.pop(0) if owner.statuses else 200
-                    status = 503 if owner.busy.is_set() else status
-                    if status == 200:
-                        owner.posts.append({"auth": self.headers.get("Authorization"), "body": body})
-                answer = json.dumps({"accepted": len(body["reports"]), "rejected": []}).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def items(self, kind: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [i for p in self.posts for i in p["body"]["reports"] if i["kind"] == kind]
-
-    def wait(self, kind: str, ready: Callable[[list[dict[str, Any]]], bool], timeout: float = 15.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while not ready(items := self.items(kind)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return items
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

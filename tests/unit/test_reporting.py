@@ -4,14 +4,12 @@ and a bounded flush at close."""
 
 from __future__ import annotations
 
-import json
 import logging
 import ssl
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,66 +21,7 @@ from sidecar import reporting
 from sidecar.operator.objects import checkpoint_body
 from sidecar.reporting import Reporter
 from sidecar.store.memory import MemoryStore
-
-
-class Receiver:
-    """An HTTP(S) server recording every POST; ``statuses`` are answered first, then 200."""
-
-    def __init__(self, port: int = 0, tls: ssl.SSLContext | None = None) -> None:
-        self.posts: list[dict[str, Any]] = []
-        self.statuses: list[int] = []
-        self.reject: Callable[[dict[str, Any]], str] = lambda item: ""
-        self.cond = threading.Condition()
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with owner.cond:
-                    status = owner.statuses.pop(0) if owner.statuses else 200
-                    if status == 200:
-                        owner.posts.append(
-                            {"path": self.path, "auth": self.headers.get("Authorization"), "body": body}
-                        )
-                    owner.cond.notify_all()
-                items = body["reports"]
-                rejected = [
-                    {"index": i, "error": why} for i, item in enumerate(items) if (why := owner.reject(item))
-                ]
-                answer = json.dumps({"accepted": len(items) - len(rejected), "rejected": rejected})
-                payload = answer.encode() if status == 200 else b"no"
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        if tls is not None:
-            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def items(self, kind: str | None = None) -> list[dict[str, Any]]:
-        with self.cond:
-            out = [i for p in self.posts for i in p["body"]["reports"]]
-        return [i for i in out if kind is None or i.get("kind") == kind]
-
-    def wait_items(self, n: int, kind: str | None = None, timeout: float = 10.0) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
-        while len(self.items(kind)) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self.items(kind)
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from tests.fixtures.report_receiver import Receiver
 
 
 @pytest.fixture
