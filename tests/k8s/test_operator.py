@@ -57,6 +57,15 @@ async def cluster(k8s: K8s) -> AsyncIterator[Cluster]:
         yield running
 
 
+async def assert_valid(k8s: K8s, name: str) -> None:
+    """The StrataJob the operator wrote validates against its CRD (a real apiserver would prune or
+    refuse what does not)."""
+    found = await stratajob(k8s, name)
+    assert found is not None
+    errors = [f"{list(e.path)}: {e.message}" for e in validator("stratajobs.strata.dev").iter_errors(found)]
+    assert errors == []
+
+
 async def stratajob(k8s: K8s, name: str) -> dict[str, Any] | None:
     status, body = await call(k8s, "GET", f"{STRATAJOBS}/{name}")
     return body if status == 200 else None
@@ -141,10 +150,7 @@ async def test_operator_releases_a_new_gang_as_generation_zero(k8s: K8s, cluster
         assert status["phase"] == "Running" and status["generation"] == f"{run}/0"
         assert status["restarts"] == 0 and status["restartLimit"] == 3 and status["runMode"] == "resumed"
         assert all(generation_of(p) == f"{run}/0" for p in pods)
-        found = await stratajob(k8s, "recsys")
-        assert found is not None
-        errors = [e.message for e in validator("stratajobs.strata.dev").iter_errors(found)]
-        assert errors == []
+        await assert_valid(k8s, "recsys")
 
 
 async def test_operator_leaves_unlabeled_workloads_untouched(k8s: K8s, cluster: Cluster) -> None:
@@ -202,6 +208,7 @@ async def restarted_by(
         run, pods = await start_job(k8s, cluster, job)
         await act(pods)
         await until(lambda: running(cluster, name, f"{run}/1", 2), message="generation 1")
+        await assert_valid(k8s, name)
         return await status_of(k8s, name)
 
 
@@ -307,6 +314,7 @@ async def test_operator_restart_limit_is_respected_then_the_job_fails(k8s: K8s, 
         )
         status = await status_of(k8s, "limit")
         assert status["phase"] == "Running" and status["restarts"] == 2 and status["restartLimit"] == 2
+        await assert_valid(k8s, "limit")
 
 
 async def _phase(k8s: K8s, name: str, phase: str) -> dict[str, Any] | None:
@@ -438,6 +446,7 @@ async def test_operator_hang_timeout_restarts_a_gang_whose_heartbeats_show_no_pr
         await until(lambda: running(cluster, "hung", f"{run}/1", 2), message="generation 1")
         status = await status_of(k8s, "hung")
         assert status["lastFailure"]["reason"] == "Hang" and "3 s" in status["lastFailure"]["message"]
+        await assert_valid(k8s, "hung")
 
 
 async def test_operator_resume_from_is_passed_once_with_the_next_generation(
@@ -520,6 +529,7 @@ async def test_operator_resubmitted_job_resumes_by_default_and_starts_fresh_on_r
         status = await status_of(k8s, "again")
         assert fresh_run not in (first_run, resumed_run) and status["runMode"] == "fresh"
         assert {p["metadata"]["annotations"][names.RESTORE_REQUEST_ANNOTATION] for p in pods} == {"none"}
+        await assert_valid(k8s, "again")
         reasons = [e["reason"] for e in await events_about(k8s, "again")]
         assert reasons.count("NewRun") == 2
 
@@ -611,6 +621,7 @@ async def test_operator_jobset_restart_is_reflected_without_a_second_retry_layer
         status = await until(lambda: _generation(k8s, "llm", f"{run}/1"), message="generation 1 reflected")
         assert status["restarts"] == 1 and status.get("pendingRestart") is None
         assert "JobSetRestarted" in [e["reason"] for e in await events_about(k8s, "llm")]
+        await assert_valid(k8s, "llm")
         assert k8s.api.evictions == []
 
 
