@@ -31,7 +31,7 @@ from typing import Any
 
 from sidecar import manifest as mf
 from sidecar import reporting
-from sidecar.api import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, pb
+from sidecar.api import EXIT_LIMIT_SPENT, LIMIT_SPENT_MARKER, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, pb
 from sidecar.api.dtypes import expected_nbytes
 from sidecar.budget import MemoryBudget, Reservation, default_limit
 from sidecar.config import SidecarSettings
@@ -323,6 +323,13 @@ class Engine:
         return epoch
 
     def _epoch_for(self, identity: Identity) -> mf.Epoch:
+        if self._restore_request() == "stop":
+            # The operator spent the job's restart limit and released this pod only so that its
+            # trainer exits with EXIT_LIMIT_SPENT (the Job's podFailurePolicy then fails the Job).
+            raise FailedPrecondition(
+                f"{LIMIT_SPENT_MARKER}: the operator stopped {identity.job_key[0]}/{identity.job_key[1]}; "
+                f"nothing is restored or saved (the trainer exits {EXIT_LIMIT_SPENT})"
+            )
         generation = self.generation_of(identity)
         gang = self.gang(identity.job_key)
         with gang.cond:
@@ -447,7 +454,8 @@ class Engine:
         return (attempts[-1], step), "requested"
 
     def _restore_request(self) -> str | None:
-        """The pod's one-shot restore request: "none", a step number, or None (no file, or empty)."""
+        """The pod's one-shot restore request: "none", a step number, "stop" (the restart limit is
+        spent), or None (no file, or empty)."""
         path = self.settings.restore_request_file
         if not path:
             return None
@@ -460,9 +468,10 @@ class Engine:
             raise FailedPrecondition(f"cannot read the restore request file {path}: {exc}") from None
         if not text:
             return None
-        if text != "none" and not text.isdigit():
+        if text not in ("none", "stop") and not text.isdigit():
             raise FailedPrecondition(
-                f"restore request file {path} holds {text[:64]!r}: expected a committed step number or none"
+                f"restore request file {path} holds {text[:64]!r}: expected a committed step number, "
+                "none or stop"
             )
         return text
 

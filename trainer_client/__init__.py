@@ -11,6 +11,7 @@ from trainer_client.dist import init_process_group
 from trainer_client.errors import (
     CheckpointError,
     Preempted,
+    RestartLimitSpent,
     RestoreError,
     SaveFailed,
     SaveSkipped,
@@ -23,6 +24,7 @@ __all__ = [
     "ClientSettings",
     "Committed",
     "Preempted",
+    "RestartLimitSpent",
     "RestoreError",
     "SaveFailed",
     "SaveHandle",

@@ -31,7 +31,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from sidecar.api import PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
+from sidecar.api import LIMIT_SPENT_MARKER, PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
 from sidecar.faults import fault_point
 from trainer_client import _loaders, _rng, _tree
 from trainer_client._preempt import SigtermWatch
@@ -46,7 +46,14 @@ from trainer_client._staging import (
 )
 from trainer_client._tracking import RowTracker
 from trainer_client.config import ClientSettings
-from trainer_client.errors import Preempted, RestoreError, SaveFailed, SaveSkipped, SidecarUnavailable
+from trainer_client.errors import (
+    Preempted,
+    RestartLimitSpent,
+    RestoreError,
+    SaveFailed,
+    SaveSkipped,
+    SidecarUnavailable,
+)
 
 log = logging.getLogger("strata.client")
 _RNG_KEY = "__strata_rng__"
@@ -730,6 +737,9 @@ class CheckpointClient:
                 raise RestoreError(msg) from _NothingToRestore()
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise SidecarUnavailable(msg) from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION and LIMIT_SPENT_MARKER in (exc.details() or ""):
+                log.error("%s", msg)
+                raise RestartLimitSpent(msg) from None
             raise RestoreError(f"{code.name}: {msg}") from None
         if header.fallback_reason:
             log.error("restore fell back: %s", header.fallback_reason)

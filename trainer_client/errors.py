@@ -1,6 +1,8 @@
 """Errors the trainer client raises. A failed save never raises in the
 training thread: it surfaces through the handle's ``durable`` future."""
 
+from sidecar.api import EXIT_LIMIT_SPENT
+
 
 class CheckpointError(RuntimeError):
     """Base of every Strata client error."""
@@ -35,3 +37,15 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         what = f"step {self.step} durable" if self.step is not None else "no step durable"
         return f"preempted (SIGTERM): {what}" + ("" if self.saved else f"; {self.reason}")
+
+
+class RestartLimitSpent(SystemExit):
+    """Raised by ``restore()`` when the operator stopped the job because its restart limit is spent:
+    the process exits with status 76, which the Job's podFailurePolicy turns into FailJob."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_LIMIT_SPENT)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -23,6 +23,13 @@ TOKEN_METADATA_KEY = "x-strata-token"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Default chunk the client cuts the byte stream into.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+#: Reserved trainer exit codes, for a Job's podFailurePolicy (onExitCodes with the trainer's
+#: containerName): a peer died, the gang restarts (Ignore); Strata's restart limit is spent (FailJob).
+EXIT_PEER_DIED = 75
+EXIT_LIMIT_SPENT = 76
+#: The sidecar refuses a trainer with this text when the operator stopped the job (its restart limit
+#: is spent); the client then exits with EXIT_LIMIT_SPENT.
+LIMIT_SPENT_MARKER = "strata: the restart limit is spent"
 #: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
 SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 

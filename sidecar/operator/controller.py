@@ -359,12 +359,10 @@ class Controller:
         phase = job.status.get("phase")
         if phase == "Succeeded":
             return
-        last = job.status.get("lastFailure") or {}
-        # Failed, unless strata.dev/max-restarts was raised after the limit was spent: then go on.
-        spent = int(job.status.get("restarts") or 0) >= job.settings.max_restarts
-        if phase == "Failed" and (spent or last.get("kind") == "config"):
-            return
         pods = self._own_pods(job)
+        if phase == "Failed":  # for good: what the Job controller still creates is released to stop
+            await self._release_to_stop(job, pods)
+            return
         pending = job.status.get("pendingRestart")
         if pending:
             await self._restart(job, pods, pending)
@@ -381,9 +379,6 @@ class Controller:
                 await self._release(job, pods, job.generation(0), first=True)
             return
         found = self._failure(job, running) or self._vanished(job, pods, running)
-        if found is None and phase == "Failed" and last.get("kind"):
-            # Raised limit after giving up: decide again on the failure that spent it.
-            found = Failure(FailureKind(last["kind"]), detail=last.get("message", "")), last.get("pod", "")
         if found is not None:
             await self._decide(job, found[0], running, found[1])
             return
@@ -623,24 +618,17 @@ class Controller:
         }
         self.decisions.append((job.name, time.monotonic()))
         if not decision.restart:
-            permanent = failure.kind in PERMANENT
-            reason = "NotRestartable" if permanent else "RestartLimitReached"
+            reason = "NotRestartable" if failure.kind in PERMANENT else "RestartLimitReached"
             await self._patch_status(
                 job,
                 {"phase": "Failed", "lastFailure": last},
                 condition=("Failed", "True", reason, decision.message),
             )
-            advice = (
-                "delete the Job"
-                if permanent
-                else "delete the Job, or raise the limit: "
-                f"kubectl annotate job {job.name} strata.dev/max-restarts=N --overwrite"
-            )
             await self._event(
                 job,
                 reason,
-                f"{decision.message}; the Job's replacement pods stay gated "
-                f"(they hold no accelerators): {advice}",
+                f"{decision.message}; once the gang has stopped, its replacements are released only so "
+                f"that their trainers exit {names.EXIT_LIMIT_SPENT} (podFailurePolicy FailJob ends the Job)",
                 warning=True,
                 on_workload=True,
             )
@@ -893,6 +881,43 @@ class Controller:
         )
         await self._patch_status(job, changes, condition=("Restarting", "False", "Released", message))
         await self._event(job, "GangReleased", message)
+
+    async def _release_to_stop(self, job: _Job, pods: list[dict[str, Any]]) -> None:
+        """The job failed for good: once the old gang is gone, release its replacements with the
+        restore request "stop". Their sidecars refuse the trainers, which exit 76, and the Job's
+        podFailurePolicy rule (FailJob) ends the Job, freeing its quota. Never two gangs at once."""
+        old = [p for p in pods if not _gated(p)]
+        gated = [
+            p for p in pods if _gated(p) and not is_terminal(p) and not _meta(p).get("deletionTimestamp")
+        ]
+        if not gated or not await self._wait_gone(job, [p for p in old if not is_terminal(p)]):
+            return
+        generation = job.status.get("generation") if job.status else None
+        for pod in gated:
+            meta = _meta(pod)
+            gates = [
+                g
+                for g in (pod.get("spec") or {}).get("schedulingGates") or []
+                if g.get("name") != names.GANG_GATE
+            ]
+            annotations = {
+                names.GENERATION_ANNOTATION: generation,
+                names.RESTORE_REQUEST_ANNOTATION: names.STOP_REQUEST,
+            }
+            updated = await self.api.merge_patch(
+                path("", "v1", "pods", job.namespace, str(meta["name"])),
+                {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
+            )
+            job.released_uids.add(str(meta.get("uid")))
+            if isinstance(updated, dict) and str(meta["name"]) in job.pods:
+                job.pods[str(meta["name"])] = updated
+        await self._event(
+            job,
+            "ReleasedToStop",
+            f"released {len(gated)} replacement pod(s) with the restore request {names.STOP_REQUEST!r}: "
+            f"their trainers exit {names.EXIT_LIMIT_SPENT}, which the Job's podFailurePolicy turns into "
+            "FailJob",
+        )
 
     def _restore_request(self, job: _Job, first: bool) -> str | None:
         """The one-shot restore request for the next generation: ``strata.dev/resume-from`` once per

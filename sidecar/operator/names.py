@@ -3,6 +3,12 @@ so a label or annotation is never spelled two ways."""
 
 from __future__ import annotations
 
+# Reserved trainer exit codes live in the wire contract (the trainer client exits with them): 75 "a
+# peer died, the gang restarts" (podFailurePolicy Ignore), 76 "Strata's restart limit is spent"
+# (FailJob).
+from sidecar.api import EXIT_LIMIT_SPENT as EXIT_LIMIT_SPENT
+from sidecar.api import EXIT_PEER_DIED as EXIT_PEER_DIED
+
 GROUP = "strata.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -29,9 +35,8 @@ RUN_ANNOTATION = "strata.dev/run"
 JOB_LABEL = "strata.dev/job"
 LATEST_LABEL = "strata.dev/latest"
 
-#: Reserved trainer exit codes, for the Job's podFailurePolicy (onExitCodes, containerName).
-EXIT_PEER_DIED = 75  # "a peer died, the gang restarts": podFailurePolicy Ignore
-EXIT_LIMIT_SPENT = 76  # "Strata's restart limit is spent": podFailurePolicy FailJob
+#: The restore request that tells a released pod's sidecar to refuse its trainer: the limit is spent.
+STOP_REQUEST = "stop"
 
 #: Audience of the projected service-account token a sidecar sends with its reports.
 REPORT_AUDIENCE = "strata.dev/report"

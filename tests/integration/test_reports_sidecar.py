@@ -20,7 +20,7 @@ from sidecar import reporting
 from sidecar.operator.objects import checkpoint_body
 from sidecar.store import open_store
 from tests.fixtures.report_receiver import Receiver
-from trainer_client import RestoreError
+from trainer_client import RestartLimitSpent, RestoreError
 
 
 @pytest.fixture
@@ -241,6 +241,22 @@ def test_a_restore_request_of_none_starts_fresh(
     assert _epoch(url, endpoint, job_name)[1] == [1]
 
 
+def test_a_stop_request_makes_the_trainer_exit_76_and_touches_nothing(
+    make_sidecar, make_client, job_name, s3_store_url, gang_files
+):
+    """The restart limit is spent: the operator releases the replacements with "stop", so their
+    trainers exit 76 and the Job's podFailurePolicy (FailJob) ends the Job."""
+    url, endpoint = s3_store_url
+    server, _ = _three_steps(make_sidecar, make_client, job_name, url, endpoint, gang_files)
+    before = _epoch(url, endpoint, job_name)
+    gang_files("req/0", "stop")
+    client = make_client(server, job_name)
+    with pytest.raises(RestartLimitSpent) as stopped:
+        client.restore({"w": torch.zeros(4)})
+    assert stopped.value.code == 76 and "restart limit is spent" in str(stopped.value)
+    assert _epoch(url, endpoint, job_name) == before  # no attempt created, no step lost
+
+
 @pytest.mark.parametrize("request_text", ["7", "soon"])
 def test_a_restore_request_of_an_unusable_step_is_refused_naming_it(
     make_sidecar, make_client, job_name, s3_store_url, gang_files, request_text
@@ -256,7 +272,7 @@ def test_a_restore_request_of_an_unusable_step_is_refused_naming_it(
         assert "restore request names step 7" in str(refused.value)
         assert "valid committed steps: [1, 2, 3]" in str(refused.value)
     else:
-        assert "expected a committed step number or none" in str(refused.value)
+        assert "expected a committed step number, none or stop" in str(refused.value)
     after, steps = _epoch(url, endpoint, job_name)
     assert after.attempt == before.attempt and steps == [1, 2, 3]  # no attempt made, nothing deleted
 

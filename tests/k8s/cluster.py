@@ -117,12 +117,54 @@ class Cluster:
             c.get("type") in ("Failed", "Complete") for c in job.get("status", {}).get("conditions") or []
         ):
             return
+        if any(self._fails_job(spec, p) for p in mine):
+            await self._fail_job(job, mine)
+            return
         for index in range(int(spec.get("completions") or 1)):
             pods = [p for p in mine if p["metadata"]["labels"].get(names.JOB_INDEX_LABEL) == str(index)]
             if any(p.get("status", {}).get("phase") == "Succeeded" for p in pods):
                 continue
             if all(p.get("status", {}).get("phase") == "Failed" for p in pods):
                 await self._create_pod(job, index)
+
+    @staticmethod
+    def _fails_job(spec: dict[str, Any], pod: dict[str, Any]) -> bool:
+        """A Failed pod matching a podFailurePolicy FailJob rule on exit codes (only those rules)."""
+        if pod.get("status", {}).get("phase") != "Failed":
+            return False
+        codes = {
+            (c.get("name"), (c.get("state") or {}).get("terminated", {}).get("exitCode"))
+            for c in pod.get("status", {}).get("containerStatuses") or []
+        }
+        for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+            on = rule.get("onExitCodes") or {}
+            if rule.get("action") != "FailJob" or on.get("operator") != "In":
+                continue
+            if any(
+                (on.get("containerName") in (None, name)) and code in on.get("values", [])
+                for name, code in codes
+            ):
+                return True
+        return False
+
+    async def _fail_job(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        """As the Job controller does on FailJob: the Job fails and its other pods are deleted."""
+        meta = job["metadata"]
+        condition = {
+            "type": "Failed",
+            "status": "True",
+            "reason": "PodFailurePolicy",
+            "lastTransitionTime": _now(),
+        }
+        url = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status"
+        await call(self.k8s, "PATCH", url, {"status": {"conditions": [condition]}})
+        for pod in pods:
+            if pod.get("status", {}).get("phase") not in ("Failed", "Succeeded"):
+                await call(
+                    self.k8s,
+                    "DELETE",
+                    f"/api/v1/namespaces/{meta['namespace']}/pods/{pod['metadata']['name']}",
+                )
 
     async def _create_pod(self, job: dict[str, Any], index: int) -> None:
         meta = job["metadata"]

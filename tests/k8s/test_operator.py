@@ -299,22 +299,36 @@ async def test_operator_restart_limit_is_respected_then_the_job_fails(k8s: K8s, 
         assert status["restarts"] == 1 and status["restartLimit"] == 1
         failed = next(c for c in status["conditions"] if c["type"] == "Failed")
         assert failed["status"] == "True" and failed["reason"] == "RestartLimitReached"
-        await asyncio.sleep(1.0)
-        # Nothing of a third generation runs: the replacements stay gated.
+        # Once the gang has stopped, its replacement is released only to stop: never a new generation.
+        stopping = await until(
+            lambda: _stopping(cluster, "limit"), message="the replacement released to stop"
+        )
+        assert {generation_of(p) for p in stopping} == {f"{run}/1"}
         assert not any(generation_of(p) == f"{run}/2" for p in cluster.pods("limit"))
+        # Its trainer exits 76 (the sidecar refuses it): the Job's FailJob rule ends the Job.
+        await cluster.fail(stopping[0], names.EXIT_LIMIT_SPENT, container="trainer")
+        job = await until(lambda: _job_failed(k8s, "limit"), message="the Job failed by its podFailurePolicy")
+        assert job["reason"] == "PodFailurePolicy"
         reasons = [e["reason"] for e in await events_about(k8s, "limit")]
-        assert "RestartLimitReached" in reasons
-        # Raising the limit on the Job's own metadata (its template is immutable) lets it go on.
-        status, body = await call(
-            k8s, "PATCH", f"{JOBS}/limit", {"metadata": {"annotations": {"strata.dev/max-restarts": "2"}}}
-        )
-        assert status == 200, body
-        await until(
-            lambda: running(cluster, "limit", f"{run}/2", 2), message="generation 2 after raising the limit"
-        )
-        status = await status_of(k8s, "limit")
-        assert status["phase"] == "Running" and status["restarts"] == 2 and status["restartLimit"] == 2
+        assert "RestartLimitReached" in reasons and "ReleasedToStop" in reasons
         await assert_valid(k8s, "limit")
+
+
+def _stopping(cluster: Cluster, job: str) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in cluster.pods(job)
+        if (p["metadata"].get("annotations") or {}).get(names.RESTORE_REQUEST_ANNOTATION)
+        == names.STOP_REQUEST
+        and not p["spec"].get("schedulingGates")
+        and p["status"].get("phase") == "Running"
+    ]
+
+
+async def _job_failed(k8s: K8s, name: str) -> dict[str, Any] | None:
+    status, body = await call(k8s, "GET", f"{JOBS}/{name}")
+    assert status == 200, body
+    return next((c for c in body.get("status", {}).get("conditions") or [] if c["type"] == "Failed"), None)
 
 
 async def _phase(k8s: K8s, name: str, phase: str) -> dict[str, Any] | None:
