@@ -129,7 +129,8 @@ class SidecarSettings:
     restore_request_file: str = _opt(
         "",
         "file holding the operator's one-shot restore request for a new generation (a committed step, "
-        "or none for a fresh start; a downward-API volume); missing or empty: restore the newest",
+        "none for a fresh start, or stop: the restart limit is spent and trainers are refused, so they "
+        "exit 76; a downward-API volume); missing or empty: restore the newest",
     )
 
     def __post_init__(self) -> None:
