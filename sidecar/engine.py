@@ -322,14 +322,18 @@ class Engine:
         self._note_rank(identity, epoch)
         return epoch
 
-    def _epoch_for(self, identity: Identity) -> mf.Epoch:
+    def check_not_stopped(self, identity: Identity) -> None:
+        """The operator spent the job's restart limit and released this pod only so that its trainer
+        exits with EXIT_LIMIT_SPENT (the Job's podFailurePolicy then fails the Job): refuse it at
+        the handshake, every restore and every attempt, so it never trains."""
         if self._restore_request() == "stop":
-            # The operator spent the job's restart limit and released this pod only so that its
-            # trainer exits with EXIT_LIMIT_SPENT (the Job's podFailurePolicy then fails the Job).
             raise FailedPrecondition(
                 f"{LIMIT_SPENT_MARKER}: the operator stopped {identity.job_key[0]}/{identity.job_key[1]}; "
                 f"nothing is restored or saved (the trainer exits {EXIT_LIMIT_SPENT})"
             )
+
+    def _epoch_for(self, identity: Identity) -> mf.Epoch:
+        self.check_not_stopped(identity)
         generation = self.generation_of(identity)
         gang = self.gang(identity.job_key)
         with gang.cond:
@@ -1342,6 +1346,7 @@ class Engine:
         """The attempt's restore step (every rank of a generation restores the same one), or
         an explicit committed ``step``."""
         identity.validate()
+        self.check_not_stopped(identity)
         ns, job = identity.job_key
         if step is not None:
             fences = self.gang(identity.job_key).refresh_fences()

@@ -195,6 +195,9 @@ class CheckpointClient:
                     f"{self.settings.connect_timeout_s:.0f} s: is it running? "
                     "(set STRATA_SOCKET or STRATA_ADDRESS)"
                 ) from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION and LIMIT_SPENT_MARKER in (exc.details() or ""):
+                log.error("%s", exc.details())
+                raise RestartLimitSpent(exc.details()) from None
             raise SidecarUnavailable(f"sidecar refused the handshake: {exc.details()}") from None
 
     def _hold_attach(self) -> None:

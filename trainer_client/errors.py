@@ -40,8 +40,9 @@ class Preempted(SystemExit):
 
 
 class RestartLimitSpent(SystemExit):
-    """Raised by ``restore()`` when the operator stopped the job because its restart limit is spent:
-    the process exits with status 76, which the Job's podFailurePolicy turns into FailJob."""
+    """Raised when the client connects (or restores) and the operator has stopped the job because
+    its restart limit is spent: the process exits with status 76, which the Job's podFailurePolicy
+    turns into FailJob."""
 
     def __init__(self, message: str) -> None:
         super().__init__(EXIT_LIMIT_SPENT)

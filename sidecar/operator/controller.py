@@ -79,6 +79,11 @@ def _gated(pod: Mapping[str, Any]) -> bool:
     return any(g.get("name") == names.GANG_GATE for g in (pod.get("spec") or {}).get("schedulingGates") or [])
 
 
+def _stopping(pod: Mapping[str, Any]) -> bool:
+    """Released with the restore request "stop" (the restart limit is spent)."""
+    return (_meta(pod).get("annotations") or {}).get(names.RESTORE_REQUEST_ANNOTATION) == names.STOP_REQUEST
+
+
 def _index(pod: Mapping[str, Any]) -> int | None:
     raw = (_meta(pod).get("labels") or {}).get(names.JOB_INDEX_LABEL)
     return int(raw) if raw is not None and str(raw).isdigit() else None
@@ -125,6 +130,8 @@ class _Job:
     #: Pods this operator process released (a watch event older than the release may still show
     #: them gated: they are not replacements).
     released_uids: set[str] = dataclasses.field(default_factory=set)
+    #: Warned that the Job lacks the FailJob rule for exit code 76.
+    warned_no_failjob: bool = False
     #: Warned about pods of an earlier run of the same name still running.
     warned_earlier_run: bool = False
     #: Warned about a pod stuck Terminating (one Event per pod).
@@ -202,11 +209,13 @@ class Controller:
         if event_type == "DELETED":
             # The StrataJob and the Checkpoints stay: a Job resubmitted under this name finds them.
             # Its pods stay in the index until they are gone: a resubmission waits for them.
-            if job.timer is not None:
-                job.timer.cancel()
-            job.workload = job.status = job.stratajob = None
-            job.vanished.clear()
-            self._tidy(job)
+            async with job.lock:
+                if job.timer is not None:
+                    job.timer.cancel()
+                job.workload = job.status = job.stratajob = None
+                job.vanished.clear()
+                job.warned_earlier_run = job.warned_no_failjob = False
+                self._tidy(job)
             return
         job.kind = str(body.get("kind", "Job"))
         job.workload = dict(body)
@@ -361,8 +370,21 @@ class Controller:
             return
         pods = self._own_pods(job)
         if phase == "Failed":  # for good: what the Job controller still creates is released to stop
+            await self._stop_pods(job, [p for p in pods if not _gated(p) and not _stopping(p)])
             await self._release_to_stop(job, pods)
             return
+        ended = self._workload_ended(job)
+        if ended is not None:
+            # The Job itself completed or failed (its own policy, a deadline): nothing to restart.
+            phase_now = "Succeeded" if ended == "Complete" else "Failed"
+            await self._patch_status(
+                job,
+                {"phase": phase_now, "pendingRestart": None},
+                condition=(phase_now, "True", f"Job{ended}", f"the {job.kind} reports {ended}"),
+            )
+            return
+        if ((job.workload or {}).get("spec") or {}).get("suspend"):
+            return  # suspended (Kueue): its pods go away on purpose; nothing is a failure
         pending = job.status.get("pendingRestart")
         if pending:
             await self._restart(job, pods, pending)
@@ -758,7 +780,32 @@ class Controller:
                 self._wake(job, deadline + self.fence_margin_s)
                 continue
             name = str(meta["name"])
-            await self.api.delete(path("", "v1", "pods", job.namespace, name), {"gracePeriodSeconds": 0})
+            url = path("", "v1", "pods", job.namespace, name)
+            # As the pod GC does for pods of a lost node: terminal phase and DisruptionTarget first
+            # (the Job controller counts a pod only once it is terminal, and the rule ignores it),
+            # then the force delete.
+            conditions = [
+                c
+                for c in (pod.get("status") or {}).get("conditions") or []
+                if c.get("type") != "DisruptionTarget"
+            ]
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "DeletionByStrataFence",
+                    "message": "Strata operator: still Terminating past its grace period (its node is gone)",
+                    "lastTransitionTime": _now(),
+                }
+            )
+            try:
+                await self.api.strategic_patch(
+                    url + "/status", {"status": {"phase": "Failed", "conditions": conditions}}
+                )
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+            await self.api.delete(url, {"gracePeriodSeconds": 0})
             if name not in job.fenced:
                 job.fenced.add(name)
                 await self._event(
@@ -841,8 +888,10 @@ class Controller:
         ]
         indexes = {_index(p) for p in gated + done}
         ready = len(gated) + len(done) >= job.world if None in indexes else indexes >= set(range(job.world))
-        if not ready or not gated:
+        if not ready:
             return  # the Job controller is still creating them: their ADDED events wake us
+        # Taken before the patches: a replacement of a pod that vanishes meanwhile is younger.
+        started = _now()
         request = self._restore_request(job, first)
         for pod in gated:
             meta = _meta(pod)
@@ -864,7 +913,7 @@ class Controller:
             "phase": "Running",
             "generation": generation,
             "pendingRestart": None,
-            "generationStartedAt": _now(),
+            "generationStartedAt": started,
         }
         resume_from = job.settings.resume_from if job.settings.resume_from_set else None
         if request is not None and job.settings.resume_from_set:
@@ -885,13 +934,31 @@ class Controller:
     async def _release_to_stop(self, job: _Job, pods: list[dict[str, Any]]) -> None:
         """The job failed for good: once the old gang is gone, release its replacements with the
         restore request "stop". Their sidecars refuse the trainers, which exit 76, and the Job's
-        podFailurePolicy rule (FailJob) ends the Job, freeing its quota. Never two gangs at once."""
-        old = [p for p in pods if not _gated(p)]
-        gated = [
-            p for p in pods if _gated(p) and not is_terminal(p) and not _meta(p).get("deletionTimestamp")
-        ]
-        if not gated or not await self._wait_gone(job, [p for p in old if not is_terminal(p)]):
+        podFailurePolicy rule (FailJob) ends the Job, freeing its quota. Never two gangs at once;
+        all replacements at once (a lone one would wait for its peers); and only when the Job has
+        that rule (without it each exit would be retried: the replacements stay gated)."""
+        old = [p for p in pods if not _gated(p) and not _stopping(p) and not is_terminal(p)]
+        live = [p for p in pods if not is_terminal(p) and not _meta(p).get("deletionTimestamp")]
+        gated = [p for p in live if _gated(p)]
+        if not gated or not await self._wait_gone(job, old):
             return
+        if not self._fails_on_limit_spent(job):
+            if not job.warned_no_failjob:
+                job.warned_no_failjob = True
+                await self._event(
+                    job,
+                    "ReplacementsKeptGated",
+                    f"the Job has no podFailurePolicy rule onExitCodes In [{names.EXIT_LIMIT_SPENT}] action "
+                    "FailJob, so its replacement pods stay gated (a trainer that exits would be retried): "
+                    "delete the Job",
+                    warning=True,
+                    on_workload=True,
+                )
+            return
+        succeeded = {_index(p) for p in pods if (p.get("status") or {}).get("phase") == "Succeeded"}
+        have = {_index(p) for p in gated} | {_index(p) for p in live if _stopping(p)}
+        if None not in have and not set(range(job.world)) - succeeded <= have:
+            return  # the Job controller is still creating replacements
         generation = job.status.get("generation") if job.status else None
         for pod in gated:
             meta = _meta(pod)
@@ -918,6 +985,23 @@ class Controller:
             f"their trainers exit {names.EXIT_LIMIT_SPENT}, which the Job's podFailurePolicy turns into "
             "FailJob",
         )
+
+    def _fails_on_limit_spent(self, job: _Job) -> bool:
+        """The Job's podFailurePolicy fails it when a trainer exits EXIT_LIMIT_SPENT."""
+        rules = (((job.workload or {}).get("spec") or {}).get("podFailurePolicy") or {}).get("rules") or []
+        return any(
+            r.get("action") == "FailJob"
+            and (r.get("onExitCodes") or {}).get("operator") == "In"
+            and names.EXIT_LIMIT_SPENT in ((r.get("onExitCodes") or {}).get("values") or [])
+            for r in rules
+        )
+
+    def _workload_ended(self, job: _Job) -> str | None:
+        """ "Complete" or "Failed" when the Job controller says the Job ended, else None."""
+        for condition in ((job.workload or {}).get("status") or {}).get("conditions") or []:
+            if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+                return str(condition["type"])
+        return None
 
     def _restore_request(self, job: _Job, first: bool) -> str | None:
         """The one-shot restore request for the next generation: ``strata.dev/resume-from`` once per

@@ -279,7 +279,8 @@ class Authenticator:
     def _owning_jobs(self, namespace: str, meta: Mapping[str, Any]) -> frozenset[str]:
         """The job a pod belongs to: opted in, and controlled by that Job (the ownerReference the Job
         controller sets, with the uid of the Job the operator watches when it knows it), or by a Job
-        of that JobSet. A label alone names nothing: anyone who can create a pod can set it."""
+        of that JobSet. This catches mistakes and other jobs' pods; a pod creator of the same
+        namespace can copy all of it (the trust boundary is the namespace, docs/operator.md)."""
         labels = meta.get("labels") or {}
         if labels.get(OPT_IN_LABEL) != OPT_IN_VALUE:
             return frozenset()
@@ -581,8 +582,18 @@ class CheckpointWriter:
         # Only the current generation's sidecars say which attempt runs now (a stopping sidecar of an
         # earlier one must not move it, nor sweep Checkpoints).
         current = known is None or beat["generation"] == known
+        key = (beat["namespace"], beat["job"])
+        before = self._heard.get(key)
         if current and self._hear(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"]):
-            await self._sweep(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"])
+            try:
+                await self._sweep(beat["namespace"], beat["job"], beat["attempt"], beat["restore_step"])
+            except BaseException:
+                # Not swept: the resent heartbeat must find this attempt new again.
+                if before is None:
+                    self._heard.pop(key, None)
+                else:
+                    self._heard[key] = before
+                raise
         if self.on_heartbeat is None:
             return
         try:

@@ -63,6 +63,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             identity = _identity(request.identity)
             identity.validate()
             self.engine.greet(identity, request.protocol_version, handshake=True)
+            self.engine.check_not_stopped(identity)  # the restart limit is spent: exit at once
             self.engine.generation_of(identity)  # a trainer without a usable generation learns it now
         shm_dir = self.engine.segments.directory
         return pb.HandshakeResponse(

@@ -250,9 +250,8 @@ def test_a_stop_request_makes_the_trainer_exit_76_and_touches_nothing(
     server, _ = _three_steps(make_sidecar, make_client, job_name, url, endpoint, gang_files)
     before = _epoch(url, endpoint, job_name)
     gang_files("req/0", "stop")
-    client = make_client(server, job_name)
-    with pytest.raises(RestartLimitSpent) as stopped:
-        client.restore({"w": torch.zeros(4)})
+    with pytest.raises(RestartLimitSpent) as stopped:  # refused at the handshake: it never trains
+        make_client(server, job_name)
     assert stopped.value.code == 76 and "restart limit is spent" in str(stopped.value)
     assert _epoch(url, endpoint, job_name) == before  # no attempt created, no step lost
 

@@ -810,3 +810,64 @@ async def test_operator_restart_does_not_count_an_old_generation_as_hung(k8s: K8
             await asyncio.sleep(0.5)
         status = await status_of(k8s, "steady")
         assert status["restarts"] == 0 and status["generation"] == f"{run}/0", status.get("lastFailure")
+
+
+async def test_operator_limit_without_a_failjob_rule_keeps_the_replacements_gated(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    job = indexed_job(
+        "norule", 1, annotations={"strata.dev/backoff-seconds": "0", "strata.dev/max-restarts": "0"}
+    )
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    job["spec"]["podFailurePolicy"]["rules"] = [r for r in rules if r["action"] != "FailJob"]
+    async with operator(k8s):
+        _, pods = await start_job(k8s, cluster, job)
+        await cluster.fail(pods[0], 1)
+        await until(lambda: _events_with(k8s, "norule", "ReplacementsKeptGated"), message="the Warning")
+        gated = [p for p in cluster.pods("norule") if p["spec"].get("schedulingGates")]
+        assert gated and not _stopping(cluster, "norule")
+
+
+async def test_operator_release_cut_short_at_its_status_write_completes_on_retry(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    async with operator(k8s) as op:
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("statusw", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        api = op.controller.api
+        patch = api.merge_patch
+        failed = {"n": 0}
+
+        async def flaky(url: str, body: Any) -> Any:
+            release = url.endswith("/status") and (body.get("status") or {}).get("generation") == f"{run}/1"
+            if release and failed["n"] == 0:  # every pod is released, then the status write fails once
+                failed["n"] += 1
+                raise ApiError(500, "InternalError", "injected")
+            return await patch(url, body)
+
+        api.merge_patch = flaky  # type: ignore[method-assign]
+        await cluster.fail(pods[0], 1)
+        status = await until(lambda: _generation(k8s, "statusw", f"{run}/1"), message="generation 1 recorded")
+        assert status.get("pendingRestart") is None and failed["n"] == 1
+
+
+async def test_operator_job_that_ended_by_its_own_policy_is_not_restarted(k8s: K8s, cluster: Cluster) -> None:
+    async with operator(k8s):
+        _, pods = await start_job(k8s, cluster, indexed_job("ended", 2))
+        condition = {"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}
+        status, body = await call(
+            k8s, "PATCH", f"{JOBS}/ended/status", {"status": {"conditions": [condition]}}
+        )
+        assert status == 200, body
+        await until(lambda: _phase(k8s, "ended", "Failed"), message="phase Failed")
+        for pod in pods:  # the Job controller deletes the pods of a failed Job
+            await call(
+                k8s,
+                "DELETE",
+                f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}",
+                {"gracePeriodSeconds": 0},
+            )
+        await asyncio.sleep(0.5)
+        status_now = await status_of(k8s, "ended")
+        assert status_now["restarts"] == 0 and status_now.get("pendingRestart") is None
