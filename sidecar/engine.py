@@ -326,7 +326,7 @@ class Engine:
         """The operator spent the job's restart limit and released this pod only so that its trainer
         exits with EXIT_LIMIT_SPENT (the Job's podFailurePolicy then fails the Job): refuse it at
         the handshake, every restore and every attempt, so it never trains."""
-        if self._restore_request() == "stop":
+        if self._read_restore_request() == "stop":
             raise FailedPrecondition(
                 f"{LIMIT_SPENT_MARKER}: the operator stopped {identity.job_key[0]}/{identity.job_key[1]}; "
                 f"nothing is restored or saved (the trainer exits {EXIT_LIMIT_SPENT})"
@@ -456,6 +456,18 @@ class Engine:
             )
         log.info("%s/%s: restore request: step %d (attempt %d)", ns, job, step, attempts[-1])
         return (attempts[-1], step), "requested"
+
+    def _read_restore_request(self) -> str:
+        """The restore request file's text ("" when there is none or it cannot be read: only a new
+        attempt acts on it, and reports a bad one)."""
+        path = self.settings.restore_request_file
+        if not path:
+            return ""
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
 
     def _restore_request(self) -> str | None:
         """The pod's one-shot restore request: "none", a step number, "stop" (the restart limit is
