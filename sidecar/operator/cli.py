@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
+from typing import Any
 
 EPILOG = """\
 The operator watches Jobs and JobSets whose pod template carries the label
@@ -19,6 +22,16 @@ examples:
   strata operator --kubeconfig ~/.kube/config --report-port 8443 --metrics-port 9090
   strata operator --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key   # in a pod
   kubectl get stratajobs; kubectl describe checkpoint recsys-000000001200
+
+injection (the mutating webhook POST /mutate-pods and the validating webhook
+POST /validate-workloads share the report endpoint's HTTPS port): with
+--sidecar-image and --storage-uri, opted-in pods get the sidecar; without them the
+mutating webhook adds only the gang gate.
+  strata operator --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key \\
+    --sidecar-image ghcr.io/strata/strata:0.1 --storage-uri s3://ckpt/jobs \\
+    --storage-endpoint http://seaweedfs.storage:8333 \\
+    --sidecar-report-url https://strata-operator.strata-system.svc:8443 \\
+    --report-ca-configmap strata-operator-ca --own-namespace strata-system
 """
 
 log = logging.getLogger("strata.operator")
@@ -55,6 +68,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="remove the strata.dev/gang scheduling gate from every pod and exit "
         "(the chart's pre-delete hook: no pod waits for a removed operator)",
     )
+    inject = parser.add_argument_group("injection (the mutating webhook)")
+    inject.add_argument("--sidecar-image", help="image of the injected sidecar (enables the injection)")
+    inject.add_argument(
+        "--storage-uri",
+        "--storage",
+        dest="storage",
+        help="STRATA_STORAGE of every injected sidecar: s3://bucket/prefix",
+    )
+    inject.add_argument("--storage-endpoint", default="", help="STRATA_S3_ENDPOINT (default: AWS)")
+    inject.add_argument(
+        "--sidecar-report-url",
+        default="",
+        help="the report endpoint as sidecars reach it, https://SERVICE.NAMESPACE.svc:8443 "
+        "(default: no reports)",
+    )
+    inject.add_argument(
+        "--report-ca-configmap",
+        default="",
+        help="ConfigMap with the operator's CA as ca.crt, mounted into sidecars (default: the system's CAs)",
+    )
+    inject.add_argument(
+        "--shm-size",
+        default="2Gi",
+        help="sizeLimit of the shared-memory emptyDir; the trainer's memory limit must cover two "
+        "segments per rank (default 2Gi)",
+    )
+    inject.add_argument(
+        "--sidecar-resources",
+        default=None,
+        metavar="JSON",
+        help='the sidecar container\'s resources as JSON, e.g. \'{"requests": {"cpu": "250m", "memory": '
+        '"512Mi"}, "limits": {"memory": "2Gi"}}\' (default: that)',
+    )
+    inject.add_argument(
+        "--sidecar-user", type=int, default=65532, help="the sidecar's runAsUser (default 65532)"
+    )
+    inject.add_argument(
+        "--own-namespace",
+        default=os.environ.get("POD_NAMESPACE", ""),
+        help="never inject pods of this namespace, the operator's own (default: $POD_NAMESPACE)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics")
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="port of /metrics (strata_operator_*; -1: off)"
@@ -70,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
         return _lift_gates(args.kubeconfig)
     from sidecar.operator.run import OperatorConfig, serve
 
+    inject = _inject_config(args)
+
     config = OperatorConfig(
         kubeconfig=args.kubeconfig,
         trainer_container=args.trainer_container,
@@ -81,6 +137,7 @@ def main(args: argparse.Namespace) -> int:
         tls_key_file=args.tls_key_file,
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        inject=inject,
     )
 
     async def run() -> None:
@@ -96,6 +153,35 @@ def main(args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def _inject_config(args: argparse.Namespace) -> Any:
+    from sidecar.operator.inject import InjectConfig
+
+    if bool(args.sidecar_image) != bool(args.storage):
+        raise ValueError("--sidecar-image and --storage-uri go together (both enable the injection)")
+    if not args.sidecar_image:
+        return None
+    extra: dict[str, Any] = {}
+    if args.sidecar_resources:
+        try:
+            resources = json.loads(args.sidecar_resources)
+        except ValueError as exc:
+            raise ValueError(f"--sidecar-resources is not JSON: {exc}") from None
+        if not isinstance(resources, dict) or set(resources) - {"requests", "limits"}:
+            raise ValueError("--sidecar-resources must be an object with requests and/or limits")
+        extra["resources"] = resources
+    return InjectConfig(
+        image=args.sidecar_image,
+        storage_uri=args.storage,
+        storage_endpoint=args.storage_endpoint,
+        report_url=args.sidecar_report_url,
+        report_ca_configmap=args.report_ca_configmap,
+        shm_size=args.shm_size,
+        own_namespace=args.own_namespace,
+        run_as_user=args.sidecar_user,
+        **extra,
+    )
 
 
 def _lift_gates(kubeconfig: str | None) -> int:

@@ -15,9 +15,10 @@ from typing import Any
 
 import kopf
 
-from sidecar.operator import names, reports
+from sidecar.operator import names, reports, webhook
 from sidecar.operator.admission import opted_in
 from sidecar.operator.controller import Controller
+from sidecar.operator.inject import InjectConfig
 from sidecar.operator.kube import Api, _credentials
 from sidecar.operator.metrics import OperatorMetrics
 
@@ -42,6 +43,9 @@ class OperatorConfig:
     #: Prometheus metrics (``strata_operator_*``); None: not served.
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
+    #: The webhooks (``/mutate-pods``, ``/validate-workloads``) share the report endpoint's server;
+    #: None: the mutating webhook adds only the gang gate, no sidecar.
+    inject: InjectConfig | None = None
 
 
 def _owned_by_jobset(body: Mapping[str, Any]) -> bool:
@@ -145,6 +149,7 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
             context = reports.server_ssl_context(config.tls_cert_file, config.tls_key_file)
         authenticator = reports.Authenticator(api, workload_uid=controller.workload_uid)
         app = reports.make_app(authenticator, writer, metrics)
+        webhook.add_routes(app, config.inject)
         server = await reports.start_server(app, config.report_host, config.report_port, context)
         host = "127.0.0.1" if config.report_host in ("0.0.0.0", "") else config.report_host
         report_url = f"{'https' if context else 'http'}://{host}:{server.port}"

@@ -1,0 +1,400 @@
+"""The injection, pure functions over a Pod: what the mutating webhook adds to an opted-in pod
+(label ``strata.dev/checkpoint: enabled`` on the pod template; labels on the Job's own metadata never
+reach its pods).
+
+For each opted-in pod outside the operator's own namespace it adds, as one JSON patch (RFC 6902):
+
+- the gang scheduling gate, for Job-owned pods only (:func:`admission.mutate_pod`'s rule; JobSet
+  recreates its gang itself);
+- the sidecar ``strata-sidecar`` as a native sidecar (an initContainer with ``restartPolicy:
+  Always``, Kubernetes 1.29+) running ``strata sidecar``, with a startup probe on its ``/metrics``
+  port: the sidecar serves metrics only once its socket is published, and the kubelet starts the
+  regular containers only after a native sidecar's startup probe passed;
+- volumes: a memory-backed emptyDir for the shared-memory segments (``sizeLimit`` from
+  :attr:`InjectConfig.shm_size`; the segments' pages are charged to the trainer, so its memory limit
+  must cover two segments per rank), an emptyDir for the socket, a downward-API volume with the pod
+  annotations ``strata.dev/generation`` and ``strata.dev/restore-request`` as files, a projected
+  service-account token (audience :data:`names.REPORT_AUDIENCE`) and the operator's CA, and a
+  scratch ``/tmp`` for the sidecar (its root filesystem is read-only);
+- env for every regular container (``STRATA_JOB``, ``STRATA_NAMESPACE``, ``STRATA_RANK`` from the
+  completion index, ``STRATA_SOCKET``; a variable the container already sets is left alone) and
+  for the sidecar (the same, its settings from the pod's ``strata.dev/*`` annotations through the
+  settings table, storage from :class:`InjectConfig`, and ``envFrom`` the Secret named by
+  ``strata.dev/storage-secret``, into the sidecar only).
+
+World size: a pod carries no field with its Job's completions (and an admission-time API lookup
+would put the API server on every pod's creation path), so ``STRATA_WORLD_SIZE`` is set only when
+the caller passes ``world_size``; otherwise the trainer takes it from its own env (``WORLD_SIZE``
+or ``STRATA_WORLD_SIZE`` in the pod template). Rank: the completion index, which is the global rank
+for a Job, and for a JobSet whose replicated job has one replica; other JobSets set ``STRATA_RANK``
+in the template.
+
+Idempotent by construction: every piece is added only when missing (the sidecar container by
+name, each volume, mount and env var by name, the gate by name), so a reinvocation, or a patched
+pod fed back, yields an empty patch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.operator import admission, names
+from sidecar.operator import annotations as table
+
+__all__ = [
+    "CA_DIR",
+    "PODINFO_DIR",
+    "SHM_DIR",
+    "SIDECAR_CONTAINER",
+    "SOCKET_PATH",
+    "STORAGE_SECRET_ANNOTATION",
+    "TOKEN_DIR",
+    "Denied",
+    "InjectConfig",
+    "inject",
+    "quantity",
+    "warnings",
+]
+
+SIDECAR_CONTAINER = "strata-sidecar"
+#: Pod annotation naming a Secret whose keys (AWS_ACCESS_KEY_ID, ...) become the sidecar's env.
+STORAGE_SECRET_ANNOTATION = "strata.dev/storage-secret"
+
+SHM_VOLUME, SHM_DIR = "strata-shm", "/var/run/strata/shm"
+SOCKET_VOLUME, SOCKET_DIR = "strata-socket", "/var/run/strata/sock"
+#: The sidecar creates the socket's own directory (mode 0755) inside the emptyDir.
+SOCKET_PATH = f"{SOCKET_DIR}/s/sidecar.sock"
+#: 0666 in a directory only this pod's containers mount: the trainer may run as another user.
+SOCKET_MODE = "0o666"
+PODINFO_VOLUME, PODINFO_DIR = "strata-podinfo", "/etc/strata/podinfo"
+TOKEN_VOLUME, TOKEN_DIR = "strata-report-token", "/var/run/secrets/strata.dev/report"
+CA_VOLUME, CA_DIR = "strata-operator-ca", "/etc/strata/operator-ca"
+TMP_VOLUME = "strata-tmp"
+TOKEN_SECONDS = 3600
+
+
+def _default_resources() -> dict[str, Any]:
+    return {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+
+
+@dataclass(frozen=True)
+class InjectConfig:
+    """What every injected sidecar shares (the chart's values)."""
+
+    #: The sidecar image (``strata`` on its PATH).
+    image: str
+    #: ``STRATA_STORAGE``: s3://bucket/prefix (or file:///path).
+    storage_uri: str
+    #: ``STRATA_S3_ENDPOINT`` (empty: AWS).
+    storage_endpoint: str = ""
+    #: ``STRATA_REPORT_URL``: the operator's report Service, https://...:8443 (empty: no reports).
+    report_url: str = ""
+    #: ConfigMap holding the operator's CA as ``ca.crt`` (empty: the system's CAs).
+    report_ca_configmap: str = ""
+    #: ``sizeLimit`` of the shared-memory emptyDir.
+    shm_size: str = "2Gi"
+    #: The sidecar container's resources.
+    resources: Mapping[str, Any] = field(default_factory=_default_resources)
+    #: Pods in this namespace (the operator's own) are never injected.
+    own_namespace: str = ""
+    #: The sidecar's user (the image's non-root user).
+    run_as_user: int = 65532
+    image_pull_policy: str = "IfNotPresent"
+
+
+class Denied(ValueError):
+    """The pod must not be admitted; the message names the annotation and what it accepts."""
+
+
+def _job_name(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(names.JOBSET_NAME_LABEL):
+        return str(labels[names.JOBSET_NAME_LABEL])
+    if labels.get(names.JOB_NAME_LABEL):
+        return str(labels[names.JOB_NAME_LABEL])
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("name"):
+            return str(ref["name"])
+    return str(meta.get("name") or meta.get("generateName", "").rstrip("-") or "pod")
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _common_env(pod: Mapping[str, Any], world_size: int | None) -> list[dict[str, Any]]:
+    env = [
+        {"name": "STRATA_JOB", "value": _job_name(pod)},
+        _field_env("STRATA_NAMESPACE", "metadata.namespace"),
+        _field_env("STRATA_RANK", f"metadata.labels['{names.JOB_INDEX_LABEL}']"),
+        {"name": "STRATA_SOCKET", "value": SOCKET_PATH},
+    ]
+    if world_size is not None:
+        env.append({"name": "STRATA_WORLD_SIZE", "value": str(world_size)})
+    return env
+
+
+def _check(parsed: table.Parsed, raw: Mapping[str, str]) -> int:
+    """Deny bad annotations; returns the metrics (and startup probe) port."""
+    problems = list(parsed.problems)
+    port_raw = parsed.sidecar_env.get("STRATA_METRICS_PORT", "9464")
+    port = int(port_raw, 0)
+    if not 1 <= port <= 65535:
+        problems.append(
+            f"strata.dev/metrics-port={port_raw!r}: expected a port 1-65535 (the injected startup probe "
+            "reads the sidecar's /metrics)"
+        )
+    shm = parsed.sidecar_env.get("STRATA_SHM_DIR")
+    if shm is not None and shm not in ("", SHM_DIR):
+        problems.append(
+            f"strata.dev/shm-dir={shm!r}: expected {SHM_DIR} (the injected shared-memory volume) or "
+            "empty (chunked gRPC saves only)"
+        )
+    secret = raw.get(STORAGE_SECRET_ANNOTATION)
+    if secret is not None and not _dns_name(secret):
+        problems.append(f"{STORAGE_SECRET_ANNOTATION}={secret!r}: expected the name of a Secret")
+    if problems:
+        raise Denied(f"Strata: metadata.annotations: {'; '.join(problems)}")
+    return port
+
+
+def _dns_name(value: str) -> bool:
+    ok = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
+    return 0 < len(value) <= 253 and set(value) <= ok and value[0].isalnum() and value[-1].isalnum()
+
+
+def _sidecar(
+    pod: Mapping[str, Any], config: InjectConfig, parsed: table.Parsed, port: int, world_size: int | None
+) -> dict[str, Any]:
+    env = _common_env(pod, world_size)
+    env.append({"name": "STRATA_STORAGE", "value": config.storage_uri})
+    if config.storage_endpoint:
+        env.append({"name": "STRATA_S3_ENDPOINT", "value": config.storage_endpoint})
+    env += [
+        {"name": "STRATA_SOCKET_MODE", "value": SOCKET_MODE},
+        {"name": "STRATA_SHM_DIR", "value": SHM_DIR},
+        {"name": "STRATA_METRICS_PORT", "value": str(port)},
+        {"name": "STRATA_RESTORE_REQUEST_FILE", "value": f"{PODINFO_DIR}/restore-request"},
+        {"name": "STRATA_REPORT_TOKEN_FILE", "value": f"{TOKEN_DIR}/token"},
+    ]
+    if _is_job_owned(pod):
+        # The operator writes the generation on gated pods before it lifts the gate.
+        env.append({"name": "STRATA_GENERATION_FILE", "value": f"{PODINFO_DIR}/generation"})
+    if config.report_url:
+        env.append({"name": "STRATA_REPORT_URL", "value": config.report_url})
+    if config.report_ca_configmap:
+        env.append({"name": "STRATA_REPORT_CA_FILE", "value": f"{CA_DIR}/ca.crt"})
+    fixed = {e["name"] for e in env}
+    env += [{"name": k, "value": v} for k, v in sorted(parsed.sidecar_env.items()) if k not in fixed]
+    if parsed.sidecar_env.get("STRATA_SHM_DIR") == "":
+        env = [e if e["name"] != "STRATA_SHM_DIR" else {"name": "STRATA_SHM_DIR", "value": ""} for e in env]
+    mounts = [
+        {"name": SHM_VOLUME, "mountPath": SHM_DIR},
+        {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
+        {"name": PODINFO_VOLUME, "mountPath": PODINFO_DIR, "readOnly": True},
+        {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+        {"name": TMP_VOLUME, "mountPath": "/tmp"},
+    ]
+    if config.report_ca_configmap:
+        mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": SIDECAR_CONTAINER,
+        "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "restartPolicy": "Always",
+        "command": ["strata", "sidecar"],
+        "env": env,
+        "ports": [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}],
+        "startupProbe": {
+            "httpGet": {"path": "/metrics", "port": port},
+            "periodSeconds": 1,
+            "timeoutSeconds": 2,
+            "failureThreshold": 120,
+        },
+        "resources": dict(config.resources),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": config.run_as_user,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": mounts,
+    }
+    secret = ((pod.get("metadata") or {}).get("annotations") or {}).get(STORAGE_SECRET_ANNOTATION)
+    if secret:
+        container["envFrom"] = [{"secretRef": {"name": secret}}]
+    return container
+
+
+def _is_job_owned(pod: Mapping[str, Any]) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return admission._job_owner(pod) is not None and names.JOBSET_NAME_LABEL not in labels
+
+
+def _volumes(config: InjectConfig) -> list[dict[str, Any]]:
+    sources: list[dict[str, Any]] = [
+        {
+            "serviceAccountToken": {
+                "audience": names.REPORT_AUDIENCE,
+                "expirationSeconds": TOKEN_SECONDS,
+                "path": "token",
+            }
+        }
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
+        {"name": SOCKET_VOLUME, "emptyDir": {}},
+        {
+            "name": PODINFO_VOLUME,
+            "downwardAPI": {
+                "items": [
+                    {
+                        "path": "generation",
+                        "fieldRef": {"fieldPath": f"metadata.annotations['{names.GENERATION_ANNOTATION}']"},
+                    },
+                    {
+                        "path": "restore-request",
+                        "fieldRef": {
+                            "fieldPath": f"metadata.annotations['{names.RESTORE_REQUEST_ANNOTATION}']"
+                        },
+                    },
+                ]
+            },
+        },
+        {"name": TOKEN_VOLUME, "projected": {"sources": sources}},
+        {"name": TMP_VOLUME, "emptyDir": {}},
+    ]
+    if config.report_ca_configmap:
+        volumes.append({"name": CA_VOLUME, "configMap": {"name": config.report_ca_configmap}})
+    return volumes
+
+
+_SUFFIXES = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "m": 10**-3,
+}
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity (``512Mi``, ``2G``, ``1e9``) in base units; ValueError if it is not one."""
+    raw = str(text).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if raw.endswith(suffix) and raw[: -len(suffix)]:
+            return float(raw[: -len(suffix)]) * _SUFFIXES[suffix]
+    return float(raw)
+
+
+def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) -> list[str]:
+    """Admission warnings for a pod :func:`inject` accepts: a container whose memory limit leaves
+    no room for the shared-memory segments, whose pages are charged to the trainer that writes them."""
+    if not admission.opted_in(pod) or (config.own_namespace and namespace == config.own_namespace):
+        return []
+    try:
+        shm = quantity(config.shm_size)
+    except ValueError:
+        return []
+    out = []
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+        try:
+            tight = limit is not None and quantity(limit) <= shm
+        except ValueError:
+            continue
+        if tight:
+            out.append(
+                f"container {container.get('name')}: memory limit {limit} is not above the shared-memory "
+                f"volume's {config.shm_size}; the segments (two per rank: the committed snapshot and one "
+                "in flight) are charged to the trainer, so its limit must cover them on top of its "
+                "working set"
+            )
+    return out
+
+
+class _Patch:
+    """JSON patch ops that add list items, creating a missing list first; applied to a copy as they
+    are made, so later ops see earlier ones."""
+
+    def __init__(self) -> None:
+        self.ops: list[dict[str, Any]] = []
+
+    def append(self, parent: dict[str, Any], key: str, path: str, item: Any) -> None:
+        if parent.get(key) is None:
+            self.ops.append({"op": "add", "path": f"{path}/{key}", "value": [item]})
+            parent[key] = [item]
+        else:
+            self.ops.append({"op": "add", "path": f"{path}/{key}/-", "value": item})
+            parent[key].append(item)
+
+
+def _lists(obj: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """Copies of the lists ``obj`` holds under ``keys`` (None where it has none), to patch along."""
+    return {key: None if obj.get(key) is None else list(obj[key]) for key in keys}
+
+
+def inject(
+    pod: Mapping[str, Any],
+    *,
+    namespace: str,
+    config: InjectConfig,
+    world_size: int | None = None,
+) -> list[dict[str, Any]]:
+    """The JSON patch that injects Strata into ``pod`` (created in ``namespace``), or [] when it is
+    not opted in, is in the operator's own namespace, or has everything already.
+
+    Raises :class:`Denied` for bad ``strata.dev/*`` annotations, naming each and what it accepts.
+    """
+    if not admission.opted_in(pod) or (config.own_namespace and namespace == config.own_namespace):
+        return []
+    raw = ((pod.get("metadata") or {}).get("annotations")) or {}
+    parsed = table.parse({k: v for k, v in raw.items() if k != STORAGE_SECRET_ANNOTATION})
+    port = _check(parsed, raw)
+    ops = admission.mutate_pod(pod)
+    spec = _lists(pod.get("spec") or {}, "initContainers", "volumes")
+    patch = _Patch()
+    have = {c.get("name") for c in spec["initContainers"] or []}
+    if SIDECAR_CONTAINER not in have:
+        # First among the init containers: the kubelet starts them in order, so any later init
+        # container (and every regular one) can use the sidecar.
+        sidecar = _sidecar(pod, config, parsed, port, world_size)
+        if spec["initContainers"]:
+            patch.ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
+            spec["initContainers"].insert(0, sidecar)
+        else:
+            patch.append(spec, "initContainers", "/spec", sidecar)
+    have_volumes = {v.get("name") for v in spec["volumes"] or []}
+    for volume in _volumes(config):
+        if volume["name"] not in have_volumes:
+            patch.append(spec, "volumes", "/spec", volume)
+    trainer_mounts = [
+        {"name": SHM_VOLUME, "mountPath": SHM_DIR},
+        {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
+    ]
+    for i, original in enumerate((pod.get("spec") or {}).get("containers") or []):
+        container = _lists(original, "env", "volumeMounts")
+        path = f"/spec/containers/{i}"
+        set_env = {e.get("name") for e in container["env"] or []}
+        for var in _common_env(pod, world_size):
+            if var["name"] not in set_env:
+                patch.append(container, "env", path, var)
+        mounted = {m.get("name") for m in container["volumeMounts"] or []}
+        paths = {m.get("mountPath") for m in container["volumeMounts"] or []}
+        for mount in trainer_mounts:
+            if mount["name"] not in mounted and mount["mountPath"] not in paths:
+                patch.append(container, "volumeMounts", path, mount)
+    return ops + patch.ops

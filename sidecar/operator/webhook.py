@@ -1,0 +1,127 @@
+"""The admission webhooks, as aiohttp routes on the operator's HTTPS server (the report endpoint's):
+
+    POST /mutate-pods          AdmissionReview v1: the gang gate and the injection (:mod:`inject`)
+    POST /validate-workloads   AdmissionReview v1: :func:`admission.validate_workload`
+
+Why aiohttp and not kopf's admission support: the operator already serves its report endpoint over
+HTTPS with aiohttp in the same process, from the chart's certificate, so the webhooks share that
+server, port, certificate and NetworkPolicy, where kopf's webhook server would run a second server
+with its own certificate handling and (for its auto-configuration) write the webhook configurations
+itself, which the chart owns.
+
+A malformed AdmissionReview gets a readable 400 (the API server then applies the webhook's
+failurePolicy); a well-formed one always gets 200 with the verdict inside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from sidecar.operator import admission
+from sidecar.operator.inject import Denied, InjectConfig, inject, warnings
+
+__all__ = ["MUTATE_PATH", "VALIDATE_PATH", "Malformed", "add_routes", "mutate", "read_review", "validate"]
+
+log = logging.getLogger("strata.operator.webhook")
+
+MUTATE_PATH = "/mutate-pods"
+VALIDATE_PATH = "/validate-workloads"
+API_VERSION = "admission.k8s.io/v1"
+
+
+class Malformed(ValueError):
+    """Not an AdmissionReview v1 request."""
+
+
+def read_review(body: Any) -> Mapping[str, Any]:
+    """The ``request`` of an AdmissionReview v1, or :class:`Malformed` saying what is wrong."""
+    if not isinstance(body, Mapping):
+        raise Malformed("body must be a JSON object (an AdmissionReview)")
+    if body.get("apiVersion") != API_VERSION or body.get("kind") != "AdmissionReview":
+        raise Malformed(
+            f"expected apiVersion {API_VERSION}, kind AdmissionReview; got apiVersion "
+            f"{body.get('apiVersion')!r}, kind {body.get('kind')!r}"
+        )
+    request = body.get("request")
+    if not isinstance(request, Mapping):
+        raise Malformed('an AdmissionReview request needs a "request" object')
+    if not isinstance(request.get("uid"), str) or not request["uid"]:
+        raise Malformed("request.uid must be a non-empty string (the response echoes it)")
+    obj = request.get("object")
+    if obj is not None and not isinstance(obj, Mapping):
+        raise Malformed("request.object must be an object or null")
+    return request
+
+
+def mutate(request: Mapping[str, Any], config: InjectConfig | None) -> dict[str, Any]:
+    """The AdmissionReview answering a pod request: allowed with a patch, or denied naming why.
+    Without ``config`` only the gang gate is added (no injection)."""
+    uid = str(request["uid"])
+    pod = request.get("object")
+    if request.get("operation", "CREATE") != "CREATE" or not isinstance(pod, Mapping):
+        return admission.mutation_response(uid, [])
+    if pod.get("kind", "Pod") != "Pod":
+        return admission.mutation_response(uid, [])
+    namespace = str(request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "")
+    if config is None:
+        return admission.mutation_response(uid, admission.mutate_pod(pod))
+    try:
+        patch = inject(pod, namespace=namespace, config=config)
+    except Denied as exc:
+        log.info("pod %s/%s denied: %s", namespace, _name(pod), exc)
+        return admission.Verdict(False, str(exc)).to_admission_response(uid)
+    if patch:
+        log.info("pod %s/%s: %d patch operation(s)", namespace, _name(pod), len(patch))
+    review = admission.mutation_response(uid, patch)
+    found = warnings(pod, namespace=namespace, config=config) if patch else []
+    if found:
+        review["response"]["warnings"] = found
+    return review
+
+
+def validate(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The AdmissionReview answering a Job or JobSet request (denials and warnings)."""
+    obj = request.get("object")
+    if request.get("operation", "CREATE") == "DELETE" or not isinstance(obj, Mapping):
+        return admission.Verdict().to_admission_response(str(request["uid"]))
+    return admission.validate_workload(obj).to_admission_response(str(request["uid"]))
+
+
+def _name(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("name") or (meta.get("generateName") or "") + "*")
+
+
+async def _review(request: web.Request) -> Mapping[str, Any] | web.Response:
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return web.json_response({"error": f"body is not JSON: {exc}"}, status=400)
+    try:
+        return read_review(body)
+    except Malformed as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+
+
+def add_routes(app: web.Application, config: InjectConfig | None) -> None:
+    """Serve both webhooks on ``app`` (the report endpoint's application)."""
+
+    async def mutate_pods(request: web.Request) -> web.Response:
+        review = await _review(request)
+        if isinstance(review, web.Response):
+            return review
+        return web.json_response(mutate(review, config))
+
+    async def validate_workloads(request: web.Request) -> web.Response:
+        review = await _review(request)
+        if isinstance(review, web.Response):
+            return review
+        return web.json_response(validate(review))
+
+    app.router.add_post(MUTATE_PATH, mutate_pods)
+    app.router.add_post(VALIDATE_PATH, validate_workloads)
