@@ -1,0 +1,564 @@
+"""The Helm chart charts/strata, rendered by Helm's own engine (helm-python-sdk, no helm binary, no cluster).
+
+Every rendered built-in object is checked against the Kubernetes 1.29 and 1.33 schemas (strict: unknown
+fields fail); custom resources (Prometheus Operator, cert-manager) are checked for apiVersion and kind
+only. The RBAC rules are compared with the least-privilege list below: a new verb fails this test until
+it is justified here and in charts/README.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "strata"
+NAMESPACE = "strata-system"
+RELEASE = "strata"
+KUBE_VERSIONS = ("1.29.0", "1.33.0")
+
+#: Custom resources the chart may render (not validated against the built-in schemas).
+CUSTOM_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
+}
+
+ALL_ON: dict[str, Any] = {
+    "monitoring": {
+        "serviceMonitor": {"enabled": True},
+        "podMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+        "dashboard": {"enabled": True},
+    }
+}
+MATRIX: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "cert-manager": {"tls": {"certManager": {"enabled": True}}},
+    "cert-manager-issuer": {
+        "tls": {"certManager": {"enabled": True, "issuerRef": {"name": "ca", "kind": "ClusterIssuer"}}}
+    },
+    "monitors-on": ALL_ON,
+    "cert-manager-and-monitors": {**ALL_ON, "tls": {"certManager": {"enabled": True}}},
+    "namespaced": {"watchNamespaces": ["team-a", "team-b"], **ALL_ON},
+    "replicas-peering": {"operator": {"replicas": 2, "peering": "strata"}},
+    "namespaced-peering": {"watchNamespaces": ["team-a"], "operator": {"replicas": 2, "peering": "strata"}},
+    "no-networkpolicy": {"networkPolicy": {"enabled": False}},
+    "restricted-metrics": {
+        "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+        "storage": {"uri": "s3://ckpt/jobs", "endpoint": "http://seaweedfs.storage:8333"},
+        "operator": {"trainerContainer": "trainer", "fenceMarginSeconds": 60},
+        "imagePullSecrets": ["regcred"],
+    },
+}
+
+# The least-privilege rules, each with its reason (charts/README.md, "RBAC", says the same).
+WORKLOAD_RULES = {
+    # watch opted-in pods; get: a report's pod must exist; patch: lift the gate, write the generation;
+    # delete: fallback when an eviction is refused (PDB), and fencing of pods stuck Terminating
+    ("", "pods"): {"get", "list", "watch", "patch", "delete"},
+    # DisruptionTarget before a fallback delete, so podFailurePolicy ignores that pod
+    ("", "pods/status"): {"patch"},
+    # stop the old gang at a gang restart
+    ("", "pods/eviction"): {"create"},
+    # GangRestart, GangReleased, PodFenced, ... and kopf's handler events
+    ("", "events"): {"create"},
+    # watch opted-in workloads, never change them
+    ("batch", "jobs"): {"list", "watch"},
+    ("jobset.x-k8s.io", "jobsets"): {"list", "watch"},
+    # one StrataJob per workload
+    ("strata.dev", "stratajobs"): {"get", "create", "patch"},
+    ("strata.dev", "stratajobs/status"): {"patch"},
+    # Checkpoint objects from commit and retention reports
+    ("strata.dev", "checkpoints"): {"get", "list", "create", "patch", "delete"},
+    ("strata.dev", "checkpoints/status"): {"patch"},
+}
+CLUSTER_RULES = {
+    # verify the projected token of every sidecar report
+    ("authentication.k8s.io", "tokenreviews"): {"create"},
+    # kopf: runtime observation of CRDs
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+}
+CLUSTERWIDE_ONLY_RULES = {
+    # kopf, cluster-wide: runtime observation of namespaces
+    ("", "namespaces"): {"list", "watch"},
+}
+CLUSTER_PEERING_RULES = {("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"}}
+NAMESPACED_PEERING_RULES = {("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+_RENDERED: dict[str, list[dict[str, Any]]] = {}
+_VALIDATED: set[str] = set()
+
+
+def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Render like `helm install` would, and parse every manifest (NOTES.txt excluded). Cached per
+    values (each render generates an RSA key pair); callers do not modify the objects."""
+    key = json.dumps(values or {}, sort_keys=True)
+    if key not in _RENDERED:
+        _RENDERED[key] = _render(chart, values)
+    return _RENDERED[key]
+
+
+def _render(chart: Any, values: dict[str, Any] | None) -> list[dict[str, Any]]:
+    chart.validate_schema(values or {})
+    manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc.setdefault("__path__", path)
+                objects.append(doc)
+    return objects
+
+
+def strip(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k != "__path__"}
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    rules: dict[tuple[str, str], set[str]] = {}
+    for rule in role.get("rules") or []:
+        assert not rule.get("resourceNames"), rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert "*" not in rule["verbs"] and "*" not in resource and group != "*", rule
+                rules.setdefault((group, resource), set()).update(rule["verbs"])
+    return rules
+
+
+# --- rendering and lint ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_every_built_in_object_is_valid_for_1_29_and_1_33(chart: Any, case: str) -> None:
+    objects = render(chart, MATRIX[case])
+    assert objects
+    for obj in objects:
+        api_kind = (obj["apiVersion"], obj["kind"])
+        labels = obj["metadata"].get("labels") or {}
+        assert labels.get("app.kubernetes.io/instance") == RELEASE, (obj["__path__"], api_kind)
+        assert labels.get("app.kubernetes.io/name") == "strata"
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm"
+        assert labels.get("helm.sh/chart") == "strata-0.1.0"
+        if api_kind in CUSTOM_KINDS:
+            continue
+        body = strip(obj)
+        key = json.dumps(body, sort_keys=True)
+        if key in _VALIDATED:  # the same object rendered by an earlier case
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(body, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                pytest.fail(
+                    f"{case}: {obj['__path__']} {obj['kind']}/{obj['metadata']['name']} for {version}: {err}"
+                )
+        _VALIDATED.add(key)
+
+
+def test_custom_resources_only_when_enabled(chart: Any) -> None:
+    kinds = {(o["apiVersion"], o["kind"]) for o in render(chart)}
+    assert not kinds & CUSTOM_KINDS
+    kinds = {(o["apiVersion"], o["kind"]) for o in render(chart, MATRIX["cert-manager-and-monitors"])}
+    assert kinds >= CUSTOM_KINDS
+    assert ("v1", "ConfigMap") in kinds  # the dashboard
+    [dashboard] = [c for c in by_kind(render(chart, ALL_ON), "ConfigMap") if "strata.json" in c["data"]]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["strata.json"])["uid"] == "strata-checkpoints"
+
+
+def test_crds_are_valid(chart: Any) -> None:
+    crds = chart.crds
+    assert {c["name"] for c in crds} >= {
+        "crds/checkpoints.strata.dev.yaml",
+        "crds/stratajobs.strata.dev.yaml",
+    }
+    for crd in crds:
+        body = yaml.safe_load(crd["data"])
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(body, version, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("case", "kube_version"),
+    [
+        ("defaults", None),
+        ("defaults", "v1.29.0"),
+        ("cert-manager-and-monitors", "v1.33.0"),
+        ("namespaced", None),
+        ("replicas-peering", None),
+        ("restricted-metrics", None),
+    ],
+)
+def test_lint_strict_is_clean(case: str, kube_version: str | None) -> None:
+    report = helm.lint(CHART, MATRIX[case], strict=True, namespace=NAMESPACE, kube_version=kube_version)
+    assert not report["errors"], report
+    # severity 1 is info ("icon is recommended"); warnings and errors fail
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+# --- values.schema.json ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"replicas": "two"}}, "at '/operator/replicas': got string, want integer"),
+        ({"bogus": 1}, "additional properties 'bogus' not allowed"),
+        (
+            {"monitoring": {"serviceMonitor": {"enabeld": True}}},
+            "additional properties 'enabeld' not allowed",
+        ),
+        (
+            {"webhook": {"injectFailurePolicy": "Maybe"}},
+            "at '/webhook/injectFailurePolicy': value must be one of",
+        ),
+        ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy': value must be one of"),
+        (
+            {"tls": {"certManager": {"issuerRef": {"name": "x", "kind": "Vault"}}}},
+            "/tls/certManager/issuerRef/kind",
+        ),
+        ({"webhook": {"timeoutSeconds": 60}}, "at '/webhook/timeoutSeconds'"),
+        ({"storage": {"endpoint": "seaweedfs:8333"}}, "at '/storage/endpoint'"),
+        ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0'"),
+    ],
+)
+def test_schema_rejects_readably(chart: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.validate_schema(values)
+    assert message in str(err.value)
+
+
+def test_schema_rejects_at_render_and_lint_too(chart: Any) -> None:
+    """What `helm install --set operator.replica=2` and `helm lint` hit: the engine validates first."""
+    with pytest.raises(
+        helm.HelmValuesError, match="at '/operator': additional properties 'replica' not allowed"
+    ):
+        chart.render({"operator": {"replica": 2}}, name=RELEASE, namespace=NAMESPACE)
+    report = helm.lint(CHART, {"operator": {"replica": 2}}, strict=True)
+    assert any("additional properties 'replica' not allowed" in e for e in report["errors"]), report
+
+
+def test_values_the_schema_cannot_express_fail_the_render(chart: Any) -> None:
+    with pytest.raises(helm.HelmRenderError, match=r"needs operator\.peering"):
+        chart.render({"operator": {"replicas": 2}}, name=RELEASE, namespace=NAMESPACE)
+    with pytest.raises(helm.HelmRenderError, match="must not contain the release namespace"):
+        chart.render({"watchNamespaces": [NAMESPACE]}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_every_value_is_in_the_schema(chart: Any) -> None:
+    """The defaults themselves pass, and every default key is declared (additionalProperties false)."""
+    chart.validate_schema({})
+    schema = chart.schema
+
+    def walk(values: dict[str, Any], node: dict[str, Any], where: str) -> None:
+        if node.get("additionalProperties") is False:
+            for key, value in values.items():
+                assert key in node["properties"], f"{where}.{key} is not in values.schema.json"
+                assert "description" in node["properties"][key] or "properties" in node["properties"][key], (
+                    key
+                )
+                if isinstance(value, dict) and "properties" in node["properties"][key]:
+                    walk(value, node["properties"][key], f"{where}.{key}")
+
+    walk(chart.values, schema, "")
+
+
+# --- RBAC -----------------------------------------------------------------------------------------------
+
+
+def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
+    objects = render(chart)
+    assert not by_kind(objects, "Role")
+    role = one(objects, "ClusterRole")
+    assert rules_of(role) == {**CLUSTER_RULES, **CLUSTERWIDE_ONLY_RULES, **WORKLOAD_RULES}
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "strata", "namespace": NAMESPACE}]
+
+
+def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
+    objects = render(chart, MATRIX["namespaced"])
+    # TokenReview and CRDs are cluster-scoped: no Role can grant them
+    assert rules_of(one(objects, "ClusterRole")) == CLUSTER_RULES
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert rules_of(role) == WORKLOAD_RULES
+    bindings = by_kind(objects, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "strata"}
+        assert b["subjects"][0]["namespace"] == NAMESPACE
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_rbac_peering(chart: Any) -> None:
+    objects = render(chart, MATRIX["replicas-peering"])
+    assert rules_of(one(objects, "ClusterRole")) == {
+        **CLUSTER_RULES,
+        **CLUSTERWIDE_ONLY_RULES,
+        **CLUSTER_PEERING_RULES,
+        **WORKLOAD_RULES,
+    }
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # standalone: never two acting operators, not even during an upgrade
+    assert one(render(chart), "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--peering=strata" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    objects = render(chart, MATRIX["namespaced-peering"])
+    peering = [r for r in by_kind(objects, "Role") if r["metadata"]["namespace"] == NAMESPACE]
+    assert [rules_of(r) for r in peering] == [NAMESPACED_PEERING_RULES]
+
+
+# --- webhooks and TLS -----------------------------------------------------------------------------------
+
+
+def test_mutating_webhook(chart: Any) -> None:
+    config = one(render(chart), "MutatingWebhookConfiguration")
+    [hook] = config["webhooks"]
+    assert hook["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert hook["objectSelector"] == {"matchLabels": {"strata.dev/checkpoint": "enabled"}}
+    assert {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": [NAMESPACE]} in hook[
+        "namespaceSelector"
+    ]["matchExpressions"]
+    assert hook["failurePolicy"] == "Fail"
+    assert hook["sideEffects"] == "None"
+    assert hook["timeoutSeconds"] == 5
+    assert hook["reinvocationPolicy"] == "IfNeeded"
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["clientConfig"]["service"] == {
+        "name": "strata",
+        "namespace": NAMESPACE,
+        "path": "/mutate-pods",
+        "port": 8443,
+    }
+
+
+def test_validating_webhook(chart: Any) -> None:
+    config = one(render(chart), "ValidatingWebhookConfiguration")
+    hooks = {h["name"]: h for h in config["webhooks"]}
+    assert set(hooks) == {"validate-jobs.strata.dev", "validate-jobsets.strata.dev"}
+    assert hooks["validate-jobs.strata.dev"]["rules"][0]["apiGroups"] == ["batch"]
+    assert hooks["validate-jobs.strata.dev"]["rules"][0]["resources"] == ["jobs"]
+    assert hooks["validate-jobsets.strata.dev"]["rules"][0]["apiGroups"] == ["jobset.x-k8s.io"]
+    assert hooks["validate-jobsets.strata.dev"]["rules"][0]["resources"] == ["jobsets"]
+    for hook in hooks.values():
+        assert hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+        assert hook["failurePolicy"] == "Ignore"
+        assert hook["sideEffects"] == "None"
+        assert hook["clientConfig"]["service"]["path"] == "/validate-workloads"
+        [condition] = hook["matchConditions"]
+        assert "'strata.dev/checkpoint'" in condition["expression"]
+        assert "template.metadata.labels" in condition["expression"]
+        assert "== 'enabled'" in condition["expression"]
+        assert "objectSelector" not in hook  # the Job's own labels never reach pods: select the template
+
+
+def test_namespaced_mode_webhooks_select_watched_namespaces(chart: Any) -> None:
+    objects = render(chart, MATRIX["namespaced"])
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for hook in one(objects, kind)["webhooks"]:
+            expressions = hook["namespaceSelector"]["matchExpressions"]
+            assert {
+                "key": "kubernetes.io/metadata.name",
+                "operator": "In",
+                "values": ["team-a", "team-b"],
+            } in expressions
+
+
+def test_generated_tls_is_one_ca_for_secret_and_both_webhooks(chart: Any) -> None:
+    from cryptography import x509
+
+    objects = render(chart)
+    secret = one(objects, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    ca = secret["data"]["ca.crt"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        config = one(objects, kind)
+        assert "annotations" not in config["metadata"]
+        for hook in config["webhooks"]:
+            assert hook["clientConfig"]["caBundle"] == ca
+    [ca_map] = by_kind(objects, "ConfigMap")
+    assert ca_map["metadata"]["name"] == "strata-ca"
+    assert ca_map["data"]["ca.crt"].strip() == base64.b64decode(ca).decode().strip()
+    serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    names = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert f"strata.{NAMESPACE}.svc" in names
+    authority = x509.load_pem_x509_certificate(base64.b64decode(ca))
+    assert serving.issuer == authority.subject
+    volumes = one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "tls", "secret": {"secretName": secret["metadata"]["name"]}} in volumes
+
+
+def test_cert_manager_tls(chart: Any) -> None:
+    objects = render(chart, MATRIX["cert-manager"])
+    assert not by_kind(objects, "Secret")
+    certificate = one(objects, "Certificate")
+    assert certificate["spec"]["secretName"] == "strata-tls"
+    assert certificate["spec"]["issuerRef"] == {
+        "name": one(objects, "Issuer")["metadata"]["name"],
+        "kind": "Issuer",
+    }
+    assert f"strata.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        config = one(objects, kind)
+        assert config["metadata"]["annotations"] == {
+            "cert-manager.io/inject-ca-from": f"{NAMESPACE}/strata-serving"
+        }
+        assert all("caBundle" not in h["clientConfig"] for h in config["webhooks"])
+    objects = render(chart, MATRIX["cert-manager-issuer"])
+    assert not by_kind(objects, "Issuer")
+    assert one(objects, "Certificate")["spec"]["issuerRef"] == {"name": "ca", "kind": "ClusterIssuer"}
+
+
+# --- the operator Deployment, Service, NetworkPolicy, hooks ----------------------------------------------
+
+
+def test_operator_deployment(chart: Any) -> None:
+    objects = render(chart, MATRIX["restricted-metrics"])
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] == ["strata", "operator"]
+    assert container["args"] == [
+        "--report-port=8443",
+        "--metrics-port=9090",
+        "--tls-cert-file=/tls/tls.crt",
+        "--tls-key-file=/tls/tls.key",
+        "--fence-margin-seconds=60",
+        "--trainer-container=trainer",
+        "--sidecar-image=ghcr.io/strata-ckpt/strata:0.1.0",
+        "--storage-uri=s3://ckpt/jobs",
+        "--storage-endpoint=http://seaweedfs.storage:8333",
+        '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
+        "--shm-size=2Gi",
+        f"--sidecar-report-url=https://strata.{NAMESPACE}.svc:8443",
+        "--report-ca-configmap=strata-ca",
+        "--own-namespace=$(POD_NAMESPACE)",
+    ]
+    assert container["env"] == [
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+    ]
+    # without storage.uri no injection flags: --sidecar-image and --storage-uri go together
+    default_args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [
+        a for a in default_args if a.startswith(("--sidecar-", "--storage-", "--shm-size", "--report-ca"))
+    ]
+    cert_manager = one(
+        render(chart, {**MATRIX["cert-manager"], "storage": {"uri": "s3://b/p"}}), "Deployment"
+    )
+    assert (
+        "--sidecar-image=ghcr.io/strata-ckpt/strata:0.1.0"
+        in cert_manager["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    ports = {p["name"]: p["port"] for p in one(objects, "Service")["spec"]["ports"]}
+    assert ports == {"https": 8443, "metrics": 9090}
+
+
+def test_network_policy(chart: Any) -> None:
+    policy = one(render(chart), "NetworkPolicy")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [8443, 9090]
+    assert all("from" not in r for r in policy["spec"]["ingress"])
+    policy = one(render(chart, MATRIX["restricted-metrics"]), "NetworkPolicy")
+    webhook, metrics = policy["spec"]["ingress"]
+    assert "from" not in webhook  # the apiserver's address is not selectable
+    assert metrics["from"][0] == {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    assert not by_kind(render(chart, MATRIX["no-networkpolicy"]), "NetworkPolicy")
+
+
+def test_hooks(chart: Any) -> None:
+    objects = render(chart, MATRIX["namespaced"])
+    [job] = by_kind(objects, "Job")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["strata", "operator"]
+    assert container["args"] == ["--lift-gates", "--namespace=team-a", "--namespace=team-b"]
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == "strata"
+    tests = [o for o in by_kind(objects, "Pod") if o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    assert len(tests) == 1
+
+
+def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
+    rule = one(render(chart, ALL_ON), "PrometheusRule")
+    exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "strata_last_commit_timestamp_seconds" in exprs["StrataNoCommit"]
+    assert "> 1800" in exprs["StrataNoCommit"]  # 3 intervals of 600 s
+    assert "strata_operator_restarts_total" in exprs["StrataGangRestartsFrequent"]
+    assert "strata_storage_errors_total" in exprs["StrataStorageErrors"]
+    assert "strata_quantization_relative_error" in exprs["StrataQuantizationErrorHigh"]
+    sources = (Path(__file__).resolve().parents[2] / "sidecar" / "metrics.py").read_text() + (
+        Path(__file__).resolve().parents[2] / "sidecar" / "operator" / "metrics.py"
+    ).read_text()
+    for name in (
+        "strata_last_commit_timestamp_seconds",
+        "strata_operator_restarts_total",
+        "strata_storage_errors_total",
+        "strata_quantization_relative_error",
+        "strata_operator_report_rejections_total",
+    ):
+        assert f'"{name}"' in sources, name
+
+
+def test_notes(chart: Any) -> None:
+    notes = chart.render({}, name=RELEASE, namespace=NAMESPACE)["strata/templates/NOTES.txt"]
+    assert "kubectl -n strata-system rollout status deployment/strata" in notes
+    assert "kubectl apply --server-side -f charts/strata/crds/" in notes
+    assert "storage.uri is empty" in notes
+
+
+def test_strict_validation_catches_unknown_fields() -> None:
+    """The negative control of the schema check above: a misplaced field fails for both versions."""
+    container: dict[str, Any] = {"name": "c", "securityContxt": {}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [container]}}
+    for version in KUBE_VERSIONS:
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(pod, version, strict=True)
