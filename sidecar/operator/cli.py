@@ -53,6 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="force-delete a pod still Terminating this long past its grace period (default: 30)",
     )
     parser.add_argument(
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="watch only this namespace (repeat for more; default: the whole cluster). With Roles "
+        "only, --lift-gates then also stays within them",
+    )
+    parser.add_argument(
         "--peering",
         help="kopf peering name, needed to run more than one replica (default: standalone)",
     )
@@ -121,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     if args.fence_margin_seconds < 0:
         raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
     if args.lift_gates:
-        return _lift_gates(args.kubeconfig)
+        return _lift_gates(args.kubeconfig, tuple(args.namespaces))
     from sidecar.operator.run import OperatorConfig, serve
 
     inject = _inject_config(args)
@@ -131,6 +140,7 @@ def main(args: argparse.Namespace) -> int:
         trainer_container=args.trainer_container,
         fence_margin_s=args.fence_margin_seconds,
         peering=args.peering,
+        namespaces=tuple(args.namespaces),
         report_host=args.report_host,
         report_port=None if args.report_port < 0 else args.report_port,
         tls_cert_file=args.tls_cert_file,
@@ -184,14 +194,14 @@ def _inject_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _lift_gates(kubeconfig: str | None) -> int:
+def _lift_gates(kubeconfig: str | None, namespaces: tuple[str, ...] = ()) -> int:
     from sidecar.operator.controller import lift_gates
     from sidecar.operator.kube import Api
 
     async def run() -> list[str]:
         api = Api.from_config(kubeconfig)
         try:
-            return await lift_gates(api)
+            return await lift_gates(api, namespaces)
         finally:
             await api.close()
 

@@ -1060,15 +1060,17 @@ class Controller:
             await self._patch_status(job, changes)
 
 
-async def lift_gates(api: Api) -> list[str]:
+async def lift_gates(api: Api, namespaces: tuple[str, ...] = ()) -> list[str]:
     """Remove the ``strata.dev/gang`` gate from every pod that has it (``helm uninstall``'s pre-delete
     hook runs this, so no pod waits for an operator that is going away). Other gates stay. Returns
     the pods released, as namespace/name."""
-    listing = await api.request(
-        "GET", path("", "v1", "pods"), params={"labelSelector": f"{names.OPT_IN_LABEL}={names.OPT_IN_VALUE}"}
-    )
+    selector = {"labelSelector": f"{names.OPT_IN_LABEL}={names.OPT_IN_VALUE}"}
+    items: list[dict[str, Any]] = []
+    for namespace in namespaces or (None,):  # None: every namespace (a ClusterRole)
+        listing = await api.request("GET", path("", "v1", "pods", namespace), params=selector)
+        items.extend((listing or {}).get("items") or [])
     released = []
-    for pod in (listing or {}).get("items") or []:
+    for pod in items:
         gates = (pod.get("spec") or {}).get("schedulingGates") or []
         positions = [i for i, g in enumerate(gates) if g.get("name") == names.GANG_GATE]
         if not positions:

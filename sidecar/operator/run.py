@@ -35,6 +35,8 @@ class OperatorConfig:
     fence_margin_s: float = 30.0
     #: kopf peering name for more than one replica (None: standalone, one replica).
     peering: str | None = None
+    #: Watch only these namespaces (the chart's namespaced mode, with Roles only); empty: all.
+    namespaces: tuple[str, ...] = ()
     #: The report endpoint (HTTPS when cert and key are given); port 0 picks a free one, None: off.
     report_host: str = "0.0.0.0"
     report_port: int | None = 8443
@@ -163,7 +165,8 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         kopf.operator(
             registry=registry,
             settings=_settings(config),
-            clusterwide=True,
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
             standalone=config.peering is None,
             peering_name=config.peering,
             stop_flag=stop,
