@@ -8,7 +8,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
-class Metrics:
+class Served:
+    """A ``/metrics`` HTTP endpoint for ``self.registry`` (the sidecar's and the operator's)."""
+
+    registry: CollectorRegistry
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http_server = server
+        return int(server.server_address[1])
+
+    def shutdown(self) -> None:
+        server = getattr(self, "_http_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+class Metrics(Served):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
@@ -143,15 +161,3 @@ class Metrics:
             ["method"],
             registry=r,
         )
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http_server = server
-        return int(server.server_address[1])
-
-    def shutdown(self) -> None:
-        server = getattr(self, "_http_server", None)
-        if server is not None:
-            server.shutdown()
-            server.server_close()

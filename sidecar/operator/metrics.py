@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from sidecar.metrics import Served
 
 __all__ = ["REJECTION_REASONS", "REPORT_KINDS", "OperatorMetrics"]
 
@@ -45,7 +47,7 @@ class _ApiCalls(Collector):
         yield family
 
 
-class OperatorMetrics:
+class OperatorMetrics(Served):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
@@ -106,15 +108,3 @@ class OperatorMetrics:
         if reason not in REJECTION_REASONS:
             raise ValueError(f"unknown rejection reason {reason!r}; one of {REJECTION_REASONS}")
         self.report_rejections.labels(reason=reason).inc(count)
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Start a /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http_server = server
-        return int(server.server_address[1])
-
-    def shutdown(self) -> None:
-        server = getattr(self, "_http_server", None)
-        if server is not None:
-            server.shutdown()
-            server.server_close()
