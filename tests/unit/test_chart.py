@@ -9,7 +9,10 @@ it is justified here and in charts/README.md.
 from __future__ import annotations
 
 import base64
+import copy
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -562,3 +565,107 @@ def test_strict_validation_catches_unknown_fields() -> None:
     for version in KUBE_VERSIONS:
         with pytest.raises(kubernetes_validate.ValidationError):
             kubernetes_validate.validate(pod, version, strict=True)
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool not found: `make setup` installs Debian's prometheus package (deploy/local)")
+    return found
+
+
+def _rules_file(chart: Any, tmp_path: Path) -> Path:
+    """The chart's PrometheusRule as a plain rules file. Annotations are dropped: `promtool test rules`
+    would compare their rendered text, and `check rules` below checks their templates."""
+    rule = one(render(chart, ALL_ON), "PrometheusRule")
+    checked = tmp_path / "checked.yaml"
+    checked.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = subprocess.run([_promtool(), "check", "rules", str(checked)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    groups = copy.deepcopy(rule["spec"]["groups"])
+    for group in groups:
+        for entry in group["rules"]:
+            entry.pop("annotations", None)
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    return path
+
+
+def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any, tmp_path: Path) -> None:
+    rules = _rules_file(chart, tmp_path)
+    job = 'namespace="default",training_job="recsys"'
+    healthy = 'namespace="default",training_job="ok"'
+    severity = {
+        r["alert"]: r["labels"]["severity"]
+        for g in one(render(chart, ALL_ON), "PrometheusRule")["spec"]["groups"]
+        for r in g["rules"]
+    }
+    tests = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    # A job whose last commit was at t=0, and one that commits every minute.
+                    {"series": f"strata_last_commit_timestamp_seconds{{{job}}}", "values": "0x120"},
+                    {"series": f"strata_last_commit_timestamp_seconds{{{healthy}}}", "values": "0+60x120"},
+                    {"series": f'strata_storage_errors_total{{{job},op="put"}}', "values": "0+1x30"},
+                    {"series": f"strata_quantization_relative_error{{{job}}}", "values": "0.05x60"},
+                    {"series": 'strata_operator_restarts_total{reason="oom"}', "values": "0+1x60"},
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "60m",
+                        "alertname": "StrataNoCommit",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataNoCommit"],
+                                    "namespace": "default",
+                                    "training_job": "recsys",
+                                }
+                            }
+                        ],
+                    },
+                    {"eval_time": "20m", "alertname": "StrataNoCommit", "exp_alerts": []},  # 1800 s not yet
+                    {
+                        "eval_time": "20m",
+                        "alertname": "StrataStorageErrors",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataStorageErrors"],
+                                    "namespace": "default",
+                                    "training_job": "recsys",
+                                    "op": "put",
+                                }
+                            }
+                        ],
+                    },
+                    {
+                        "eval_time": "30m",
+                        "alertname": "StrataQuantizationErrorHigh",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataQuantizationErrorHigh"],
+                                    "namespace": "default",
+                                    "training_job": "recsys",
+                                }
+                            }
+                        ],
+                    },
+                    {
+                        "eval_time": "50m",
+                        "alertname": "StrataGangRestartsFrequent",
+                        "exp_alerts": [{"exp_labels": {"severity": severity["StrataGangRestartsFrequent"]}}],
+                    },
+                ],
+            }
+        ],
+    }
+    spec = tmp_path / "tests.yaml"
+    spec.write_text(yaml.safe_dump(tests))
+    out = subprocess.run([_promtool(), "test", "rules", str(spec)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
