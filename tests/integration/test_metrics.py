@@ -4,14 +4,8 @@ the trainer did, and a real Prometheus server scraping it."""
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
-import socket
-import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,21 +15,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import manifest as mf
+from tests.fixtures.prometheus import Prometheus, fetch, free_port, prometheus_bin
 from trainer_client import SaveFailed, SaveSkipped
 
 SCRAPE_JOB = "strata-sidecar"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def fetch(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        assert response.status == 200, url
-        return response.read().decode()
 
 
 def scrape(port: int) -> dict[str, Any]:
@@ -171,85 +154,12 @@ def test_metrics_endpoint_reports_what_the_trainer_did(make_sidecar, make_client
 # --- a real Prometheus ------------------------------------------------------------------------
 
 
-def prometheus_bin() -> str:
-    """The `prometheus` binary; a missing one fails the test (inside it, not as a setup error)."""
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.fail(
-            "the `prometheus` binary is not on PATH; this test scrapes the sidecar with a real "
-            "Prometheus. Install it with `make setup-prometheus` (or run "
-            "deploy/local/install-prometheus.sh as root: Debian's `prometheus` package)."
-        )
-    return path
-
-
-class Prometheus:
-    def __init__(self, binary: str, workdir: Path, targets: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": targets}]}],
-        }
-        config_path = workdir / "prometheus.yml"
-        config_path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-        self.log_path = workdir / "prometheus.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={config_path}",
-                    f"--storage.tsdb.path={workdir / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--log.level=warn",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        """Instant query; [] until the series exists (or while Prometheus is still starting)."""
-        if self.proc.poll() is not None:
-            raise AssertionError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        try:
-            body = json.loads(fetch(url, timeout=2))
-        except OSError:
-            return []
-        assert body["status"] == "success", body
-        return list(body["data"]["result"])
-
-    def wait_query(self, promql: str, accept: Callable[[list[dict[str, Any]]], bool], timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        result: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
-            result = self.query(promql)
-            if result and accept(result):
-                return result
-            time.sleep(0.2)
-        raise AssertionError(
-            f"prometheus query {promql!r} gave {result} after {timeout:.0f} s\n{self.log_tail()}"
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture
 def start_prometheus(tmp_path: Path) -> Iterator[Callable[[list[str]], Prometheus]]:
     started: list[Prometheus] = []
 
     def start(targets: list[str]) -> Prometheus:
-        prom = Prometheus(prometheus_bin(), tmp_path, targets)
+        prom = Prometheus(prometheus_bin(), tmp_path, targets, SCRAPE_JOB)
         started.append(prom)
         return prom
 

@@ -11,6 +11,7 @@ import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import pytest_asyncio
 from sidecar.operator import names
 from sidecar.operator.kube import ApiError
 from sidecar.operator.run import OperatorConfig, serve
+from tests.fixtures.prometheus import Prometheus, free_port, prometheus_bin
 from tests.k8s.cluster import Cluster, create, indexed_job
 from tests.k8s.conftest import K8s, call, kubectl
 from tests.k8s.test_crds import install_crds, rows, validator
@@ -871,3 +873,32 @@ async def test_operator_job_that_ended_by_its_own_policy_is_not_restarted(k8s: K
         await asyncio.sleep(0.5)
         status_now = await status_of(k8s, "ended")
         assert status_now["restarts"] == 0 and status_now.get("pendingRestart") is None
+
+
+async def test_operator_metrics_are_scraped_by_a_real_prometheus(
+    k8s: K8s, cluster: Cluster, tmp_path: Path
+) -> None:
+    port = free_port()
+    async with operator(k8s, metrics_port=port, metrics_host="127.0.0.1"):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("scraped", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        await cluster.fail(pods[0], 137, reason="OOMKilled")
+        await until(lambda: running(cluster, "scraped", f"{run}/1", 2), message="generation 1")
+        prom = Prometheus(prometheus_bin(), tmp_path, [f"127.0.0.1:{port}"], job="strata-operator")
+        try:
+            # Blocking HTTP queries: off the loop that serves the emulated API.
+            restarts = await asyncio.to_thread(
+                prom.wait_query, 'strata_operator_restarts_total{reason="oom"}', lambda r: len(r) == 1, 30
+            )
+            assert float(restarts[0]["value"][1]) == 1 and restarts[0]["metric"]["job"] == "strata-operator"
+            watched = await asyncio.to_thread(
+                prom.wait_query, "strata_operator_watched_jobs", lambda r: len(r) == 1, 30
+            )
+            assert float(watched[0]["value"][1]) == 1
+            calls = await asyncio.to_thread(
+                prom.wait_query, "strata_operator_api_calls_total", lambda r: len(r) == 1, 30
+            )
+            assert float(calls[0]["value"][1]) > 0
+        finally:
+            prom.stop()
