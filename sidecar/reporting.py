@@ -272,6 +272,11 @@ class Reporter:
                     "retry:token", "cannot read the report token %s (will retry): %s", self.token_file, exc
                 )
                 return "retry"
+            if not token:  # being written, or not projected yet: never send an empty credential
+                self._say_once(
+                    "retry:empty-token", "the report token %s is empty (will retry)", self.token_file
+                )
+                return "retry"
             headers["Authorization"] = f"Bearer {token}"
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         timeout = REQUEST_TIMEOUT_S

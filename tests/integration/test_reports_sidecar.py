@@ -53,7 +53,10 @@ def test_commits_are_reported_as_checkpoints_the_operator_accepts(
     client = make_client(server, job_name, capture_rng=False)
     emb = torch.zeros(64, 8)
     client.save(1, {"emb": emb, "w": torch.arange(16.0)}).durable.result(30)
-    token.write_text("token-2")  # rotated: the next send carries the new one
+    receiver.wait("commit", lambda got: len(got) >= 1)
+    rotated = short_tmp / "token.new"  # as the kubelet rotates a projected token: atomically
+    rotated.write_text("token-2")
+    rotated.replace(token)  # the next send carries the new one
     emb[3] += 1
     client.save(2, {"emb": emb, "w": torch.arange(16.0)}).durable.result(30)
     commits = receiver.wait("commit", lambda got: len(got) >= 2)
