@@ -167,8 +167,10 @@ def validate_workload(obj: Mapping[str, Any]) -> Verdict:
     own = table.parse((obj.get("metadata") or {}).get("annotations"))
     problems += [f"metadata.annotations: {p}" for p in own.problems]
     for where, template in templates:
-        parsed = table.parse((template.get("metadata") or {}).get("annotations"))
+        annotations = (template.get("metadata") or {}).get("annotations")
+        parsed = table.parse(annotations)
         problems += [f"{where}.metadata.annotations: {p}" for p in parsed.problems]
+        problems += [f"{where}.metadata.annotations: {p}" for p in table.injection_problems(annotations)]
         if kind == "Job":
             warnings += _job_warnings(obj.get("spec") or {}, template, parsed.job)
         elif "strata.dev/max-restarts" in ((template.get("metadata") or {}).get("annotations") or {}):

@@ -3,7 +3,9 @@ annotation ``strata.dev/<setting>``, and the operator's own job settings sit bes
 admission logic and the operator parse annotations here, so a typo or a bad value is named once,
 the same way everywhere.
 
-``python -m sidecar.operator.annotations`` prints the table as markdown.
+``python -m sidecar.operator.annotations`` prints the table as markdown (docs/settings.md);
+``python -m sidecar.operator.annotations --readme`` rewrites README.md's Annotations reference, the
+block between :data:`README_BEGIN` and :data:`README_END`, in place.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from sidecar.operator import names
 
 #: Sidecar settings a pod annotation must not set, and why.
 NOT_ANNOTATIONS: dict[str, str] = {
-    "storage": "the chart's storage values set it for every job (and its credentials Secret)",
+    "storage": "the chart's storage values set it for every job (credentials: strata.dev/storage-secret)",
     "socket": "the injected pod layout fixes the socket path",
     "socket_mode": "the injected pod layout fixes the socket's permissions",
     "tcp_port": "pods talk over the unix socket; TCP needs a secret, which annotations cannot hold",
@@ -27,11 +29,11 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "token": "a secret: annotations are readable by anyone who can read the pod",
     "metrics_host": "the injected container's ports are fixed by the chart",
     "generation_file": "the operator owns the generation (a downward-API file)",
-    "peer_host": "peers are found by stable pod names, set by the injection",
-    "peers": "peers are found by stable pod names, set by the injection",
+    "peer_host": "commit hints between pods are not wired by the injection yet (storage decides commits)",
+    "peers": "commit hints between pods are not wired by the injection yet (storage decides commits)",
     "report_url": "the injection points every sidecar at the operator's report endpoint",
     "report_token_file": "the injection mounts the projected service-account token there",
-    "report_ca_file": "the injection mounts the operator's CA there",
+    "report_ca_file": "the injection writes the operator's CA into the pod (strata.dev/report-ca)",
     "restore_request_file": "the operator owns restore requests (strata.dev/restore-request, downward API)",
 }
 
@@ -133,7 +135,68 @@ JOB_SETTINGS: list[Setting] = [
 ]
 
 #: Annotations the operator writes itself: never a user's typo.
-OWN_ANNOTATIONS = frozenset({names.GENERATION_ANNOTATION, names.RESTORE_REQUEST_ANNOTATION})
+#: Pod annotations the injection reads itself (not sidecar or Job settings): parse() skips them.
+INJECTION_ANNOTATIONS = (names.STORAGE_SECRET_ANNOTATION, names.SHM_SIZE_ANNOTATION)
+
+
+def injection_problems(annotations: Mapping[str, str] | None) -> list[str]:
+    """What is wrong with the :data:`INJECTION_ANNOTATIONS` values (the validating webhook says it at
+    the Job, the mutating one denies the pod)."""
+    raw = annotations or {}
+    problems = []
+    secret = raw.get(names.STORAGE_SECRET_ANNOTATION)
+    if secret is not None and not _dns_name(secret):
+        problems.append(f"{names.STORAGE_SECRET_ANNOTATION}={secret!r}: expected the name of a Secret")
+    size = raw.get(names.SHM_SIZE_ANNOTATION)
+    if size is not None and not _at_least_1mi(size):
+        problems.append(
+            f"{names.SHM_SIZE_ANNOTATION}={size!r}: expected a Kubernetes quantity of at least 1Mi "
+            "(e.g. 8Gi), the sizeLimit of the shared-memory volume"
+        )
+    return problems
+
+
+def _dns_name(value: str) -> bool:
+    ok = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
+    return 0 < len(value) <= 253 and set(value) <= ok and value[0].isalnum() and value[-1].isalnum()
+
+
+def _at_least_1mi(text: str) -> bool:
+    try:
+        return quantity(text) >= 2**20
+    except ValueError:
+        return False
+
+
+_SUFFIXES = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "m": 10**-3,
+}
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity (``512Mi``, ``2G``, ``1e9``) in base units; ValueError if it is not one."""
+    raw = str(text).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if raw.endswith(suffix) and raw[: -len(suffix)]:
+            return float(raw[: -len(suffix)]) * _SUFFIXES[suffix]
+    return float(raw)
+
+
+OWN_ANNOTATIONS = frozenset(
+    {names.GENERATION_ANNOTATION, names.RESTORE_REQUEST_ANNOTATION, names.REPORT_CA_ANNOTATION}
+)
 
 
 def table() -> list[Setting]:
@@ -168,7 +231,11 @@ def parse(annotations: Mapping[str, str] | None) -> Parsed:
     settings = {s.annotation: s for s in table()}
     out = Parsed()
     for key, raw in sorted((annotations or {}).items()):
-        if not key.startswith(names.ANNOTATION_PREFIX) or key in OWN_ANNOTATIONS:
+        if (
+            not key.startswith(names.ANNOTATION_PREFIX)
+            or key in OWN_ANNOTATIONS
+            or key in INJECTION_ANNOTATIONS
+        ):
             continue
         setting = settings.get(key)
         if setting is None:
@@ -214,5 +281,169 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+README_BEGIN = "<!-- annotations:begin -->"
+README_END = "<!-- annotations:end -->"
+README_COMMAND = ".venv/bin/python -m sidecar.operator.annotations --readme"
+
+
+#: What each pod annotation the injection reads itself (``inject.POD_ANNOTATIONS``, not sidecar
+#: settings) means, for README.md; one missing here fails :func:`readme_block`.
+POD_ANNOTATION_DOCS: dict[str, str] = {
+    "strata.dev/storage-secret": "name of a Secret in the pod's namespace whose keys (`AWS_ACCESS_KEY_ID`, "
+    "`AWS_SECRET_ACCESS_KEY`, ...) become the sidecar's env (`envFrom`, the sidecar only). Without it "
+    "the sidecar uses boto3's default chain, e.g. workload identity through the pod's service account "
+    "(IRSA, GKE Workload Identity), which the trainer shares",
+    "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
+    "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "
+    "to the trainer: its memory limit must cover two segments per rank",
+}
+
+
+def _value(default: Any) -> str:
+    """A default as an annotation would spell it."""
+    if default is None:
+        return "(unset)"
+    if default == "":
+        return '`""`'
+    return f"`{default}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def readme_block() -> str:
+    """README.md's Annotations reference: the settings table, plus the labels, gate and annotations
+    the webhook and the operator read or write that are not settings."""
+    from sidecar.operator import inject  # inject imports this module: import it late
+
+    sidecar_rows = [s for s in table() if s.env]
+    job_rows = [s for s in table() if not s.env]
+    lines = [
+        f"<!-- generated by `{README_COMMAND}` from the settings table in "
+        "sidecar/operator/annotations.py: edit the table, not this block -->",
+        "",
+        "Annotations go on the **pod template** (`spec.template.metadata.annotations`); the operator's",
+        "settings may also sit on the Job's (or JobSet's) own metadata, which wins. Values are strings:",
+        'quote numbers in YAML (`strata.dev/keep: "5"`). A misspelt `strata.dev/*` annotation or a bad',
+        "value is denied by the webhooks, naming the annotation and what it accepts.",
+        "",
+        "**Sidecar settings.** Each is also the sidecar's environment variable (and `strata sidecar` flag);",
+        "the webhook turns the annotations into the injected sidecar's env.",
+        "",
+        "| annotation | sidecar env | default | what |",
+        "|---|---|---|---|",
+    ]
+    for s in sidecar_rows:
+        lines.append(f"| `{s.annotation}` | `{s.env}` | {_value(s.default)} | {_cell(s.help)} |")
+    lines += [
+        "",
+        "**The operator's settings** (gang restarts, rollback, resubmission):",
+        "",
+        "| annotation | default | what |",
+        "|---|---|---|",
+    ]
+    for s in job_rows:
+        lines.append(f"| `{s.annotation}` | {_value(s.default)} | {_cell(s.help)} |")
+    undocumented = [a for a in inject.POD_ANNOTATIONS if a not in POD_ANNOTATION_DOCS]
+    if undocumented:
+        raise ValueError(f"document {', '.join(undocumented)} in annotations.POD_ANNOTATION_DOCS")
+    pod_rows = [(a, POD_ANNOTATION_DOCS[a]) for a in inject.POD_ANNOTATIONS]
+    others = [
+        (
+            f"`{names.OPT_IN_LABEL}: {names.OPT_IN_VALUE}`",
+            "label, pod template (you)",
+            "opts the pods in: the webhooks and the operator act on these pods only. A label on the "
+            "Job's own metadata never reaches its pods",
+        ),
+        *((f"`{a}`", "annotation, pod template (you)", what) for a, what in pod_rows),
+        (
+            f"`{names.GANG_GATE}`",
+            "scheduling gate (webhook)",
+            "added to opted-in pods a Job owns (not JobSet or bare pods); the operator lifts it when "
+            "it releases the gang",
+        ),
+        (
+            f"`{names.REPORT_CA_ANNOTATION}`",
+            "annotation, pod (webhook)",
+            "the CA bundle the sidecar verifies the operator's report endpoint with (downward API)",
+        ),
+        (
+            f"`{names.GENERATION_ANNOTATION}`",
+            "annotation, pod (operator)",
+            "the gang generation RUN/RESTART, written at release; the sidecar reads it (downward API)",
+        ),
+        (
+            f"`{names.RESTORE_REQUEST_ANNOTATION}`",
+            "annotation, pod (operator)",
+            f"a one-shot restore request for this generation: a step, `none` (fresh) or "
+            f"`{names.STOP_REQUEST}` (the restart limit is spent)",
+        ),
+        (
+            f"`{names.JOB_LABEL}`, `{names.LATEST_LABEL}`",
+            "labels, Checkpoint (operator)",
+            "the job a Checkpoint belongs to, and its newest one: "
+            f"`kubectl get checkpoints -l {names.JOB_LABEL}=recsys,{names.LATEST_LABEL}=true`",
+        ),
+    ]
+    lines += [
+        "",
+        "**Not settings**: what you set for the webhook, and what the webhook and the operator write",
+        "(never set those yourself):",
+        "",
+        "| name | what, where (who sets it) | meaning |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {where} | {_cell(what)} |" for name, where, what in others]
+    lines += [
+        "",
+        "**Sidecar settings that are not annotations**, and why:",
+        "",
+        "| sidecar env | why not |",
+        "|---|---|",
+    ]
+    env_names = {f.name: config.env_name(f) for f in dataclasses.fields(config.SidecarSettings)}
+    for name, why in NOT_ANNOTATIONS.items():
+        lines.append(f"| `{env_names.get(name, name)}` | {_cell(why)} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(text: str) -> str:
+    """``text`` (README.md) with the block between the markers replaced by :func:`readme_block`."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README has no {README_BEGIN} ... {README_END} block")
+    head = text[: begin + len(README_BEGIN)]
+    return head + "\n" + readme_block() + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sidecar.operator.annotations",
+        description="Print the settings table as markdown (docs/settings.md), or rewrite README.md's "
+        "Annotations reference in place.",
+    )
+    parser.add_argument(
+        "--readme",
+        nargs="?",
+        const="README.md",
+        metavar="PATH",
+        help="rewrite the annotations block of this README (default: README.md) in place",
+    )
+    args = parser.parse_args(argv)
+    if args.readme is None:
+        print(markdown(), end="")
+        return 0
+    path = Path(args.readme)
+    text = path.read_text()
+    updated = update_readme(text)
+    if updated != text:
+        path.write_text(updated)
+    return 0
+
+
 if __name__ == "__main__":
-    print(markdown(), end="")
+    raise SystemExit(main())

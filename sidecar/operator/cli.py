@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -20,18 +21,23 @@ until it releases them.
 
 examples:
   strata operator --kubeconfig ~/.kube/config --report-port 8443 --metrics-port 9090
-  strata operator --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key   # in a pod
+  strata operator --tls-secret strata-tls --tls-service strata-operator \\
+    --webhook-configuration strata   # in a pod: the operator manages the CA
+  strata operator --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key \\
+    --tls-ca-file /tls/ca.crt        # in a pod: cert-manager's Secret, mounted
   kubectl get stratajobs; kubectl describe checkpoint recsys-000000001200
 
 injection (the mutating webhook POST /mutate-pods and the validating webhook
 POST /validate-workloads share the report endpoint's HTTPS port): with
 --sidecar-image and --storage-uri, opted-in pods get the sidecar; without them the
 mutating webhook adds only the gang gate.
-  strata operator --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key \\
+  strata operator --tls-secret strata-tls --tls-service strata-operator \\
+    --webhook-configuration strata --own-namespace strata-system \\
     --sidecar-image ghcr.io/strata/strata:0.1 --storage-uri s3://ckpt/jobs \\
     --storage-endpoint http://seaweedfs.storage:8333 \\
-    --sidecar-report-url https://strata-operator.strata-system.svc:8443 \\
-    --report-ca-configmap strata-operator-ca --own-namespace strata-system
+    --sidecar-report-url https://strata-operator.strata-system.svc:8443
+The TLS CA reaches injected sidecars in their pod's annotation strata.dev/report-ca
+(read through the downward API), so no object is created in the jobs' namespaces.
 """
 
 log = logging.getLogger("strata.operator")
@@ -69,8 +75,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report-port", type=int, default=8443, help="port of the report endpoint (-1: off; default 8443)"
     )
-    parser.add_argument("--tls-cert-file", help="certificate of the report endpoint (HTTPS)")
-    parser.add_argument("--tls-key-file", help="private key of the report endpoint")
+    tls = parser.add_argument_group(
+        "TLS of the webhooks and the report endpoint (one of: --tls-secret, or --tls-cert-file with "
+        "--tls-key-file; neither: plain HTTP, for tests)"
+    )
+    tls.add_argument(
+        "--tls-secret",
+        metavar="NAME",
+        help="manage a CA in this Secret of --own-namespace: generate it, rotate it, serve its certificate "
+        "and patch the caBundle of --webhook-configuration (the chart's default)",
+    )
+    tls.add_argument(
+        "--tls-service",
+        metavar="NAME",
+        help="the Service the webhooks and sidecars reach the operator by (the certificate's DNS names)",
+    )
+    tls.add_argument(
+        "--webhook-configuration",
+        dest="webhook_configurations",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="Mutating- and ValidatingWebhookConfiguration whose caBundle follows the managed CA "
+        "(repeatable)",
+    )
+    tls.add_argument(
+        "--tls-ca-days",
+        type=float,
+        default=1825,
+        help="lifetime of a managed CA in days; a successor joins the bundle with a third of it left and "
+        "signs with a sixth left (default 1825)",
+    )
+    tls.add_argument(
+        "--tls-cert-days",
+        type=float,
+        default=365,
+        help="lifetime of the managed serving certificate in days; renewed with a third left (default 365)",
+    )
+    tls.add_argument(
+        "--tls-cert-file",
+        help="serve this certificate instead (e.g. cert-manager's tls.crt; reloaded on change)",
+    )
+    tls.add_argument("--tls-key-file", help="its private key")
+    tls.add_argument(
+        "--tls-ca-file",
+        help="the CA injected sidecars verify the report endpoint with (cert-manager's ca.crt)",
+    )
     parser.add_argument(
         "--lift-gates",
         action="store_true",
@@ -91,11 +141,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="the report endpoint as sidecars reach it, https://SERVICE.NAMESPACE.svc:8443 "
         "(default: no reports)",
-    )
-    inject.add_argument(
-        "--report-ca-configmap",
-        default="",
-        help="ConfigMap with the operator's CA as ca.crt, mounted into sidecars (default: the system's CAs)",
     )
     inject.add_argument(
         "--shm-size",
@@ -127,10 +172,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if args.tls_secret and args.tls_cert_file:
+        raise ValueError("--tls-secret (a CA the operator manages) and --tls-cert-file exclude each other")
+    if args.tls_secret and not (args.tls_service and args.own_namespace):
+        raise ValueError("--tls-secret needs --tls-service and --own-namespace (or $POD_NAMESPACE)")
+    if not (args.tls_ca_days > 0 and args.tls_cert_days > 0):
+        raise ValueError(
+            f"--tls-ca-days and --tls-cert-days must be > 0, got {args.tls_ca_days:g} and "
+            f"{args.tls_cert_days:g}"
+        )
+    if args.tls_ca_file and not args.tls_cert_file:
+        raise ValueError("--tls-ca-file goes with --tls-cert-file")
     if args.fence_margin_seconds < 0:
         raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
     if args.lift_gates:
         return _lift_gates(args.kubeconfig, tuple(args.namespaces))
+    from sidecar.operator.certs import TlsPolicy
     from sidecar.operator.run import OperatorConfig, serve
 
     inject = _inject_config(args)
@@ -145,6 +202,15 @@ def main(args: argparse.Namespace) -> int:
         report_port=None if args.report_port < 0 else args.report_port,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
+        tls_ca_file=args.tls_ca_file,
+        tls_secret=args.tls_secret,
+        tls_namespace=args.own_namespace,
+        tls_service=args.tls_service or "",
+        webhook_configurations=tuple(args.webhook_configurations),
+        tls_policy=TlsPolicy(
+            ca_validity=datetime.timedelta(days=args.tls_ca_days),
+            cert_validity=datetime.timedelta(days=args.tls_cert_days),
+        ),
         metrics_host=args.metrics_host,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         inject=inject,
@@ -186,7 +252,6 @@ def _inject_config(args: argparse.Namespace) -> Any:
         storage_uri=args.storage,
         storage_endpoint=args.storage_endpoint,
         report_url=args.sidecar_report_url,
-        report_ca_configmap=args.report_ca_configmap,
         shm_size=args.shm_size,
         own_namespace=args.own_namespace,
         run_as_user=args.sidecar_user,

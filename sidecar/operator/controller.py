@@ -641,6 +641,8 @@ class Controller:
         self.decisions.append((job.name, time.monotonic()))
         if not decision.restart:
             reason = "NotRestartable" if failure.kind in PERMANENT else "RestartLimitReached"
+            if self.metrics is not None:
+                self.metrics.jobs_failed.labels(reason=reason).inc()
             await self._patch_status(
                 job,
                 {"phase": "Failed", "lastFailure": last},

@@ -44,7 +44,6 @@ from sidecar.operator import admission, names
 from sidecar.operator import annotations as table
 
 __all__ = [
-    "CA_DIR",
     "PODINFO_DIR",
     "SHM_DIR",
     "SIDECAR_CONTAINER",
@@ -60,7 +59,11 @@ __all__ = [
 
 SIDECAR_CONTAINER = "strata-sidecar"
 #: Pod annotation naming a Secret whose keys (AWS_ACCESS_KEY_ID, ...) become the sidecar's env.
-STORAGE_SECRET_ANNOTATION = "strata.dev/storage-secret"
+STORAGE_SECRET_ANNOTATION = names.STORAGE_SECRET_ANNOTATION
+#: Pod annotation overriding :attr:`InjectConfig.shm_size` (the shared-memory emptyDir's sizeLimit).
+SHM_SIZE_ANNOTATION = names.SHM_SIZE_ANNOTATION
+#: Pod-level annotations the injection reads itself (not sidecar settings).
+POD_ANNOTATIONS = table.INJECTION_ANNOTATIONS
 
 SHM_VOLUME, SHM_DIR = "strata-shm", "/var/run/strata/shm"
 SOCKET_VOLUME, SOCKET_DIR = "strata-socket", "/var/run/strata/sock"
@@ -70,7 +73,6 @@ SOCKET_PATH = f"{SOCKET_DIR}/s/sidecar.sock"
 SOCKET_MODE = "0o666"
 PODINFO_VOLUME, PODINFO_DIR = "strata-podinfo", "/etc/strata/podinfo"
 TOKEN_VOLUME, TOKEN_DIR = "strata-report-token", "/var/run/secrets/strata.dev/report"
-CA_VOLUME, CA_DIR = "strata-operator-ca", "/etc/strata/operator-ca"
 TMP_VOLUME = "strata-tmp"
 TOKEN_SECONDS = 3600
 
@@ -91,8 +93,10 @@ class InjectConfig:
     storage_endpoint: str = ""
     #: ``STRATA_REPORT_URL``: the operator's report Service, https://...:8443 (empty: no reports).
     report_url: str = ""
-    #: ConfigMap holding the operator's CA as ``ca.crt`` (empty: the system's CAs).
-    report_ca_configmap: str = ""
+    #: The CA bundle (PEM) sidecars verify the report endpoint with (empty: the system's CAs). Written
+    #: into the pod's annotation :data:`names.REPORT_CA_ANNOTATION` and read from the downward-API
+    #: volume: pods in any namespace get it with no per-namespace object to create.
+    report_ca: str = ""
     #: ``sizeLimit`` of the shared-memory emptyDir.
     shm_size: str = "2Gi"
     #: The sidecar container's resources.
@@ -153,17 +157,10 @@ def _check(parsed: table.Parsed, raw: Mapping[str, str]) -> int:
             f"strata.dev/shm-dir={shm!r}: expected {SHM_DIR} (the injected shared-memory volume) or "
             "empty (chunked gRPC saves only)"
         )
-    secret = raw.get(STORAGE_SECRET_ANNOTATION)
-    if secret is not None and not _dns_name(secret):
-        problems.append(f"{STORAGE_SECRET_ANNOTATION}={secret!r}: expected the name of a Secret")
+    problems += table.injection_problems(raw)
     if problems:
         raise Denied(f"Strata: metadata.annotations: {'; '.join(problems)}")
     return port
-
-
-def _dns_name(value: str) -> bool:
-    ok = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
-    return 0 < len(value) <= 253 and set(value) <= ok and value[0].isalnum() and value[-1].isalnum()
 
 
 def _sidecar(
@@ -185,8 +182,8 @@ def _sidecar(
         env.append({"name": "STRATA_GENERATION_FILE", "value": f"{PODINFO_DIR}/generation"})
     if config.report_url:
         env.append({"name": "STRATA_REPORT_URL", "value": config.report_url})
-    if config.report_ca_configmap:
-        env.append({"name": "STRATA_REPORT_CA_FILE", "value": f"{CA_DIR}/ca.crt"})
+    if config.report_ca:
+        env.append({"name": "STRATA_REPORT_CA_FILE", "value": f"{PODINFO_DIR}/report-ca"})
     fixed = {e["name"] for e in env}
     env += [{"name": k, "value": v} for k, v in sorted(parsed.sidecar_env.items()) if k not in fixed]
     if parsed.sidecar_env.get("STRATA_SHM_DIR") == "":
@@ -198,8 +195,6 @@ def _sidecar(
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
         {"name": TMP_VOLUME, "mountPath": "/tmp"},
     ]
-    if config.report_ca_configmap:
-        mounts.append({"name": CA_VOLUME, "mountPath": CA_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": SIDECAR_CONTAINER,
         "image": config.image,
@@ -236,7 +231,11 @@ def _is_job_owned(pod: Mapping[str, Any]) -> bool:
     return admission._job_owner(pod) is not None and names.JOBSET_NAME_LABEL not in labels
 
 
-def _volumes(config: InjectConfig) -> list[dict[str, Any]]:
+def _shm_size(raw: Mapping[str, str], config: InjectConfig) -> str:
+    return str(raw.get(SHM_SIZE_ANNOTATION) or config.shm_size)
+
+
+def _volumes(config: InjectConfig, shm_size: str) -> list[dict[str, Any]]:
     sources: list[dict[str, Any]] = [
         {
             "serviceAccountToken": {
@@ -247,7 +246,7 @@ def _volumes(config: InjectConfig) -> list[dict[str, Any]]:
         }
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
         {"name": SOCKET_VOLUME, "emptyDir": {}},
         {
             "name": PODINFO_VOLUME,
@@ -263,41 +262,28 @@ def _volumes(config: InjectConfig) -> list[dict[str, Any]]:
                             "fieldPath": f"metadata.annotations['{names.RESTORE_REQUEST_ANNOTATION}']"
                         },
                     },
+                    *(
+                        [
+                            {
+                                "path": "report-ca",
+                                "fieldRef": {
+                                    "fieldPath": f"metadata.annotations['{names.REPORT_CA_ANNOTATION}']"
+                                },
+                            }
+                        ]
+                        if config.report_ca
+                        else []
+                    ),
                 ]
             },
         },
         {"name": TOKEN_VOLUME, "projected": {"sources": sources}},
         {"name": TMP_VOLUME, "emptyDir": {}},
     ]
-    if config.report_ca_configmap:
-        volumes.append({"name": CA_VOLUME, "configMap": {"name": config.report_ca_configmap}})
     return volumes
 
 
-_SUFFIXES = {
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "m": 10**-3,
-}
-
-
-def quantity(text: str) -> float:
-    """A Kubernetes quantity (``512Mi``, ``2G``, ``1e9``) in base units; ValueError if it is not one."""
-    raw = str(text).strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if raw.endswith(suffix) and raw[: -len(suffix)]:
-            return float(raw[: -len(suffix)]) * _SUFFIXES[suffix]
-    return float(raw)
+quantity = table.quantity
 
 
 def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) -> list[str]:
@@ -305,8 +291,9 @@ def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) ->
     no room for the shared-memory segments, whose pages are charged to the trainer that writes them."""
     if not admission.opted_in(pod) or (config.own_namespace and namespace == config.own_namespace):
         return []
+    size = _shm_size(((pod.get("metadata") or {}).get("annotations")) or {}, config)
     try:
-        shm = quantity(config.shm_size)
+        shm = quantity(size)
     except ValueError:
         return []
     out = []
@@ -319,7 +306,7 @@ def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) ->
         if tight:
             out.append(
                 f"container {container.get('name')}: memory limit {limit} is not above the shared-memory "
-                f"volume's {config.shm_size}; the segments (two per rank: the committed snapshot and one "
+                f"volume's {size}; the segments (two per rank: the committed snapshot and one "
                 "in flight) are charged to the trainer, so its limit must cover them on top of its "
                 "working set"
             )
@@ -362,7 +349,7 @@ def inject(
     if not admission.opted_in(pod) or (config.own_namespace and namespace == config.own_namespace):
         return []
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
-    parsed = table.parse({k: v for k, v in raw.items() if k != STORAGE_SECRET_ANNOTATION})
+    parsed = table.parse(raw)
     port = _check(parsed, raw)
     ops = admission.mutate_pod(pod)
     spec = _lists(pod.get("spec") or {}, "initContainers", "volumes")
@@ -378,7 +365,7 @@ def inject(
         else:
             patch.append(spec, "initContainers", "/spec", sidecar)
     have_volumes = {v.get("name") for v in spec["volumes"] or []}
-    for volume in _volumes(config):
+    for volume in _volumes(config, _shm_size(raw, config)):
         if volume["name"] not in have_volumes:
             patch.append(spec, "volumes", "/spec", volume)
     trainer_mounts = [
@@ -397,4 +384,16 @@ def inject(
         for mount in trainer_mounts:
             if mount["name"] not in mounted and mount["mountPath"] not in paths:
                 patch.append(container, "volumeMounts", path, mount)
+    if config.report_ca and raw.get(names.REPORT_CA_ANNOTATION) != config.report_ca:
+        if not ((pod.get("metadata") or {}).get("annotations")):
+            patch.ops.append(
+                {
+                    "op": "add",
+                    "path": "/metadata/annotations",
+                    "value": {names.REPORT_CA_ANNOTATION: config.report_ca},
+                }
+            )
+        else:
+            key = names.REPORT_CA_ANNOTATION.replace("~", "~0").replace("/", "~1")
+            patch.ops.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": config.report_ca})
     return ops + patch.ops

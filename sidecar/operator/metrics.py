@@ -8,7 +8,7 @@ controller. API calls are not counted by hand: :meth:`OperatorMetrics.track_api`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -30,6 +30,16 @@ REJECTION_REASONS = ("token", "forbidden", "superseded", "invalid")
 
 class _Counted(Protocol):
     calls: int
+
+
+class _Expiring(Protocol):
+    @property
+    def not_after(self) -> float | None: ...
+
+
+class _Change(Protocol):
+    @property
+    def kind(self) -> str: ...
 
 
 class _ApiCalls(Collector):
@@ -87,10 +97,40 @@ class OperatorMetrics(Served):
             "Opted-in Jobs and JobSets the operator is watching.",
             registry=r,
         )
+        self.jobs_failed = Counter(
+            "strata_operator_jobs_failed_total",
+            "Jobs the operator gave up on, by reason: RestartLimitReached (restarts exhausted) or "
+            "NotRestartable (a failure no gang restart can fix).",
+            ["reason"],
+            registry=r,
+        )
+        self.tls_changes = Counter(
+            "strata_operator_tls_changes_total",
+            "Changes to the operator-managed CA Secret, by kind: created, published (a successor CA "
+            "joined the bundle), promoted (it took over signing), renewed (serving certificate), dropped "
+            "(expired CAs left the bundle).",
+            ["kind"],
+            registry=r,
+        )
+        self.tls_expiry = Gauge(
+            "strata_operator_tls_certificate_expiry_timestamp_seconds",
+            "When the certificate the webhooks and the report endpoint serve expires (Unix time).",
+            registry=r,
+        )
         self._api_calls = _ApiCalls()
         r.register(self._api_calls)
         for reason in REJECTION_REASONS:
             self.report_rejections.labels(reason=reason)  # export zeros from the start
+        for reason in ("RestartLimitReached", "NotRestartable"):
+            self.jobs_failed.labels(reason=reason)
+
+    def track_tls(self, source: _Expiring) -> None:
+        """Export when ``source``'s served certificate expires (read at every scrape)."""
+        self.tls_expiry.set_function(lambda: source.not_after or 0.0)
+
+    def tls_changed(self, changes: Iterable[_Change]) -> None:
+        for change in changes:
+            self.tls_changes.labels(kind=change.kind).inc()
 
     def track_api(self, api: _Counted) -> None:
         """Count ``api.calls`` (an :class:`~sidecar.operator.kube.Api`) in

@@ -26,6 +26,13 @@ GANG_GATE = "strata.dev/gang"
 GENERATION_ANNOTATION = "strata.dev/generation"
 #: Pod annotation carrying a one-shot restore request for this generation (a step, or "none").
 RESTORE_REQUEST_ANNOTATION = "strata.dev/restore-request"
+#: Pod annotation the webhook writes: the CA bundle (PEM) the sidecar verifies the report endpoint
+#: with, read through the downward-API volume (so no Secret or ConfigMap per namespace).
+REPORT_CA_ANNOTATION = "strata.dev/report-ca"
+#: Pod annotations the injection reads: a Secret whose keys become the sidecar's env (storage
+#: credentials), and the shared-memory volume's sizeLimit.
+STORAGE_SECRET_ANNOTATION = "strata.dev/storage-secret"
+SHM_SIZE_ANNOTATION = "strata.dev/shm-size"
 #: Job annotation: roll back once to this step at the next generation (mutable).
 RESUME_FROM_ANNOTATION = "strata.dev/resume-from"
 #: Job annotation: "fresh" starts a new run under a reused Job name (default: resume).

@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
-from sidecar.operator import names, reports, webhook
+from sidecar.operator import certs, names, reports, webhook
 from sidecar.operator.admission import opted_in
 from sidecar.operator.controller import Controller
 from sidecar.operator.inject import InjectConfig
@@ -40,8 +40,20 @@ class OperatorConfig:
     #: The report endpoint (HTTPS when cert and key are given); port 0 picks a free one, None: off.
     report_host: str = "0.0.0.0"
     report_port: int | None = 8443
+    #: HTTPS from files (e.g. a cert-manager Secret mounted), reloaded when they change; ``tls_ca_file``
+    #: is the CA injected sidecars are told to trust.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    #: HTTPS from a CA the operator manages in this Secret of ``tls_namespace`` (see
+    #: :mod:`sidecar.operator.certs`), for ``tls_service``'s DNS names; it keeps the ``caBundle`` of
+    #: the webhook configurations named in ``webhook_configurations`` current.
+    tls_secret: str | None = None
+    tls_namespace: str = ""
+    tls_service: str = ""
+    webhook_configurations: tuple[str, ...] = ()
+    tls_policy: certs.TlsPolicy = field(default_factory=certs.TlsPolicy)
+    tls_check_s: float = 300.0
     #: Prometheus metrics (``strata_operator_*``); None: not served.
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
@@ -124,6 +136,33 @@ class Operator:
     api: Api
     report_url: str | None
     metrics_port: int | None
+    #: The served certificate's source (None: plain HTTP).
+    tls: certs.SecretTls | certs.FileTls | None = None
+
+
+async def _tls(
+    config: OperatorConfig, api: Api, metrics: OperatorMetrics
+) -> certs.SecretTls | certs.FileTls | None:
+    if config.tls_secret:
+        if not (config.tls_namespace and config.tls_service):
+            raise ValueError("the operator-managed CA (tls_secret) needs tls_namespace and tls_service")
+        managed = certs.SecretTls(
+            api,
+            namespace=config.tls_namespace,
+            secret=config.tls_secret,
+            service=config.tls_service,
+            webhook_configurations=config.webhook_configurations,
+            policy=config.tls_policy,
+            on_change=metrics.tls_changed,
+        )
+        await managed.reconcile()  # serve nothing before a certificate exists
+        metrics.track_tls(managed)
+        return managed
+    if config.tls_cert_file and config.tls_key_file:
+        files = certs.FileTls(config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+        metrics.track_tls(files)
+        return files
+    return None
 
 
 @contextlib.asynccontextmanager
@@ -145,13 +184,13 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
     )
     server: reports.ReportServer | None = None
     report_url = None
+    tls = await _tls(config, api, metrics)
+    background = [asyncio.create_task(tls.run(config.tls_check_s))] if tls is not None else []
     if config.report_port is not None:
-        context = None
-        if config.tls_cert_file and config.tls_key_file:
-            context = reports.server_ssl_context(config.tls_cert_file, config.tls_key_file)
         authenticator = reports.Authenticator(api, workload_uid=controller.workload_uid)
         app = reports.make_app(authenticator, writer, metrics)
-        webhook.add_routes(app, config.inject)
+        webhook.add_routes(app, config.inject, report_ca=(lambda: tls.ca_pem) if tls is not None else None)
+        context = tls.context if tls is not None else None
         server = await reports.start_server(app, config.report_host, config.report_port, context)
         host = "127.0.0.1" if config.report_host in ("0.0.0.0", "") else config.report_host
         report_url = f"{'https' if context else 'http'}://{host}:{server.port}"
@@ -179,9 +218,11 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         if task in done:
             task.result()  # raises why kopf could not start
         log.info("operator ready: reports at %s, metrics on port %s", report_url, metrics_port)
-        yield Operator(controller, writer, metrics, api, report_url, metrics_port)
+        yield Operator(controller, writer, metrics, api, report_url, metrics_port, tls)
     finally:
         waiter.cancel()
+        for job in background:
+            job.cancel()
         controller.close()
         if server is not None:
             await server.close()

@@ -15,9 +15,10 @@ failurePolicy); a well-formed one always gets 200 with the verdict inside.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -108,14 +109,20 @@ async def _review(request: web.Request) -> Mapping[str, Any] | web.Response:
         return web.json_response({"error": str(exc)}, status=400)
 
 
-def add_routes(app: web.Application, config: InjectConfig | None) -> None:
-    """Serve both webhooks on ``app`` (the report endpoint's application)."""
+def add_routes(
+    app: web.Application, config: InjectConfig | None, *, report_ca: Callable[[], str] | None = None
+) -> None:
+    """Serve both webhooks on ``app`` (the report endpoint's application). ``report_ca`` gives the
+    CA bundle injected sidecars are told to trust, read at each request: it follows a rotation."""
 
     async def mutate_pods(request: web.Request) -> web.Response:
         review = await _review(request)
         if isinstance(review, web.Response):
             return review
-        return web.json_response(mutate(review, config))
+        current = config
+        if config is not None and report_ca is not None:
+            current = dataclasses.replace(config, report_ca=report_ca())
+        return web.json_response(mutate(review, current))
 
     async def validate_workloads(request: web.Request) -> web.Response:
         review = await _review(request)

@@ -291,7 +291,7 @@ async def test_operator_stuck_terminating_pod_is_fenced_and_never_mixed_with_the
 
 
 async def test_operator_restart_limit_is_respected_then_the_job_fails(k8s: K8s, cluster: Cluster) -> None:
-    async with operator(k8s):
+    async with operator(k8s) as running_operator:
         annotations = {"strata.dev/backoff-seconds": "0", "strata.dev/max-restarts": "1"}
         run, pods = await start_job(k8s, cluster, indexed_job("limit", 2, annotations=annotations))
         await cluster.fail(pods[0], 1)
@@ -301,6 +301,10 @@ async def test_operator_restart_limit_is_respected_then_the_job_fails(k8s: K8s, 
         assert status["restarts"] == 1 and status["restartLimit"] == 1
         failed = next(c for c in status["conditions"] if c["type"] == "Failed")
         assert failed["status"] == "True" and failed["reason"] == "RestartLimitReached"
+        # what the chart's StrataRestartsExhausted alert reads
+        registry = running_operator.metrics.registry
+        exhausted = {"reason": "RestartLimitReached"}
+        assert registry.get_sample_value("strata_operator_jobs_failed_total", exhausted) == 1
         # Once the gang has stopped, its replacement is released only to stop: never a new generation.
         stopping = await until(
             lambda: _stopping(cluster, "limit"), message="the replacement released to stop"

@@ -685,6 +685,9 @@ async def test_metrics_use_their_own_registry_and_prometheus_names() -> None:
         "strata_operator_reconcile_errors",
         "strata_operator_watched_jobs",
         "strata_operator_api_calls",
+        "strata_operator_jobs_failed",
+        "strata_operator_tls_changes",
+        "strata_operator_tls_certificate_expiry_timestamp_seconds",
     }
     with pytest.raises(ValueError, match="reason"):
         first.reject("bored")

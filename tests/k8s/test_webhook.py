@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -40,18 +41,22 @@ from sidecar.operator.names import (
     OPT_IN_LABEL,
     OPT_IN_VALUE,
     REPORT_AUDIENCE,
+    REPORT_CA_ANNOTATION,
 )
 from sidecar.operator.run import OperatorConfig, serve
 from tests.k8s.conftest import K8s
 
 pytestmark = [pytest.mark.timeout(60)]
 
+#: What the operator's CA source hands the webhook (the content is opaque to the injection).
+REPORT_CA = "-----BEGIN CERTIFICATE-----\nMIIBc2VydmluZw==\n-----END CERTIFICATE-----\n"
+
 CONFIG = InjectConfig(
     image="ghcr.io/strata/strata:0.1",
     storage_uri="s3://ckpt/jobs",
     storage_endpoint="http://seaweedfs.storage:8333",
     report_url="https://strata-operator.strata-system.svc:8443",
-    report_ca_configmap="strata-operator-ca",
+    report_ca=REPORT_CA,
     own_namespace="strata-system",
 )
 
@@ -144,7 +149,7 @@ def expected_sidecar(job: str, *, generation_file: bool) -> dict[str, Any]:
         env.append({"name": "STRATA_GENERATION_FILE", "value": "/etc/strata/podinfo/generation"})
     env += [
         {"name": "STRATA_REPORT_URL", "value": "https://strata-operator.strata-system.svc:8443"},
-        {"name": "STRATA_REPORT_CA_FILE", "value": "/etc/strata/operator-ca/ca.crt"},
+        {"name": "STRATA_REPORT_CA_FILE", "value": "/etc/strata/podinfo/report-ca"},
     ]
     return {
         "name": "strata-sidecar",
@@ -179,7 +184,6 @@ def expected_sidecar(job: str, *, generation_file: bool) -> dict[str, Any]:
                 "readOnly": True,
             },
             {"name": "strata-tmp", "mountPath": "/tmp"},
-            {"name": "strata-operator-ca", "mountPath": "/etc/strata/operator-ca", "readOnly": True},
         ],
     }
 
@@ -199,6 +203,10 @@ VOLUMES = [
                     "path": "restore-request",
                     "fieldRef": {"fieldPath": "metadata.annotations['strata.dev/restore-request']"},
                 },
+                {
+                    "path": "report-ca",
+                    "fieldRef": {"fieldPath": "metadata.annotations['strata.dev/report-ca']"},
+                },
             ]
         },
     },
@@ -217,7 +225,6 @@ VOLUMES = [
         },
     },
     {"name": "strata-tmp", "emptyDir": {}},
-    {"name": "strata-operator-ca", "configMap": {"name": "strata-operator-ca"}},
 ]
 
 
@@ -317,6 +324,7 @@ async def test_a_job_pod_gets_the_gate_and_the_sidecar(hook: Webhook) -> None:
     assert response["allowed"] is True
     patched = jsonpatch.apply_patch(pod, patch)
     expected = copy.deepcopy(pod)
+    expected["metadata"]["annotations"][REPORT_CA_ANNOTATION] = REPORT_CA
     expected["spec"]["schedulingGates"] = [{"name": GANG_GATE}]
     expected["spec"]["initContainers"] = [expected_sidecar("recsys", generation_file=True)]
     expected["spec"]["volumes"] = VOLUMES
@@ -335,6 +343,7 @@ async def test_a_jobset_pod_gets_the_sidecar_but_no_gate(hook: Webhook) -> None:
     assert response["allowed"] is True
     patched = jsonpatch.apply_patch(pod, patch)
     expected = copy.deepcopy(pod)
+    expected["metadata"]["annotations"][REPORT_CA_ANNOTATION] = REPORT_CA
     # First among the init containers, so the user's own init containers can use it too.
     expected["spec"]["initContainers"].insert(0, expected_sidecar("ranker", generation_file=False))
     expected["spec"]["volumes"] = VOLUMES
@@ -362,6 +371,31 @@ async def test_annotations_become_the_sidecars_settings_and_the_secret_its_env(h
     assert "envFrom" not in trainer_container  # storage credentials: the sidecar's only
     assert "STRATA_KEEP" not in {e["name"] for e in trainer_container["env"]}
     valid(patched)
+
+
+@pytest.mark.asyncio
+async def test_shm_size_per_pod_and_the_ca_follows_a_rotation(hook: Webhook) -> None:
+    pod = job_pod({"strata.dev/shm-size": "16Gi"})
+    response, patch = await hook.mutate(pod)
+    patched = jsonpatch.apply_patch(pod, patch)
+    [shm] = [v for v in patched["spec"]["volumes"] if v["name"] == "strata-shm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    # the trainer's 8Gi limit cannot hold 16Gi of segments: a warning names both
+    assert any("memory limit 8Gi" in w and "16Gi" in w for w in response["warnings"]), response
+    # no annotations at all: the map is created with the CA in it
+    bare = job_pod()
+    del bare["metadata"]["annotations"]
+    bare_patched = jsonpatch.apply_patch(bare, (await hook.mutate(bare))[1])
+    assert bare_patched["metadata"]["annotations"] == {REPORT_CA_ANNOTATION: REPORT_CA}
+    valid(bare_patched)
+    # a pod admitted before a rotation and fed back after it gets the new bundle, nothing else
+    rotated = "-----BEGIN CERTIFICATE-----\nMIIBbmV4dA==\n-----END CERTIFICATE-----\n"
+    second = webhook.mutate(
+        {"uid": "u", "operation": "CREATE", "namespace": "ml", "object": patched},
+        dataclasses.replace(CONFIG, report_ca=rotated),
+    )
+    ops = json.loads(base64.b64decode(second["response"]["patch"]))
+    assert ops == [{"op": "add", "path": "/metadata/annotations/strata.dev~1report-ca", "value": rotated}]
 
 
 @pytest.mark.asyncio
@@ -394,6 +428,11 @@ async def test_unlabeled_pods_and_the_operators_namespace_are_untouched(hook: We
         ({"strata.dev/metrics-port": "0"}, "strata.dev/metrics-port='0': expected a port 1-65535"),
         ({"strata.dev/shm-dir": "/dev/shm"}, "strata.dev/shm-dir='/dev/shm': expected /var/run/strata/shm"),
         ({"strata.dev/storage-secret": "Bad_Name"}, "strata.dev/storage-secret='Bad_Name'"),
+        ({"strata.dev/shm-size": "lots"}, "strata.dev/shm-size='lots': expected a Kubernetes quantity"),
+        (
+            {"strata.dev/shm-size": "1Ki"},
+            "strata.dev/shm-size='1Ki': expected a Kubernetes quantity of at least 1Mi",
+        ),
         ({"strata.dev/run": "again"}, "strata.dev/run='again': expected one of resume, fresh"),
     ],
 )

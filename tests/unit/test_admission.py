@@ -91,6 +91,19 @@ def test_admission_allows_a_well_configured_job_without_warnings() -> None:
     assert verdict.allowed and verdict.warnings == [], verdict.warnings
 
 
+def test_admission_takes_the_injections_own_annotations_and_checks_their_values() -> None:
+    """strata.dev/storage-secret and strata.dev/shm-size are read by the injection, not the settings
+    table: allowed at the Job (never "not a Strata setting"), and a bad value is named there already."""
+    good = job(template_annotations={"strata.dev/storage-secret": "s3-creds", "strata.dev/shm-size": "8Gi"})
+    verdict = validate_workload(good)
+    assert verdict.allowed and verdict.warnings == [], verdict.message
+    bad = job(template_annotations={"strata.dev/storage-secret": "S3_Creds", "strata.dev/shm-size": "big"})
+    verdict = validate_workload(bad)
+    assert not verdict.allowed
+    assert "strata.dev/storage-secret='S3_Creds': expected the name of a Secret" in verdict.message
+    assert "strata.dev/shm-size='big': expected a Kubernetes quantity" in verdict.message
+
+
 def test_admission_unlabelled_workload_untouched() -> None:
     plain = job(template_annotations={"strata.dev/memory-budget": "lots"})
     plain["spec"]["template"]["metadata"]["labels"] = {}

@@ -73,3 +73,35 @@ def test_settings_doc_current() -> None:
     assert (ROOT / "docs" / "settings.md").read_text() == table.markdown(), (
         "docs/settings.md is stale: run `.venv/bin/python -m sidecar.operator.annotations > docs/settings.md`"
     )
+
+
+def test_readme_annotations_reference_current() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert table.README_BEGIN in readme and table.README_END in readme, (
+        f"README.md lost its {table.README_BEGIN} ... {table.README_END} markers (Annotations reference)"
+    )
+    assert table.update_readme(readme) == readme, (
+        f"README.md's Annotations reference is stale: run `{table.README_COMMAND}`"
+    )
+
+
+def test_readme_annotations_reference_lists_every_annotation_the_webhook_reads() -> None:
+    from sidecar.operator import inject, names
+
+    block = table.readme_block()
+    for setting in table.table():
+        assert f"| `{setting.annotation}` |" in block
+    for name in (*inject.POD_ANNOTATIONS, names.OPT_IN_LABEL, names.GANG_GATE):
+        assert f"`{name}" in block
+    for name in (names.GENERATION_ANNOTATION, names.RESTORE_REQUEST_ANNOTATION, names.REPORT_CA_ANNOTATION):
+        assert f"`{name}`" in block  # written by the webhook or the operator: listed as never to be set
+    assert set(table.POD_ANNOTATION_DOCS) == set(inject.POD_ANNOTATIONS)
+
+
+def test_readme_update_replaces_only_the_block() -> None:
+    text = f"before\n{table.README_BEGIN}\nold rows\n{table.README_END}\nafter\n"
+    updated = table.update_readme(text)
+    assert updated.startswith(f"before\n{table.README_BEGIN}\n") and updated.endswith(
+        f"{table.README_END}\nafter\n"
+    )
+    assert "old rows" not in updated and table.update_readme(updated) == updated

@@ -8,7 +8,6 @@ it is justified here and in charts/README.md.
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 import shutil
@@ -94,6 +93,13 @@ CLUSTERWIDE_ONLY_RULES = {
     # kopf, cluster-wide: runtime observation of namespaces
     ("", "namespaces"): {"list", "watch"},
 }
+#: Without cert-manager: keep caBundle of this release's webhook configurations (and no others) current.
+TLS_CLUSTER_RULES = {
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "strata"): {"get", "patch"},
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "strata"): {"get", "patch"},
+}
+#: ...and read and write the CA Secret (created by the chart), in the release namespace only.
+TLS_SECRET_RULES = {("", "secrets", "strata-tls"): {"get", "patch"}}
 CLUSTER_PEERING_RULES = {("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"}}
 NAMESPACED_PEERING_RULES = {("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
 
@@ -110,7 +116,7 @@ _VALIDATED: set[str] = set()
 
 def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Render like `helm install` would, and parse every manifest (NOTES.txt excluded). Cached per
-    values (each render generates an RSA key pair); callers do not modify the objects."""
+    values; callers do not modify the objects."""
     key = json.dumps(values or {}, sort_keys=True)
     if key not in _RENDERED:
         _RENDERED[key] = _render(chart, values)
@@ -145,14 +151,15 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
-def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
-    rules: dict[tuple[str, str], set[str]] = {}
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, ...], set[str]]:
+    """(group, resource) -> verbs; a rule limited to resourceNames is keyed (group, resource, names)."""
+    rules: dict[tuple[str, ...], set[str]] = {}
     for rule in role.get("rules") or []:
-        assert not rule.get("resourceNames"), rule
+        named = tuple(rule.get("resourceNames") or ())
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 assert "*" not in rule["verbs"] and "*" not in resource and group != "*", rule
-                rules.setdefault((group, resource), set()).update(rule["verbs"])
+                rules.setdefault((group, resource, *named), set()).update(rule["verbs"])
     return rules
 
 
@@ -297,25 +304,52 @@ def test_every_value_is_in_the_schema(chart: Any) -> None:
 # --- RBAC -----------------------------------------------------------------------------------------------
 
 
+def tls_role(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    [role] = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-tls"]
+    assert role["metadata"]["namespace"] == NAMESPACE
+    [binding] = [b for b in by_kind(objects, "RoleBinding") if b["metadata"]["name"] == "strata-tls"]
+    assert binding["roleRef"]["name"] == "strata-tls"
+    return role
+
+
+def workload_roles(objects: list[dict[str, Any]], kind: str = "Role") -> list[dict[str, Any]]:
+    return [r for r in by_kind(objects, kind) if r["metadata"]["name"] == "strata"]
+
+
 def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
     objects = render(chart)
-    assert not by_kind(objects, "Role")
+    assert not workload_roles(objects)
+    assert rules_of(tls_role(objects)) == TLS_SECRET_RULES
     role = one(objects, "ClusterRole")
-    assert rules_of(role) == {**CLUSTER_RULES, **CLUSTERWIDE_ONLY_RULES, **WORKLOAD_RULES}
+    assert rules_of(role) == {
+        **CLUSTER_RULES,
+        **TLS_CLUSTER_RULES,
+        **CLUSTERWIDE_ONLY_RULES,
+        **WORKLOAD_RULES,
+    }
     binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "strata", "namespace": NAMESPACE}]
+    # with cert-manager the operator reads its mounted Secret: no Secret or webhook rights at all
+    objects = render(chart, MATRIX["cert-manager"])
+    assert rules_of(one(objects, "ClusterRole")) == {
+        **CLUSTER_RULES,
+        **CLUSTERWIDE_ONLY_RULES,
+        **WORKLOAD_RULES,
+    }
+    assert not by_kind(objects, "Role")
 
 
 def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
     objects = render(chart, MATRIX["namespaced"])
-    # TokenReview and CRDs are cluster-scoped: no Role can grant them
-    assert rules_of(one(objects, "ClusterRole")) == CLUSTER_RULES
-    roles = by_kind(objects, "Role")
+    # TokenReview, CRDs and the two webhook configurations are cluster-scoped: no Role can grant them
+    assert rules_of(one(objects, "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
+    roles = workload_roles(objects)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert rules_of(role) == WORKLOAD_RULES
-    bindings = by_kind(objects, "RoleBinding")
+    assert rules_of(tls_role(objects)) == TLS_SECRET_RULES
+    bindings = workload_roles(objects, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "strata"}
@@ -328,6 +362,7 @@ def test_rbac_peering(chart: Any) -> None:
     objects = render(chart, MATRIX["replicas-peering"])
     assert rules_of(one(objects, "ClusterRole")) == {
         **CLUSTER_RULES,
+        **TLS_CLUSTER_RULES,
         **CLUSTERWIDE_ONLY_RULES,
         **CLUSTER_PEERING_RULES,
         **WORKLOAD_RULES,
@@ -339,7 +374,7 @@ def test_rbac_peering(chart: Any) -> None:
     assert one(render(chart), "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
     assert "--peering=strata" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     objects = render(chart, MATRIX["namespaced-peering"])
-    peering = [r for r in by_kind(objects, "Role") if r["metadata"]["namespace"] == NAMESPACE]
+    peering = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-peering"]
     assert [rules_of(r) for r in peering] == [NAMESPACED_PEERING_RULES]
 
 
@@ -407,30 +442,30 @@ def test_namespaced_mode_webhooks_select_watched_namespaces(chart: Any) -> None:
             } in expressions
 
 
-def test_generated_tls_is_one_ca_for_secret_and_both_webhooks(chart: Any) -> None:
-    from cryptography import x509
-
+def test_operator_managed_tls(chart: Any) -> None:
+    """The chart creates the Secret empty (the operator fills it) and tells the operator to manage it
+    and both webhook configurations; a first install has no caBundle yet (the operator patches it)."""
     objects = render(chart)
     secret = one(objects, "Secret")
-    assert secret["type"] == "kubernetes.io/tls"
-    ca = secret["data"]["ca.crt"]
+    assert secret["metadata"]["name"] == "strata-tls"
+    assert secret["type"] == "Opaque" and "data" not in secret
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         config = one(objects, kind)
+        assert config["metadata"]["name"] == "strata"
         assert "annotations" not in config["metadata"]
-        for hook in config["webhooks"]:
-            assert hook["clientConfig"]["caBundle"] == ca
-    [ca_map] = by_kind(objects, "ConfigMap")
-    assert ca_map["metadata"]["name"] == "strata-ca"
-    assert ca_map["data"]["ca.crt"].strip() == base64.b64decode(ca).decode().strip()
-    serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
-    names = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-        x509.DNSName
-    )
-    assert f"strata.{NAMESPACE}.svc" in names
-    authority = x509.load_pem_x509_certificate(base64.b64decode(ca))
-    assert serving.issuer == authority.subject
-    volumes = one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "tls", "secret": {"secretName": secret["metadata"]["name"]}} in volumes
+        assert all("caBundle" not in h["clientConfig"] for h in config["webhooks"])
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    for flag in (
+        "--tls-secret=strata-tls",
+        "--tls-service=strata",
+        "--webhook-configuration=strata",
+        "--tls-ca-days=1825",
+        "--tls-cert-days=365",
+    ):
+        assert flag in args
+    assert not [a for a in args if a.startswith("--tls-cert-file")]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # the Secret is read through the API
 
 
 def test_cert_manager_tls(chart: Any) -> None:
@@ -449,6 +484,15 @@ def test_cert_manager_tls(chart: Any) -> None:
             "cert-manager.io/inject-ca-from": f"{NAMESPACE}/strata-serving"
         }
         assert all("caBundle" not in h["clientConfig"] for h in config["webhooks"])
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": "strata-tls"}} in pod["volumes"]
+    args = pod["containers"][0]["args"]
+    assert {
+        "--tls-cert-file=/tls/tls.crt",
+        "--tls-key-file=/tls/tls.key",
+        "--tls-ca-file=/tls/ca.crt",
+    } <= set(args)
+    assert not [a for a in args if a.startswith(("--tls-secret", "--webhook-configuration"))]
     objects = render(chart, MATRIX["cert-manager-issuer"])
     assert not by_kind(objects, "Issuer")
     assert one(objects, "Certificate")["spec"]["issuerRef"] == {"name": "ca", "kind": "ClusterIssuer"}
@@ -465,8 +509,11 @@ def test_operator_deployment(chart: Any) -> None:
     assert container["args"] == [
         "--report-port=8443",
         "--metrics-port=9090",
-        "--tls-cert-file=/tls/tls.crt",
-        "--tls-key-file=/tls/tls.key",
+        "--tls-secret=strata-tls",
+        "--tls-service=strata",
+        "--webhook-configuration=strata",
+        "--tls-ca-days=1825",
+        "--tls-cert-days=365",
         "--fence-margin-seconds=60",
         "--trainer-container=trainer",
         "--sidecar-image=ghcr.io/strata-ckpt/strata:0.1.0",
@@ -475,7 +522,6 @@ def test_operator_deployment(chart: Any) -> None:
         '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
         "--shm-size=2Gi",
         f"--sidecar-report-url=https://strata.{NAMESPACE}.svc:8443",
-        "--report-ca-configmap=strata-ca",
         "--own-namespace=$(POD_NAMESPACE)",
     ]
     assert container["env"] == [
@@ -483,9 +529,7 @@ def test_operator_deployment(chart: Any) -> None:
     ]
     # without storage.uri no injection flags: --sidecar-image and --storage-uri go together
     default_args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert not [
-        a for a in default_args if a.startswith(("--sidecar-", "--storage-", "--shm-size", "--report-ca"))
-    ]
+    assert not [a for a in default_args if a.startswith(("--sidecar-", "--storage-", "--shm-size"))]
     cert_manager = one(
         render(chart, {**MATRIX["cert-manager"], "storage": {"uri": "s3://b/p"}}), "Deployment"
     )
@@ -538,6 +582,11 @@ def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
     assert "strata_operator_restarts_total" in exprs["StrataGangRestartsFrequent"]
     assert "strata_storage_errors_total" in exprs["StrataStorageErrors"]
     assert "strata_quantization_relative_error" in exprs["StrataQuantizationErrorHigh"]
+    assert "strata_operator_jobs_failed_total" in exprs["StrataRestartsExhausted"]
+    assert (
+        "strata_operator_tls_certificate_expiry_timestamp_seconds"
+        in exprs["StrataOperatorCertificateExpiring"]
+    )
     sources = (Path(__file__).resolve().parents[2] / "sidecar" / "metrics.py").read_text() + (
         Path(__file__).resolve().parents[2] / "sidecar" / "operator" / "metrics.py"
     ).read_text()
@@ -547,6 +596,8 @@ def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
         "strata_storage_errors_total",
         "strata_quantization_relative_error",
         "strata_operator_report_rejections_total",
+        "strata_operator_jobs_failed_total",
+        "strata_operator_tls_certificate_expiry_timestamp_seconds",
     ):
         assert f'"{name}"' in sources, name
 
@@ -613,6 +664,20 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
                     {"series": f'strata_storage_errors_total{{{job},op="put"}}', "values": "0+1x30"},
                     {"series": f"strata_quantization_relative_error{{{job}}}", "values": "0.05x60"},
                     {"series": 'strata_operator_restarts_total{reason="oom"}', "values": "0+1x60"},
+                    # one job gave up at t=10m (restarts exhausted); another was NotRestartable
+                    {
+                        "series": 'strata_operator_jobs_failed_total{reason="RestartLimitReached"}',
+                        "values": "0x10 1x110",
+                    },
+                    {
+                        "series": 'strata_operator_jobs_failed_total{reason="NotRestartable"}',
+                        "values": "0x5 1x115",
+                    },
+                    # a certificate that expires 10 days after t=0
+                    {
+                        "series": "strata_operator_tls_certificate_expiry_timestamp_seconds",
+                        "values": f"{10 * 86400}x5000",
+                    },
                 ],
                 "alert_rule_test": [
                     {
@@ -654,6 +719,28 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
                                     "training_job": "recsys",
                                 }
                             }
+                        ],
+                    },
+                    {
+                        "eval_time": "30m",
+                        "alertname": "StrataRestartsExhausted",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataRestartsExhausted"],
+                                    "reason": "RestartLimitReached",
+                                }
+                            }
+                        ],
+                    },
+                    {"eval_time": "5m", "alertname": "StrataRestartsExhausted", "exp_alerts": []},
+                    # 10 days left at t=0: under 7 days from 72h on, for 1h
+                    {"eval_time": "70h", "alertname": "StrataOperatorCertificateExpiring", "exp_alerts": []},
+                    {
+                        "eval_time": "80h",
+                        "alertname": "StrataOperatorCertificateExpiring",
+                        "exp_alerts": [
+                            {"exp_labels": {"severity": severity["StrataOperatorCertificateExpiring"]}}
                         ],
                     },
                     {

@@ -50,10 +50,6 @@ app.kubernetes.io/part-of: strata
 {{- printf "%s-tls" (include "strata.fullname" .) }}
 {{- end }}
 
-{{- define "strata.caConfigMapName" -}}
-{{- printf "%s-ca" (include "strata.fullname" .) }}
-{{- end }}
-
 {{- define "strata.certificateName" -}}
 {{- printf "%s-serving" (include "strata.fullname" .) }}
 {{- end }}
