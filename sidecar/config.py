@@ -93,6 +93,11 @@ class SidecarSettings:
         "file naming the gang generation (run id + restart count), written by the launcher or a "
         "downward-API volume; empty: trust the generation each trainer declares",
     )
+    generation: str = _opt(
+        "",
+        "the gang generation RUN/RESTART of this process, fixed at start (the injection composes a "
+        "JobSet pod's from its labels); --generation-file wins; empty: as the trainers declare",
+    )
     conditional_writes: str = _opt(
         "require",
         "storage must honour If-None-Match/If-Match (probed at start): require (refuse to start "
@@ -183,6 +188,13 @@ class SidecarSettings:
             raise ValueError(f"--report-ca-file {self.report_ca_file!r} is not a file")
         if not self.heartbeat_s >= 0:
             raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {self.heartbeat_s}")
+        if self.generation:
+            run, sep, restart = self.generation.strip().rpartition("/")
+            if not (sep and run and restart.isdigit()) or any(c.isspace() for c in run):
+                raise ValueError(
+                    f"--generation must look like RUN/RESTART (e.g. 7f3c9a/2), got {self.generation!r}: "
+                    "in a JobSet pod the labels jobset.sigs.k8s.io/jobset-uid and restart-attempt compose it"
+                )
         if len(self.socket.encode()) > 107:
             raise ValueError(f"--socket path is {len(self.socket.encode())} bytes; unix sockets allow 107")
 

@@ -269,6 +269,19 @@ class Engine:
         writes it), else what the trainer declares."""
         declared = identity.generation.strip()
         path = self.settings.generation_file
+        if not path and self.settings.generation:
+            if declared.startswith("solo-"):
+                declared = ""
+            try:
+                fixed = mf.Generation.parse(self.settings.generation)
+            except ValueError as exc:
+                raise FailedPrecondition(f"--generation: {exc}") from None
+            if declared and declared != str(fixed):
+                raise FailedPrecondition(
+                    f"the trainer declares generation {declared}, but this sidecar's is {fixed}: a trainer "
+                    "of another gang generation reached this sidecar"
+                )
+            return fixed
         if path:
             if declared.startswith("solo-"):
                 declared = ""  # a lone trainer's own default yields to the pod's file
@@ -307,7 +320,12 @@ class Engine:
         process, as a protocol-2 client's own "solo-" default), and at its first save or
         restore here when its handshake went to an earlier sidecar process."""
         check_protocol(protocol_version)
-        if protocol_version >= 2 or identity.generation or self.settings.generation_file:
+        if (
+            protocol_version >= 2
+            or identity.generation
+            or self.settings.generation_file
+            or self.settings.generation
+        ):
             return
         if identity.world_size != 1:
             return  # generation_of refuses it, naming the generation file

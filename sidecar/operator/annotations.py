@@ -29,6 +29,7 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "token": "a secret: annotations are readable by anyone who can read the pod",
     "metrics_host": "the injected container's ports are fixed by the chart",
     "generation_file": "the operator owns the generation (a downward-API file)",
+    "generation": "the operator owns the generation (a JobSet pod's, composed from its labels)",
     "peer_host": "commit hints between pods are not wired by the injection yet (storage decides commits)",
     "peers": "commit hints between pods are not wired by the injection yet (storage decides commits)",
     "report_url": "the injection points every sidecar at the operator's report endpoint",

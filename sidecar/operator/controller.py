@@ -96,8 +96,12 @@ def _owner_uid(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _run_id(uid: str) -> str:
-    """A run's identity from its workload's uid (a resubmitted Job gets a new uid, so a new run)."""
+def _run_id(uid: str, kind: str = "Job") -> str:
+    """A run's identity from its workload's uid (a resubmitted Job gets a new uid, so a new run).
+    A JobSet's is its whole uid: its pods' sidecars compose the generation from their labels
+    (``jobset-uid``/``restart-attempt``, see inject.py), which cannot shorten it."""
+    if kind == "JobSet":
+        return uid or "run"
     return uid.replace("-", "")[:12] or "run"
 
 
@@ -152,7 +156,7 @@ class _Job:
 
     def generation(self, restart: int) -> str:
         assert self.status is not None
-        return f"{self.status.get('run') or _run_id(self.uid)}/{restart}"
+        return f"{self.status.get('run') or _run_id(self.uid, self.kind)}/{restart}"
 
     @property
     def restart_count(self) -> int:
@@ -489,7 +493,7 @@ class Controller:
     def _new_run(self, job: _Job, old: Mapping[str, Any], *, resumed: bool, fresh: bool) -> dict[str, Any]:
         status: dict[str, Any] = {
             "phase": "Pending",
-            "run": _run_id(job.uid),
+            "run": _run_id(job.uid, job.kind),
             "runMode": "fresh" if fresh else "resumed",
             "generation": None,
             "generationStartedAt": None,

@@ -138,6 +138,16 @@ def _common_env(pod: Mapping[str, Any], world_size: int | None) -> list[dict[str
     ]
     if world_size is not None:
         env.append({"name": "STRATA_WORLD_SIZE", "value": str(world_size)})
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if labels.get(names.JOBSET_NAME_LABEL):
+        # JobSet recreates the gang itself, so the generation is the JobSet's uid (the operator's run
+        # id for it) and its restart attempt, from labels JobSet puts on every pod; the kubelet
+        # expands $(VAR) from the variables defined before it.
+        env += [
+            _field_env("STRATA_JOBSET_UID", f"metadata.labels['{names.JOBSET_UID_LABEL}']"),
+            _field_env("STRATA_JOBSET_RESTART", f"metadata.labels['{names.JOBSET_RESTART_LABEL}']"),
+            {"name": "STRATA_GENERATION", "value": "$(STRATA_JOBSET_UID)/$(STRATA_JOBSET_RESTART)"},
+        ]
     return env
 
 

@@ -13,6 +13,7 @@ from sidecar import manifest as mf
 from sidecar.metrics import Metrics
 from sidecar.server import SidecarServer
 from sidecar.store import open_store
+from trainer_client.errors import SidecarUnavailable
 
 
 def _gen_file(tmp, name: str, generation: str):
@@ -192,3 +193,21 @@ def test_a_deleted_commit_is_gone_even_where_its_directory_lingers(s3_store_url)
     assert mf.step_commits(store, "default", "linger", 4) == []
     assert mf.committed_steps(store, "default", "linger") == []
     store.close()
+
+
+def test_a_fixed_generation_is_the_sidecars_and_a_trainer_of_another_is_refused(
+    make_sidecar, make_client, job_name, s3_store_url, monkeypatch
+):
+    """A JobSet pod's sidecar has its generation from the pod's labels (STRATA_GENERATION, composed by
+    the injection): a trainer declaring none gets it, one declaring another gang's is refused."""
+    url, endpoint = s3_store_url
+    uid = "9d2e0c1a-0000-4000-8000-00000000000a"
+    side = make_sidecar(url, s3_endpoint=endpoint, generation=f"{uid}/1")
+    client = make_client(side, job_name, capture_rng=False)
+    client.save(1, _state(1)).durable.result(30)
+    store = open_store(url, endpoint_url=endpoint)
+    key = mf.epoch_key("default", job_name, 0)
+    assert mf.Epoch.from_json(store.get(key), key).generation == f"{uid}/1"
+    monkeypatch.setenv("STRATA_GENERATION", f"{uid}/0")
+    with pytest.raises(SidecarUnavailable, match=f"this sidecar's is {uid}/1"):
+        make_client(side, job_name + "-b", capture_rng=False)

@@ -569,6 +569,7 @@ def jobset_pod(jobset: dict[str, Any], index: int, attempt: int) -> dict[str, An
             "labels": {
                 names.OPT_IN_LABEL: names.OPT_IN_VALUE,
                 names.JOBSET_NAME_LABEL: name,
+                names.JOBSET_UID_LABEL: jobset["metadata"]["uid"],
                 names.JOBSET_RESTART_LABEL: str(attempt),
                 names.JOB_NAME_LABEL: f"{name}-workers-0",
                 names.JOB_INDEX_LABEL: str(index),
@@ -640,6 +641,11 @@ async def test_operator_jobset_restart_is_reflected_without_a_second_retry_layer
             await create(k8s, "/api/v1/namespaces/default/pods", jobset_pod(created, i, 1))
         status = await until(lambda: _generation(k8s, "llm", f"{run}/1"), message="generation 1 reflected")
         assert status["restarts"] == 1 and status.get("pendingRestart") is None
+        # the generation the injected sidecars compose from their pod's labels (inject.py) is the one the
+        # operator expects in their reports and heartbeats
+        labels = jobset_pod(created, 0, 1)["metadata"]["labels"]
+        composed = f"{labels[names.JOBSET_UID_LABEL]}/{labels[names.JOBSET_RESTART_LABEL]}"
+        assert status["generation"] == composed
         assert "JobSetRestarted" in [e["reason"] for e in await events_about(k8s, "llm")]
         await assert_valid(k8s, "llm")
         assert k8s.api.evictions == []

@@ -112,6 +112,7 @@ def jobset_pod() -> dict[str, Any]:
         JOB_NAME_LABEL: "ranker-workers-0",
         JOB_INDEX_LABEL: "1",
         JOBSET_NAME_LABEL: "ranker",
+        "jobset.sigs.k8s.io/jobset-uid": "9d2e0c1a-0000-4000-8000-00000000000a",
         "jobset.sigs.k8s.io/replicatedjob-name": "workers",
         "jobset.sigs.k8s.io/restart-attempt": "0",
     }
@@ -123,7 +124,7 @@ def jobset_pod() -> dict[str, Any]:
 
 
 def common_env(job: str) -> list[dict[str, Any]]:
-    return [
+    env = [
         {"name": "STRATA_JOB", "value": job},
         {"name": "STRATA_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {
@@ -132,6 +133,21 @@ def common_env(job: str) -> list[dict[str, Any]]:
         },
         {"name": "STRATA_SOCKET", "value": "/var/run/strata/sock/s/sidecar.sock"},
     ]
+    if job == "ranker":  # the JobSet's pods: the generation from the labels JobSet sets
+        env += [
+            {
+                "name": "STRATA_JOBSET_UID",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"}},
+            },
+            {
+                "name": "STRATA_JOBSET_RESTART",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"}
+                },
+            },
+            {"name": "STRATA_GENERATION", "value": "$(STRATA_JOBSET_UID)/$(STRATA_JOBSET_RESTART)"},
+        ]
+    return env
 
 
 def expected_sidecar(job: str, *, generation_file: bool) -> dict[str, Any]:
