@@ -137,7 +137,12 @@ JOB_SETTINGS: list[Setting] = [
 
 #: Annotations the operator writes itself: never a user's typo.
 #: Pod annotations the injection reads itself (not sidecar or Job settings): parse() skips them.
-INJECTION_ANNOTATIONS = (names.STORAGE_SECRET_ANNOTATION, names.SHM_SIZE_ANNOTATION)
+INJECTION_ANNOTATIONS = (
+    names.STORAGE_SECRET_ANNOTATION,
+    names.SHM_SIZE_ANNOTATION,
+    names.SIDECAR_MEMORY_ANNOTATION,
+    names.SIDECAR_CPU_ANNOTATION,
+)
 
 
 def injection_problems(annotations: Mapping[str, str] | None) -> list[str]:
@@ -148,12 +153,24 @@ def injection_problems(annotations: Mapping[str, str] | None) -> list[str]:
     secret = raw.get(names.STORAGE_SECRET_ANNOTATION)
     if secret is not None and not _dns_name(secret):
         problems.append(f"{names.STORAGE_SECRET_ANNOTATION}={secret!r}: expected the name of a Secret")
-    size = raw.get(names.SHM_SIZE_ANNOTATION)
-    if size is not None and not _at_least_1mi(size):
-        problems.append(
-            f"{names.SHM_SIZE_ANNOTATION}={size!r}: expected a Kubernetes quantity of at least 1Mi "
-            "(e.g. 8Gi), the sizeLimit of the shared-memory volume"
-        )
+    for key, what in (
+        (names.SHM_SIZE_ANNOTATION, "(e.g. 8Gi), the sizeLimit of the shared-memory volume"),
+        (names.SIDECAR_MEMORY_ANNOTATION, "(e.g. 4Gi), the sidecar's memory request and limit"),
+    ):
+        size = raw.get(key)
+        if size is not None and not _at_least_1mi(size):
+            problems.append(f"{key}={size!r}: expected a Kubernetes quantity of at least 1Mi {what}")
+    cpu = raw.get(names.SIDECAR_CPU_ANNOTATION)
+    if cpu is not None:
+        try:
+            ok = quantity(cpu) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            problems.append(
+                f"{names.SIDECAR_CPU_ANNOTATION}={cpu!r}: expected a positive CPU quantity (e.g. 500m or 2), "
+                "the sidecar's CPU request"
+            )
     return problems
 
 
@@ -294,6 +311,11 @@ POD_ANNOTATION_DOCS: dict[str, str] = {
     "`AWS_SECRET_ACCESS_KEY`, ...) become the sidecar's env (`envFrom`, the sidecar only). Without it "
     "the sidecar uses boto3's default chain, e.g. workload identity through the pod's service account "
     "(IRSA, GKE Workload Identity), which the trainer shares",
+    "strata.dev/sidecar-memory": "the injected sidecar's memory request and limit (e.g. `4Gi`); default: "
+    "the chart's `sidecar.resources`. The sidecar holds up to 0.75 of it (`strata.dev/memory-budget` "
+    "unset): snapshots sent over gRPC, restore buffers, encode scratch",
+    "strata.dev/sidecar-cpu": "the injected sidecar's CPU request (e.g. `500m`, `2`); default: the chart's "
+    "`sidecar.resources`. Encoding (`strata.dev/encode-workers`) is what uses CPU",
     "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
     "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "
     "to the trainer: its memory limit must cover two segments per rank",

@@ -219,7 +219,7 @@ def _sidecar(
             "timeoutSeconds": 2,
             "failureThreshold": 120,
         },
-        "resources": dict(config.resources),
+        "resources": _resources(config, ((pod.get("metadata") or {}).get("annotations")) or {}),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": config.run_as_user,
@@ -239,6 +239,19 @@ def _sidecar(
 def _is_job_owned(pod: Mapping[str, Any]) -> bool:
     labels = (pod.get("metadata") or {}).get("labels") or {}
     return admission._job_owner(pod) is not None and names.JOBSET_NAME_LABEL not in labels
+
+
+def _resources(config: InjectConfig, raw: Mapping[str, str]) -> dict[str, Any]:
+    """The chart's sidecar resources, with this pod's annotations on top."""
+    out = {k: dict(v) for k, v in config.resources.items()}
+    memory = raw.get(names.SIDECAR_MEMORY_ANNOTATION)
+    if memory:
+        out.setdefault("requests", {})["memory"] = memory
+        out.setdefault("limits", {})["memory"] = memory
+    cpu = raw.get(names.SIDECAR_CPU_ANNOTATION)
+    if cpu:
+        out.setdefault("requests", {})["cpu"] = cpu
+    return out
 
 
 def _shm_size(raw: Mapping[str, str], config: InjectConfig) -> str:

@@ -33,6 +33,10 @@ REPORT_CA_ANNOTATION = "strata.dev/report-ca"
 #: credentials), and the shared-memory volume's sizeLimit.
 STORAGE_SECRET_ANNOTATION = "strata.dev/storage-secret"
 SHM_SIZE_ANNOTATION = "strata.dev/shm-size"
+#: Pod annotations overriding the injected sidecar's resources: memory (request = limit) and CPU
+#: request, Kubernetes quantities.
+SIDECAR_MEMORY_ANNOTATION = "strata.dev/sidecar-memory"
+SIDECAR_CPU_ANNOTATION = "strata.dev/sidecar-cpu"
 #: Job annotation: roll back once to this step at the next generation (mutable).
 RESUME_FROM_ANNOTATION = "strata.dev/resume-from"
 #: Job annotation: "fresh" starts a new run under a reused Job name (default: resume).

@@ -395,6 +395,8 @@ async def test_shm_size_per_pod_and_the_ca_follows_a_rotation(hook: Webhook) -> 
     response, patch = await hook.mutate(pod)
     patched = jsonpatch.apply_patch(pod, patch)
     [shm] = [v for v in patched["spec"]["volumes"] if v["name"] == "strata-shm"]
+    # the chart's sidecar resources apply where the pod says nothing
+    assert patched["spec"]["initContainers"][0]["resources"] == CONFIG.resources
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     # the trainer's 8Gi limit cannot hold 16Gi of segments: a warning names both
     assert any("memory limit 8Gi" in w and "16Gi" in w for w in response["warnings"]), response
@@ -412,6 +414,18 @@ async def test_shm_size_per_pod_and_the_ca_follows_a_rotation(hook: Webhook) -> 
     )
     ops = json.loads(base64.b64decode(second["response"]["patch"]))
     assert ops == [{"op": "add", "path": "/metadata/annotations/strata.dev~1report-ca", "value": rotated}]
+
+
+@pytest.mark.asyncio
+async def test_sidecar_resources_per_pod(hook: Webhook) -> None:
+    pod = job_pod({"strata.dev/sidecar-memory": "6Gi", "strata.dev/sidecar-cpu": "1500m"})
+    patched = jsonpatch.apply_patch(pod, (await hook.mutate(pod))[1])
+    assert patched["spec"]["initContainers"][0]["resources"] == {
+        "requests": {"cpu": "1500m", "memory": "6Gi"},
+        "limits": {"memory": "6Gi"},
+    }
+    assert CONFIG.resources["requests"]["memory"] == "512Mi"  # the shared default is not modified
+    valid(patched)
 
 
 @pytest.mark.asyncio
@@ -445,6 +459,11 @@ async def test_unlabeled_pods_and_the_operators_namespace_are_untouched(hook: We
         ({"strata.dev/shm-dir": "/dev/shm"}, "strata.dev/shm-dir='/dev/shm': expected /var/run/strata/shm"),
         ({"strata.dev/storage-secret": "Bad_Name"}, "strata.dev/storage-secret='Bad_Name'"),
         ({"strata.dev/shm-size": "lots"}, "strata.dev/shm-size='lots': expected a Kubernetes quantity"),
+        (
+            {"strata.dev/sidecar-memory": "4GB!"},
+            "strata.dev/sidecar-memory='4GB!': expected a Kubernetes quantity",
+        ),
+        ({"strata.dev/sidecar-cpu": "-1"}, "strata.dev/sidecar-cpu='-1': expected a positive CPU quantity"),
         (
             {"strata.dev/shm-size": "1Ki"},
             "strata.dev/shm-size='1Ki': expected a Kubernetes quantity of at least 1Mi",
