@@ -5,10 +5,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-prometheus demo test bench chaos proto lint clean
+.PHONY: help setup setup-prometheus demo test bench chaos proto lint e2e clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 setup: $(VENV)/.installed  ## create .venv (torch 2.13.0 CPU first, then strata-ckpt[dev])
 
@@ -45,6 +45,9 @@ lint: setup  ## ruff, mypy, import contracts
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+
+e2e:  ## on kind: images, SeaweedFS, chart, example Job, kill a pod, check the resume (skips without docker/kind/helm)
+	bash deploy/e2e/run.sh
 
 clean:  ## remove the venv and local state
 	rm -rf $(VENV) .strata bench-results.json

@@ -223,6 +223,11 @@ def main(args: argparse.Namespace) -> int:
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         async with serve(config) as operator:
+            # kopf installs its own SIGINT/SIGTERM handlers when it starts (replacing those above):
+            # take them back, or a SIGTERM stops kopf but never this process.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError):
+                    loop.add_signal_handler(sig, stop.set)
             log.info("watching; reports at %s", operator.report_url)
             await stop.wait()
         log.info("stopped")

@@ -1,4 +1,6 @@
-"""The sidecar image, read without Docker: its XDG_RUNTIME_DIR exists and belongs to its USER."""
+"""The images, read without Docker. deploy/Dockerfile (the one image of the sidecar and the operator):
+its final stage's XDG_RUNTIME_DIR exists and belongs to its USER, it installs the ``operator`` extra
+and never torch; deploy/Dockerfile.trainer: CPU torch, the ``trainer`` extra and the examples."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = ROOT / "deploy" / "Dockerfile.sidecar"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+TRAINER_DOCKERFILE = ROOT / "deploy" / "Dockerfile.trainer"
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -25,6 +28,25 @@ def instructions(text: str) -> list[tuple[str, str]]:
         word, _, rest = line.partition(" ")
         out.append((word.upper(), rest.strip()))
     return out
+
+
+def stages(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(name, instructions) of each build stage, in order; an unnamed stage is named by its index."""
+    out: list[tuple[str, list[tuple[str, str]]]] = []
+    for word, args in instructions(text):
+        if word == "FROM":
+            parts = args.split()
+            name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else str(len(out))
+            out.append((name, [(word, args)]))
+        elif out:
+            out[-1][1].append((word, args))
+    return out
+
+
+def final_stage(text: str) -> str:
+    """The final stage alone, as Dockerfile text (what the image is made of at run time)."""
+    _, final = stages(text)[-1]
+    return "\n".join(f"{word} {args}" for word, args in final)
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -76,7 +98,7 @@ def image_state(text: str) -> tuple[dict[str, str], str, dict[str, dict[str, str
 
 
 def test_the_runtime_dir_exists_and_belongs_to_the_image_user():
-    env, user, dirs = image_state(DOCKERFILE.read_text())
+    env, user, dirs = image_state(final_stage(DOCKERFILE.read_text()))
     uid = user.split(":")[0]
     assert uid not in ("root", "0"), "the sidecar image runs as a non-root user"
     runtime = env.get("XDG_RUNTIME_DIR")
@@ -96,3 +118,58 @@ def test_the_parser_sees_a_missing_directory():
         "FROM x\nENV XDG_RUNTIME_DIR=/run/h\nRUN mkdir -p $XDG_RUNTIME_DIR \\\n && chown 7:7 /run/h\nUSER 7\n"
     )
     assert image_state(fixed)[2] == {"/run/h": {"owner": "7", "group": "7", "mode": "0755"}}
+
+
+def _runs(steps: list[tuple[str, str]]) -> list[str]:
+    return [args for word, args in steps if word == "RUN"]
+
+
+def _pip_installs(text: str) -> list[str]:
+    """Every `pip install` command of every stage (RUN lines split at && and ;)."""
+    commands = [c.strip() for _, s in stages(text) for run in _runs(s) for c in re.split(r"&&|;", run)]
+    return [c for c in commands if re.search(r"\bpip3? install\b", c)]
+
+
+def test_the_image_installs_the_operator_extra_and_never_torch():
+    text = DOCKERFILE.read_text()
+    built = dict(stages(text))
+    assert len(built) >= 2, "multi-stage: a builder and a slim final stage"
+    final = stages(text)[-1][1]
+    # The final stage takes its venv from the builder, and installs nothing itself.
+    sources = [
+        args.split()[0].removeprefix("--from=")
+        for word, args in final
+        if word == "COPY" and "--from=" in args
+    ]
+    assert sources, "the final stage copies the installed venv from the builder stage"
+    assert not any("pip install" in run for run in _runs(final)), "the final stage runs no pip install"
+    for source in sources:
+        assert source in built, f"COPY --from={source}: no such stage"
+        installs = [run for run in _runs(built[source]) if "pip install" in run]
+        assert any('".[operator]"' in run or "'.[operator]'" in run for run in installs), installs
+    for command in _pip_installs(text):
+        assert "torch" not in command and "[trainer]" not in command and "[dev]" not in command, command
+    # One image, two commands: the chart runs `strata operator`, the webhook injects `strata sidecar`.
+    entry = dict(final)
+    assert entry.get("ENTRYPOINT") == '["strata"]' and entry.get("CMD") == '["sidecar"]'
+
+
+def test_the_trainer_image_has_cpu_torch_the_trainer_extra_and_the_examples():
+    steps = [step for _, s in stages(TRAINER_DOCKERFILE.read_text()) for step in s]
+    runs = " ".join(_pip_installs(TRAINER_DOCKERFILE.read_text()))
+    assert "pip install torch==" in runs and "download.pytorch.org/whl/cpu" in runs
+    assert '".[trainer]"' in runs and "[operator]" not in runs
+    copies = [args for word, args in steps if word == "COPY"]
+    assert any(args.startswith("deploy/examples ") for args in copies), copies
+    assert (ROOT / "deploy" / "examples" / "train_recsys.py").exists()
+    users = [args for word, args in steps if word == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+
+
+def test_stages_split_a_multi_stage_file():
+    text = "FROM a AS builder\nRUN pip install x\nFROM b\nCOPY --from=builder /v /v\nUSER 1\n"
+    assert [name for name, _ in stages(text)] == ["builder", "1"]
+    assert final_stage(text) == "FROM b\nCOPY --from=builder /v /v\nUSER 1"
+    assert _pip_installs("FROM a\nRUN apt-get update && pip install torch \\\n  && true\n") == [
+        "pip install torch"
+    ]
