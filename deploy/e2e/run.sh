@@ -17,8 +17,10 @@ NS=default
 OPERATOR_NS=strata-system
 TIMEOUT_S="${E2E_TIMEOUT_S:-900}"
 
+# fd 3: the script's stderr, also from inside a polled check whose output until_ok discards
+exec 3>&2
 say() { printf '\n==> %s\n' "$*"; }
-fail() { printf '\nE2E FAILED: %s\n' "$*" >&2; exit 1; }
+fail() { printf '\nE2E FAILED: %s\n' "$*" >&3; exit 1; }
 
 # ---- prerequisites: skip (exit 0) where they are missing -------------------------------------------
 missing=()

@@ -101,6 +101,19 @@ def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: tab
             "spec.completionMode is not Indexed: ranks need stable indexes for a gang restart; "
             "set completionMode: Indexed"
         )
+    world = int(spec.get("completions") or spec.get("parallelism") or 1)
+    declared = {
+        e.get("name")
+        for c in pod_spec.get("containers") or []
+        for e in c.get("env") or []
+        if e.get("name") in ("STRATA_WORLD_SIZE", "WORLD_SIZE")
+    }
+    if world > 1 and not declared:
+        # a pod carries no field with its Job's completions, so the injection cannot set it
+        warnings.append(
+            f"no container sets STRATA_WORLD_SIZE (or WORLD_SIZE): set it to {world} in the pod "
+            "template, or every rank checkpoints as if it were alone and no step commits for the gang"
+        )
     if pod_spec.get("restartPolicy") != "Never":
         warnings.append(
             "spec.template.spec.restartPolicy should be Never: the operator restarts the whole gang, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,6 +249,7 @@ def parse(annotations: Mapping[str, str] | None) -> Parsed:
     """Read every ``strata.dev/*`` annotation; others are not ours and are ignored."""
     settings = {s.annotation: s for s in table()}
     out = Parsed()
+    sidecar_values: dict[tuple[str, str], Any] = {}
     for key, raw in sorted((annotations or {}).items()):
         if (
             not key.startswith(names.ANNOTATION_PREFIX)
@@ -268,17 +270,49 @@ def parse(annotations: Mapping[str, str] | None) -> Parsed:
             continue
         if setting.env:
             out.sidecar_env[setting.env] = str(raw)
+            sidecar_values[(key, str(raw))] = value
         else:
             attr = key.removeprefix(names.ANNOTATION_PREFIX).replace("-", "_")
             setattr(out.job, attr, value)
             if attr == "resume_from":
                 out.job.resume_from_set = True
+    out.errors += _sidecar_problems(sidecar_values)
     if out.job.backoff_max_seconds < out.job.backoff_seconds:
         out.errors.append(
             f"strata.dev/backoff-max-seconds ({out.job.backoff_max_seconds:g}) is below "
             f"strata.dev/backoff-seconds ({out.job.backoff_seconds:g})"
         )
     return out
+
+
+def _sidecar_problems(values: Mapping[tuple[str, str], Any]) -> list[str]:
+    """What the sidecar would refuse at start (its own validation), said at admission instead, so a
+    bad value is a denied pod naming the annotation, not a sidecar that never becomes ready. Each
+    annotation alone first (naming it), then all together (the rules between settings)."""
+
+    def check(chosen: Mapping[tuple[str, str], Any]) -> str | None:
+        fields = {
+            key.removeprefix(names.ANNOTATION_PREFIX).replace("-", "_"): v for (key, _), v in chosen.items()
+        }
+        try:
+            config.SidecarSettings(storage="s3://admission/check", **fields).validate()
+        except (ValueError, TypeError) as exc:
+            # its messages name command-line flags: name the annotations instead
+            return re.sub(
+                r"--([a-z0-9-]+)(?: \(STRATA_[A-Z0-9_]+\))?", rf"{names.ANNOTATION_PREFIX}\1", str(exc)
+            )
+        return None
+
+    problems = []
+    for (key, raw), value in values.items():
+        why = check({(key, raw): value})
+        if why is not None:
+            problems.append(f"{key}={raw!r}: {why}")
+    if not problems and len(values) > 1:
+        why = check(values)
+        if why is not None:
+            problems.append(why)
+    return problems
 
 
 def markdown() -> str:

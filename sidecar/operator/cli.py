@@ -113,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lifetime of the managed serving certificate in days; renewed with a third left (default 365)",
     )
     tls.add_argument(
+        "--tls-check-seconds",
+        type=float,
+        default=300.0,
+        help="how often the managed CA, the caBundles and the certificate files are checked (default 300)",
+    )
+    tls.add_argument(
         "--tls-cert-file",
         help="serve this certificate instead (e.g. cert-manager's tls.crt; reloaded on change)",
     )
@@ -159,6 +165,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sidecar-user", type=int, default=65532, help="the sidecar's runAsUser (default 65532)"
     )
     inject.add_argument(
+        "--sidecar-pull-policy",
+        default="IfNotPresent",
+        choices=("Always", "IfNotPresent", "Never"),
+        help="imagePullPolicy of the injected sidecar (default IfNotPresent)",
+    )
+    inject.add_argument(
         "--own-namespace",
         default=os.environ.get("POD_NAMESPACE", ""),
         help="never inject pods of this namespace, the operator's own (default: $POD_NAMESPACE)",
@@ -181,6 +193,8 @@ def main(args: argparse.Namespace) -> int:
             f"--tls-ca-days and --tls-cert-days must be > 0, got {args.tls_ca_days:g} and "
             f"{args.tls_cert_days:g}"
         )
+    if not args.tls_check_seconds > 0:
+        raise ValueError(f"--tls-check-seconds must be > 0, got {args.tls_check_seconds:g}")
     if args.tls_ca_file and not args.tls_cert_file:
         raise ValueError("--tls-ca-file goes with --tls-cert-file")
     if args.fence_margin_seconds < 0:
@@ -207,6 +221,7 @@ def main(args: argparse.Namespace) -> int:
         tls_namespace=args.own_namespace,
         tls_service=args.tls_service or "",
         webhook_configurations=tuple(args.webhook_configurations),
+        tls_check_s=args.tls_check_seconds,
         tls_policy=TlsPolicy(
             ca_validity=datetime.timedelta(days=args.tls_ca_days),
             cert_validity=datetime.timedelta(days=args.tls_cert_days),
@@ -260,6 +275,7 @@ def _inject_config(args: argparse.Namespace) -> Any:
         shm_size=args.shm_size,
         own_namespace=args.own_namespace,
         run_as_user=args.sidecar_user,
+        image_pull_policy=args.sidecar_pull_policy,
         **extra,
     )
 

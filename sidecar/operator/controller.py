@@ -332,6 +332,42 @@ class Controller:
                 log.warning("%s/%s: reconcile failed: %s; retrying in 2 s", job.namespace, job.name, exc)
                 self._wake(job, self.clock() + 2.0)
 
+    async def refresh_report_ca(self, bundle: str) -> int:
+        """Write the current CA bundle into every live pod that carries an older one in
+        ``strata.dev/report-ca`` (the injection wrote it at admission): the kubelet updates the
+        downward-API file and the sidecar re-reads it, so a CA rotation or a cert-manager renewal
+        never cuts a running sidecar off the report endpoint. Returns the pods patched."""
+        patched = 0
+        if not bundle:
+            return 0
+        for job in list(self.jobs.values()):
+            for pod in list(job.pods.values()):
+                meta = _meta(pod)
+                held = (meta.get("annotations") or {}).get(names.REPORT_CA_ANNOTATION)
+                if held is None or held == bundle or is_terminal(pod) or meta.get("deletionTimestamp"):
+                    continue
+                url = path("", "v1", "pods", job.namespace, str(meta.get("name")))
+                try:
+                    await self.api.merge_patch(
+                        url, {"metadata": {"annotations": {names.REPORT_CA_ANNOTATION: bundle}}}
+                    )
+                except ApiError as exc:
+                    if exc.status != 404:
+                        log.warning(
+                            "could not refresh the report CA of pod %s/%s: %s",
+                            job.namespace,
+                            meta.get("name"),
+                            exc,
+                        )
+                    continue
+                pod.setdefault("metadata", {}).setdefault("annotations", {})[names.REPORT_CA_ANNOTATION] = (
+                    bundle
+                )
+                patched += 1
+        if patched:
+            log.info("refreshed the report CA bundle of %d running pod(s)", patched)
+        return patched
+
     def close(self) -> None:
         """Stop scheduling work (the operator is stopping)."""
         self._closed = True

@@ -9,17 +9,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import random
+import socket
+import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kopf._core.engines.peering import Identity  # a NewType of str: kopf exports no alias
 
 from sidecar.operator import certs, names, reports, webhook
 from sidecar.operator.admission import opted_in
 from sidecar.operator.controller import Controller
 from sidecar.operator.inject import InjectConfig
-from sidecar.operator.kube import Api, _credentials
+from sidecar.operator.kube import Api, ApiError, _credentials
 from sidecar.operator.metrics import OperatorMetrics
 
 __all__ = ["Operator", "OperatorConfig", "build_registry", "serve"]
@@ -121,6 +127,18 @@ def _settings(config: OperatorConfig) -> kopf.OperatorSettings:
     if config.peering:
         settings.peering.name = config.peering
         settings.peering.standalone = False
+        # kopf pauses a replica that sees a live peer of higher priority, and pauses ALL replicas of
+        # equal priority (the default 0) until one of them is gone: every replica needs its own.
+        # The oldest replica wins: the priority falls with the start time (ms), and six random low
+        # digits make a tie of two replicas started in the same millisecond a one-in-a-million chance
+        # (int64 until the year 2262; kopf and the apiserver keep integers exact). A replica started
+        # later (a rolling update's) never outranks the acting one, so it waits instead of taking
+        # over while the old one still acts; it takes over once the acting one exits and removes its
+        # entry from the peering object (or that entry expires, ``lifetime`` s after the last
+        # keep-alive, if it died). Below kopf's default 0: a developer's `kopf run --peering` at the
+        # default priority pauses the deployed replicas, as kopf intends.
+        settings.peering.priority = -(time.time_ns() // 1_000_000 * 1_000_000 + random.randrange(1_000_000))
+        settings.peering.stealth = True  # no debug line per keep-alive; "not found" still logged
     else:
         settings.peering.standalone = True
     return settings
@@ -138,6 +156,24 @@ class Operator:
     metrics_port: int | None
     #: The served certificate's source (None: plain HTTP).
     tls: certs.SecretTls | certs.FileTls | None = None
+
+
+async def _refresh_pods_ca(
+    controller: Controller, tls: certs.SecretTls | certs.FileTls, interval_s: float
+) -> None:
+    """Keep the CA bundle in running pods current (a rotation, a cert-manager renewal, pods admitted
+    by an earlier operator): every ``interval_s``, only pods whose copy differs are patched."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await controller.refresh_report_ca(tls.ca_pem)
+        except (ApiError, OSError) as exc:
+            log.warning("report CA refresh failed (retried in %.0f s): %s", interval_s, exc)
+
+
+def _identity() -> str:
+    pod = os.environ.get("POD_ID") or socket.gethostname()
+    return f"{pod}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
 
 
 async def _tls(
@@ -185,7 +221,12 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
     server: reports.ReportServer | None = None
     report_url = None
     tls = await _tls(config, api, metrics)
-    background = [asyncio.create_task(tls.run(config.tls_check_s))] if tls is not None else []
+    background = []
+    if tls is not None:
+        background.append(asyncio.create_task(tls.run(config.tls_check_s)))
+        background.append(
+            asyncio.create_task(_refresh_pods_ca(controller, tls, min(config.tls_check_s, 30.0)))
+        )
     if config.report_port is not None:
         authenticator = reports.Authenticator(api, workload_uid=controller.workload_uid)
         app = reports.make_app(authenticator, writer, metrics)
@@ -207,6 +248,9 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
             clusterwide=not config.namespaces,
             namespaces=config.namespaces,
             standalone=config.peering is None,
+            # kopf would ask getpass.getuser(), which fails for a uid without a passwd entry (the
+            # image's 65532): the pod's name (POD_ID, as kopf documents) or the host's, unique.
+            identity=Identity(_identity()),
             peering_name=config.peering,
             stop_flag=stop,
             ready_flag=ready,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -65,6 +66,14 @@ def build_context(dest: Path) -> Path:
 
 
 UV = Path(sys.executable).with_name("uv")
+#: The image's USER: a uid with no passwd entry (nothing may ask for a user name). As root, the
+#: processes below run as it, on the system's Python 3.11 (this venv's interpreter lives under
+#: /root, which that user cannot enter); otherwise as whoever runs the tests.
+IMAGE_UID = 65532
+SYSTEM_PYTHON = "/usr/bin/python3.11"
+AS_ROOT = os.geteuid() == 0 and os.access(SYSTEM_PYTHON, os.X_OK)
+AS_IMAGE_USER: dict[str, int] = {"user": IMAGE_UID, "group": IMAGE_UID} if AS_ROOT else {}
+INTERPRETER = SYSTEM_PYTHON if AS_ROOT else sys.executable
 
 
 def uv(*args: str, timeout: float = 300) -> None:
@@ -74,21 +83,32 @@ def uv(*args: str, timeout: float = 300) -> None:
 
 
 @pytest.fixture(scope="session")
-def image_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def image_venv() -> Iterator[Path]:
     """A fresh venv with the Dockerfile's requirement (``.[operator]``), installed non-editable from
     the files its builder stage copies. uv resolves and installs it (a few seconds; pip takes
     40-80 s on this machine to resolve ~45 packages), from the same index pip would use."""
     if not UV.is_file():
         pytest.fail(f"{UV} not found: `make setup` installs uv (the dev extra)")
     t0 = time.monotonic()
-    base = tmp_path_factory.mktemp("image")
+    # Readable by the image's user (pytest's own temp dirs are 0700, root's)
+    base = Path(tempfile.mkdtemp(prefix="strata-image-", dir="/tmp"))
+    base.chmod(0o755)
     _, requirement = builder_copies()
     context = build_context(base / "src")
     venv = base / "venv"
-    uv("venv", "-q", "--python", sys.executable, str(venv))
+    uv("venv", "-q", "--python", INTERPRETER, str(venv))
     uv("pip", "install", "-q", "--python", str(venv / "bin" / "python"), f"{context}{requirement[1:]}")
     print(f"image venv ready in {time.monotonic() - t0:.1f} s")
-    return venv
+    yield venv
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def owned_dir(prefix: str) -> Path:
+    """A private directory of the image's user, as its emptyDir volumes are."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # a unix socket path fits in 107 bytes
+    if AS_IMAGE_USER:
+        os.chown(path, IMAGE_UID, IMAGE_UID)
+    return path
 
 
 def free_port() -> int:
@@ -129,7 +149,7 @@ def test_the_venv_has_no_torch_and_the_operator_extra(image_venv: Path) -> None:
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="si-", dir="/tmp"))  # a unix socket path fits in 107 bytes
+    path = owned_dir("si-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -139,6 +159,8 @@ def test_strata_sidecar_serves(image_venv: Path, short_dir: Path) -> None:
     metrics_port = free_port()
     env = clean_env(image_venv, short_dir)
     (short_dir / "shm").mkdir()
+    if AS_IMAGE_USER:
+        os.chown(short_dir / "shm", IMAGE_UID, IMAGE_UID)
     process = subprocess.Popen(
         [
             str(image_venv / "bin" / "strata"),
@@ -149,6 +171,7 @@ def test_strata_sidecar_serves(image_venv: Path, short_dir: Path) -> None:
         ],
         env=env,
         cwd=short_dir,
+        **AS_IMAGE_USER,  # type: ignore[arg-type]
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -202,6 +225,7 @@ async def operator_process(
             str(metrics_port),
             env=clean_env(venv, home),
             cwd=home,
+            **AS_IMAGE_USER,  # type: ignore[arg-type]
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
@@ -240,8 +264,8 @@ async def until_ready(process: asyncio.subprocess.Process, report_port: int, log
 
 
 @pytest.mark.asyncio
-async def test_strata_operator_serves_against_the_emulated_api(image_venv: Path, tmp_path: Path) -> None:
-    async with operator_process(image_venv, tmp_path) as (process, report_port, metrics_port, log):
+async def test_strata_operator_serves_against_the_emulated_api(image_venv: Path, short_dir: Path) -> None:
+    async with operator_process(image_venv, short_dir) as (process, report_port, metrics_port, log):
         assert await until_ready(process, report_port, log)
         async with (
             aiohttp.ClientSession() as session,
@@ -252,8 +276,8 @@ async def test_strata_operator_serves_against_the_emulated_api(image_venv: Path,
 
 
 @pytest.mark.asyncio
-async def test_strata_operator_exits_on_sigterm(image_venv: Path, tmp_path: Path) -> None:
-    async with operator_process(image_venv, tmp_path) as (process, report_port, _, log):
+async def test_strata_operator_exits_on_sigterm(image_venv: Path, short_dir: Path) -> None:
+    async with operator_process(image_venv, short_dir) as (process, report_port, _, log):
         await until_ready(process, report_port, log)
         process.terminate()
         try:

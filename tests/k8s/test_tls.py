@@ -327,3 +327,43 @@ async def test_certificate_files_are_reloaded_when_the_kubelet_updates_them(tmp_
         assert await served_certificate(url, first.bundle) == renewed.serving.cert
     finally:
         await server.close()
+
+
+@pytest.mark.asyncio
+async def test_running_pods_get_the_rotated_bundle(k8s: K8s) -> None:
+    """A pod admitted with an older bundle (before a rotation, a cert-manager renewal, or by an
+    earlier operator) gets the current one written into its annotation, which the kubelet projects
+    into the sidecar's CA file; pods without the annotation and finished pods are left alone."""
+    from tests.k8s.cluster import Cluster, indexed_job
+    from tests.k8s.test_crds import install_crds
+    from tests.k8s.test_operator import start_job
+
+    await seed_webhook_configurations(k8s)
+    await install_crds(k8s)
+    async with (
+        Cluster(k8s, termination_s=2.0).running() as cluster,
+        serve(config(k8s, inject=None, fence_margin_s=1.0, tls_check_s=0.2)) as operator,
+    ):
+        assert isinstance(operator.tls, certs.SecretTls)
+        _, pods = await start_job(k8s, cluster, indexed_job("rotated", 2))
+        stale, plain = (p["metadata"]["name"] for p in pods)
+        old = "-----BEGIN CERTIFICATE-----\nb2xk\n-----END CERTIFICATE-----\n"
+        status, answer = await call(
+            k8s,
+            "PATCH",
+            f"/api/v1/namespaces/default/pods/{stale}",
+            {"metadata": {"annotations": {REPORT_CA_ANNOTATION: old}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        assert status == 200, answer
+
+        async def annotation(name: str) -> str | None:
+            _, pod = await call(k8s, "GET", f"/api/v1/namespaces/default/pods/{name}")
+            return (pod["metadata"].get("annotations") or {}).get(REPORT_CA_ANNOTATION)
+
+        for _ in range(100):
+            if await annotation(stale) == operator.tls.ca_pem:
+                break
+            await asyncio.sleep(0.1)
+        assert await annotation(stale) == operator.tls.ca_pem
+        assert await annotation(plain) is None  # never injected with a CA: not ours to add

@@ -459,6 +459,10 @@ async def test_unlabeled_pods_and_the_operators_namespace_are_untouched(hook: We
         ({"strata.dev/shm-dir": "/dev/shm"}, "strata.dev/shm-dir='/dev/shm': expected /var/run/strata/shm"),
         ({"strata.dev/storage-secret": "Bad_Name"}, "strata.dev/storage-secret='Bad_Name'"),
         ({"strata.dev/shm-size": "lots"}, "strata.dev/shm-size='lots': expected a Kubernetes quantity"),
+        # values only the sidecar's own validation knew: refused here, not by a sidecar that never starts
+        ({"strata.dev/policy": "bogus"}, "strata.dev/policy='bogus': strata.dev/policy: checkpoint policy"),
+        ({"strata.dev/nice": "50"}, "strata.dev/nice='50': strata.dev/nice must be between 0 and 19"),
+        ({"strata.dev/conditional-writes": "maybe"}, "must be require or warn, got 'maybe'"),
         (
             {"strata.dev/sidecar-memory": "4GB!"},
             "strata.dev/sidecar-memory='4GB!': expected a Kubernetes quantity",

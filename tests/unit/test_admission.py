@@ -49,7 +49,12 @@ def job(**spec: Any) -> dict[str, Any]:
         "podFailurePolicy": {"rules": GOOD_RULES},
         "template": {
             "metadata": {"labels": {names.OPT_IN_LABEL: "enabled"}, "annotations": template_annotations},
-            "spec": {"restartPolicy": "Never", "containers": [{"name": "trainer", "image": "t"}]},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {"name": "trainer", "image": "t", "env": [{"name": "WORLD_SIZE", "value": "4"}]}
+                ],
+            },
         },
     }
     base.update(spec)
@@ -102,6 +107,19 @@ def test_admission_takes_the_injections_own_annotations_and_checks_their_values(
     assert not verdict.allowed
     assert "strata.dev/storage-secret='S3_Creds': expected the name of a Secret" in verdict.message
     assert "strata.dev/shm-size='big': expected a Kubernetes quantity" in verdict.message
+
+
+def test_admission_warns_when_no_container_declares_the_world_size() -> None:
+    unsized = job()
+    unsized["spec"]["template"]["spec"]["containers"][0].pop("env")
+    verdict = validate_workload(unsized)
+    assert verdict.allowed
+    assert any("STRATA_WORLD_SIZE (or WORLD_SIZE): set it to 4" in w for w in verdict.warnings), (
+        verdict.warnings
+    )
+    single = job(completions=1, parallelism=1)
+    single["spec"]["template"]["spec"]["containers"][0].pop("env")
+    assert not any("WORLD_SIZE" in w for w in validate_workload(single).warnings)
 
 
 def test_admission_unlabelled_workload_untouched() -> None:

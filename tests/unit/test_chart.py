@@ -1,9 +1,9 @@
 """The Helm chart charts/strata, rendered by Helm's own engine (helm-python-sdk, no helm binary, no cluster).
 
 Every rendered built-in object is checked against the Kubernetes 1.29 and 1.33 schemas (strict: unknown
-fields fail); custom resources (Prometheus Operator, cert-manager) are checked for apiVersion and kind
-only. The RBAC rules are compared with the least-privilege list below: a new verb fails this test until
-it is justified here and in charts/README.md.
+fields fail); custom resources (Prometheus Operator, cert-manager, kopf peering) are checked for
+apiVersion and kind only. The RBAC rules are compared with the least-privilege list below: a new verb
+fails this test until it is justified here and in charts/README.md.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ CUSTOM_KINDS = {
     ("cert-manager.io/v1", "Certificate"),
     ("cert-manager.io/v1", "Issuer"),
 }
+#: kopf's peering objects (operator.peering; their CRDs are in charts/strata/crds).
+PEERING_KINDS = {("kopf.dev/v1", "ClusterKopfPeering"), ("kopf.dev/v1", "KopfPeering")}
 
 ALL_ON: dict[str, Any] = {
     "monitoring": {
@@ -89,10 +91,8 @@ CLUSTER_RULES = {
     # kopf: runtime observation of CRDs
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
 }
-CLUSTERWIDE_ONLY_RULES = {
-    # kopf, cluster-wide: runtime observation of namespaces
-    ("", "namespaces"): {"list", "watch"},
-}
+# No namespaces rule in either mode: cluster-wide kopf never lists namespaces; namespaced, it tries (for
+# namespace patterns), and on 403 warns and serves the names given, exact names here.
 #: Without cert-manager: keep caBundle of this release's webhook configurations (and no others) current.
 TLS_CLUSTER_RULES = {
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "strata"): {"get", "patch"},
@@ -100,8 +100,16 @@ TLS_CLUSTER_RULES = {
 }
 #: ...and read and write the CA Secret (created by the chart), in the release namespace only.
 TLS_SECRET_RULES = {("", "secrets", "strata-tls"): {"get", "patch"}}
-CLUSTER_PEERING_RULES = {("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"}}
-NAMESPACED_PEERING_RULES = {("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
+#: kopf peering: watch every peering object (no field selector, so no resourceNames), patch its own
+#: (keep-alives, dead peers' entries removed); never get. Namespaced mode: in every watched namespace.
+CLUSTER_PEERING_RULES = {
+    ("kopf.dev", "clusterkopfpeerings"): {"list", "watch"},
+    ("kopf.dev", "clusterkopfpeerings", "strata"): {"patch"},
+}
+NAMESPACED_PEERING_RULES = {
+    ("kopf.dev", "kopfpeerings"): {"list", "watch"},
+    ("kopf.dev", "kopfpeerings", "strata"): {"patch"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +185,7 @@ def test_every_built_in_object_is_valid_for_1_29_and_1_33(chart: Any, case: str)
         assert labels.get("app.kubernetes.io/name") == "strata"
         assert labels.get("app.kubernetes.io/managed-by") == "Helm"
         assert labels.get("helm.sh/chart") == "strata-0.1.0"
-        if api_kind in CUSTOM_KINDS:
+        if api_kind in CUSTOM_KINDS | PEERING_KINDS:
             continue
         body = strip(obj)
         key = json.dumps(body, sort_keys=True)
@@ -209,6 +217,8 @@ def test_crds_are_valid(chart: Any) -> None:
     assert {c["name"] for c in crds} >= {
         "crds/checkpoints.strata.dev.yaml",
         "crds/stratajobs.strata.dev.yaml",
+        "crds/clusterkopfpeerings.kopf.dev.yaml",
+        "crds/kopfpeerings.kopf.dev.yaml",
     }
     for crd in crds:
         body = yaml.safe_load(crd["data"])
@@ -324,7 +334,6 @@ def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
     assert rules_of(role) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
-        **CLUSTERWIDE_ONLY_RULES,
         **WORKLOAD_RULES,
     }
     binding = one(objects, "ClusterRoleBinding")
@@ -334,7 +343,6 @@ def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
     objects = render(chart, MATRIX["cert-manager"])
     assert rules_of(one(objects, "ClusterRole")) == {
         **CLUSTER_RULES,
-        **CLUSTERWIDE_ONLY_RULES,
         **WORKLOAD_RULES,
     }
     assert not by_kind(objects, "Role")
@@ -363,7 +371,6 @@ def test_rbac_peering(chart: Any) -> None:
     assert rules_of(one(objects, "ClusterRole")) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
-        **CLUSTERWIDE_ONLY_RULES,
         **CLUSTER_PEERING_RULES,
         **WORKLOAD_RULES,
     }
@@ -373,9 +380,37 @@ def test_rbac_peering(chart: Any) -> None:
     # standalone: never two acting operators, not even during an upgrade
     assert one(render(chart), "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
     assert "--peering=strata" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    # kopf never creates the peering object, and with --peering it stays paused until it exists
+    [peering] = by_kind(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "strata" and "namespace" not in peering["metadata"]
+    assert not by_kind(objects, "KopfPeering")
+    assert not [o for o in render(chart) if (o["apiVersion"], o["kind"]) in PEERING_KINDS]
+    # namespaced mode: kopf peers in every watched namespace (none in the release namespace)
+    two = {"watchNamespaces": ["team-a", "team-b"], "operator": {"replicas": 2, "peering": "p"}}
+    objects = render(chart, two)
+    assert not by_kind(objects, "ClusterKopfPeering")
+    peerings = by_kind(objects, "KopfPeering")
+    assert sorted((p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings) == [
+        ("team-a", "p"),
+        ("team-b", "p"),
+    ]
+    roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-peering"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert rules_of(role) == {
+            ("kopf.dev", "kopfpeerings"): {"list", "watch"},
+            ("kopf.dev", "kopfpeerings", "p"): {"patch"},
+        }
+    bindings = [b for b in by_kind(objects, "RoleBinding") if b["metadata"]["name"] == "strata-peering"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["roleRef"]["name"] == "strata-peering" and b["subjects"][0]["namespace"] == NAMESPACE
+    assert rules_of(one(objects, "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
     objects = render(chart, MATRIX["namespaced-peering"])
-    peering = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-peering"]
-    assert [rules_of(r) for r in peering] == [NAMESPACED_PEERING_RULES]
+    peering_roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-peering"]
+    assert [(r["metadata"]["namespace"], rules_of(r)) for r in peering_roles] == [
+        ("team-a", NAMESPACED_PEERING_RULES)
+    ]
 
 
 # --- webhooks and TLS -----------------------------------------------------------------------------------
@@ -471,12 +506,17 @@ def test_operator_managed_tls(chart: Any) -> None:
 def test_cert_manager_tls(chart: Any) -> None:
     objects = render(chart, MATRIX["cert-manager"])
     assert not by_kind(objects, "Secret")
-    certificate = one(objects, "Certificate")
+    certificates = {c["metadata"]["name"]: c for c in by_kind(objects, "Certificate")}
+    issuers = {i["metadata"]["name"]: i for i in by_kind(objects, "Issuer")}
+    # a CA of its own (self-signed root -> CA Issuer -> serving certificate): ca.crt, what sidecars
+    # and caBundle trust, is the CA and survives the serving certificate's renewals
+    assert issuers["strata-selfsigned"]["spec"] == {"selfSigned": {}}
+    ca = certificates["strata-ca"]
+    assert ca["spec"]["isCA"] is True and ca["spec"]["issuerRef"]["name"] == "strata-selfsigned"
+    assert issuers["strata-ca"]["spec"] == {"ca": {"secretName": ca["spec"]["secretName"]}}
+    certificate = certificates["strata-serving"]
     assert certificate["spec"]["secretName"] == "strata-tls"
-    assert certificate["spec"]["issuerRef"] == {
-        "name": one(objects, "Issuer")["metadata"]["name"],
-        "kind": "Issuer",
-    }
+    assert certificate["spec"]["issuerRef"] == {"name": "strata-ca", "kind": "Issuer"}
     assert f"strata.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         config = one(objects, kind)
@@ -521,11 +561,14 @@ def test_operator_deployment(chart: Any) -> None:
         "--storage-endpoint=http://seaweedfs.storage:8333",
         '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
         "--shm-size=2Gi",
+        "--sidecar-pull-policy=IfNotPresent",
         f"--sidecar-report-url=https://strata.{NAMESPACE}.svc:8443",
         "--own-namespace=$(POD_NAMESPACE)",
     ]
     assert container["env"] == [
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        # kopf's identity (else it asks for a user name, which the image's uid does not have)
+        {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     # without storage.uri no injection flags: --sidecar-image and --storage-uri go together
     default_args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -646,6 +689,7 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
     rules = _rules_file(chart, tmp_path)
     job = 'namespace="default",training_job="recsys"'
     healthy = 'namespace="default",training_job="ok"'
+    never = 'namespace="default",training_job="stuck"'
     severity = {
         r["alert"]: r["labels"]["severity"]
         for g in one(render(chart, ALL_ON), "PrometheusRule")["spec"]["groups"]
@@ -661,6 +705,8 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
                     # A job whose last commit was at t=0, and one that commits every minute.
                     {"series": f"strata_last_commit_timestamp_seconds{{{job}}}", "values": "0x120"},
                     {"series": f"strata_last_commit_timestamp_seconds{{{healthy}}}", "values": "0+60x120"},
+                    # a job that saves every minute and has never committed (no last-commit series)
+                    {"series": f"strata_save_stall_seconds_count{{{never}}}", "values": "0+1x120"},
                     {"series": f'strata_storage_errors_total{{{job},op="put"}}', "values": "0+1x30"},
                     {"series": f"strata_quantization_relative_error{{{job}}}", "values": "0.05x60"},
                     {"series": 'strata_operator_restarts_total{reason="oom"}', "values": "0+1x60"},
@@ -690,10 +736,31 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
                                     "namespace": "default",
                                     "training_job": "recsys",
                                 }
+                            },
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataNoCommit"],
+                                    "namespace": "default",
+                                    "training_job": "stuck",
+                                }
+                            },
+                        ],
+                    },
+                    {"eval_time": "3m", "alertname": "StrataNoCommit", "exp_alerts": []},  # `for: 5m` not yet
+                    # the committing job alone: its 1800 s are not over, the stuck one already fires
+                    {
+                        "eval_time": "20m",
+                        "alertname": "StrataNoCommit",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataNoCommit"],
+                                    "namespace": "default",
+                                    "training_job": "stuck",
+                                }
                             }
                         ],
                     },
-                    {"eval_time": "20m", "alertname": "StrataNoCommit", "exp_alerts": []},  # 1800 s not yet
                     {
                         "eval_time": "20m",
                         "alertname": "StrataStorageErrors",

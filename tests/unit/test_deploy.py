@@ -19,8 +19,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sidecar.operator import names
+from sidecar.operator import inject, names
 from sidecar.operator.admission import mutate_pod, opted_in, validate_workload
+from sidecar.operator.inject import InjectConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -109,6 +110,11 @@ def test_the_example_job_opts_in_on_its_pod_template() -> None:
     gated = jsonpatch.apply_patch(pod, mutate_pod(pod))
     assert [g["name"] for g in gated["spec"]["schedulingGates"]] == [names.GANG_GATE]
     validate(gated)
+    # Injected with the chart's defaults, its trainer's memory limit covers the segments: no warning
+    config = InjectConfig(image="strata:1", storage_uri="s3://ckpt/jobs")
+    assert inject.warnings(pod, namespace="default", config=config) == []
+    injected = jsonpatch.apply_patch(pod, inject.inject(pod, namespace="default", config=config))
+    validate(injected)
 
 
 def test_the_example_job_has_stable_pod_dns() -> None:
