@@ -15,6 +15,7 @@ the job-level COMMIT exists (or with the error that prevented it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -86,11 +87,18 @@ class SaveHandle:
 class CheckpointClient:
     """Saves and restores one rank's training state through the Strata sidecar.
 
-    ``optimizers``: optimizers whose parameters and state may be staged while
-    the next forward/backward runs (overlapped staging). An optimizer step
-    pre-hook waits for the copy before the step mutates them. Everything else
-    (buffers such as BatchNorm statistics, Embedding(max_norm=...) weights,
-    RNG, data-reader state) is still copied inside ``save()``.
+    Overlapped staging: the parameters and state of the optimizers in the saved ``state`` (and of
+    ``optimizers``) are copied while the next forward/backward runs; an optimizer step pre-hook
+    waits for the copy before the step mutates them. Everything else (buffers such as BatchNorm
+    statistics, Embedding(max_norm=...) weights, RNG, data-reader state) is copied inside
+    ``save()``. A parameter changed outside ``optimizer.step()`` between a save and the next step
+    (hand-written in-place updates, an EMA written into the live weights) would be caught mid-copy:
+    turn it off with ``overlap="off"`` (STRATA_OVERLAP=off) and pass ``optimizers=`` for those that
+    are safe.
+
+    Staging buffers are allocated and pre-faulted off the training thread once the state is known
+    (``resume()``/``restore()``, and again after the first optimizer step creates lazy state), so
+    the first ``save()`` stalls for the copy, not for page faults.
 
     ``save_on_sigterm``: seconds (counted from the signal) a save after SIGTERM may take to become
     durable; None (default, or STRATA_SAVE_ON_SIGTERM_S unset) leaves SIGTERM alone. Kubernetes
@@ -147,6 +155,13 @@ class CheckpointClient:
         self._tracker = RowTracker()
         self._overlap: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
+        #: pre-faults staging buffers off the training thread; save() waits for it, never races it
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="strata-warm")
+        self._warming: Future[None] | None = None
+        self._stage_lock = threading.Lock()
+        #: the state resume()/restore() saw, warmed again after the first optimizer step (which
+        #: creates Adam's lazy state); dropped at the first save
+        self._warm_state: MutableMapping[str, Any] | None = None
         self._skipped_unreported = 0
         #: newest step this client saw committed, and the peers of its attempt that are gone
         self._durable_step: int | None = None
@@ -271,6 +286,8 @@ class CheckpointClient:
                 log.warning("last save (step %d) did not become durable: %s", self._last.step, exc)
         for hook in self._hooks:
             hook.remove()
+        self._warm_state = None
+        self._warmer.shutdown(wait=True)
         self._tracker.close()
         self._sender.shutdown(wait=wait)
         self._waiter.shutdown(wait=wait)
@@ -291,8 +308,58 @@ class CheckpointClient:
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Stage this optimizer's parameters and state in the background; its
         ``step()`` waits until the copy is done."""
+        if any(optimizer is known for known in self._overlap):
+            return
         self._overlap.append(optimizer)
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._gate.wait()))
+        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
+
+    def _adopt(self, state: MutableMapping[str, Any]) -> None:
+        """The state is known: stage its optimizers in the background (``overlap="auto"``) and
+        pre-fault the staging buffers for it, off the training thread."""
+        if self.settings.overlap == "auto":
+            for optimizer in _optimizers(state):
+                self.register_optimizer(optimizer)
+        if self.stats["saves"] == 0:
+            self._warm_state = state
+        self._warm(state)
+
+    def _after_step(self) -> None:
+        # The first step creates lazy optimizer state (Adam's moments): the layout the first save
+        # will need only exists now. Once: flattening walks the state on this thread.
+        state, self._warm_state = self._warm_state, None
+        if state is not None and self.stats["saves"] == 0:
+            self._warm(state)
+
+    def _flat(self, state: MutableMapping[str, Any]) -> _tree.Flat:
+        full = dict(state)
+        if self.settings.capture_rng:
+            full[_RNG_KEY] = _rng.capture()
+        return _tree.flatten(full)
+
+    def _warm(self, state: MutableMapping[str, Any]) -> None:
+        """Allocate and pre-fault the buffers the next saves of ``state`` stage into, in the warm
+        thread (the layout is read here: only names, dtypes and shapes travel)."""
+        tensors = self._flat(state).tensors
+        free = [i for i in range(len(self._buffers)) if i != self._held]
+
+        def warm() -> None:
+            for i in free:
+                try:
+                    with self._stage_lock:
+                        if i < len(self._buffers):  # shared memory may have been turned off meanwhile
+                            self._buffers[i].ensure(tensors)
+                except OSError as exc:  # no room in the tmpfs: save() reports it, on its thread
+                    log.debug("could not pre-fault staging buffer %d: %s", i, exc)
+                    return
+
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._warming = self._warmer.submit(warm)
+
+    def _wait_warm(self) -> None:
+        if self._warming is not None:
+            self._warming.result()
+            self._warming = None
 
     def track(self, *modules: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """Track which embedding rows are looked up (Check-N-Run), so the sidecar diffs only
@@ -445,17 +512,20 @@ class CheckpointClient:
             self._heartbeat.touch()  # progress, for the launcher's hang detection
         if self.stats["saves"] == 0:
             _loaders.check(state)  # once: loader setups a resume cannot keep exact
-        full = dict(state)
-        if self.settings.capture_rng:
-            full[_RNG_KEY] = _rng.capture()
-        flat = _tree.flatten(full)
+            if self.settings.overlap == "auto":
+                for optimizer in _optimizers(state):
+                    self.register_optimizer(optimizer)
+            self._warm_state = None
+        flat = self._flat(state)
         index = 0 if self._held is None else 1 - self._held
+        self._wait_warm()
         try:
-            first = self._buffers[index].ensure(flat.tensors)
+            with self._stage_lock:
+                self._buffers[index].ensure(flat.tensors)
         except OSError as exc:  # the shared tmpfs is full or gone
             self._stop_shared_memory(f"cannot allocate the staging segment there: {exc}")
             index = 0
-            first = self._buffers[index].ensure(flat.tensors)
+            self._buffers[index].ensure(flat.tensors)
         bufs = self._buffers[index]
         touched = self._tracker.cut(flat.tensors)
         deferred: list[int] = []
@@ -470,7 +540,7 @@ class CheckpointClient:
         handle.stall_s = stall
         self.stats["saves"] += 1
         self.stats["last_stall_s"] = stall
-        if first and self.stats["first_save_stall_s"] == 0.0:
+        if self.stats["saves"] == 1:
             self.stats["first_save_stall_s"] = stall
         with self._lock:
             skipped, self._skipped_unreported = self._skipped_unreported, 0
@@ -554,7 +624,8 @@ class CheckpointClient:
             if bufs.shared:
                 # Warm the other segment now, off the training thread, so the next save's stall
                 # is a copy and not an allocation.
-                self._buffers[1 - index].ensure(flat.tensors)
+                with self._stage_lock:
+                    self._buffers[1 - index].ensure(flat.tensors)
         except Exception as exc:
             if bufs.shared:
                 bufs.reset()  # the sidecar may still read it: never stage into it again
@@ -713,6 +784,7 @@ class CheckpointClient:
         ``require``) or nothing (``never``). Returns the restored step or None."""
         policy = self.settings.resume
         if policy == "never":
+            self._adopt(state)
             return None
         try:
             return self.restore(state)
@@ -724,6 +796,7 @@ class CheckpointClient:
                 self.settings.namespace,
                 self.settings.job,
             )
+            self._adopt(state)
             return None
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int:
@@ -762,6 +835,7 @@ class CheckpointClient:
         if self.settings.capture_rng and rng_state:
             _rng.restore(rng_state)
         _loaders.after_restore(state)  # the loaders' next iter() must not redraw the epoch's seeds
+        self._adopt(state)  # the restored layout (optimizer state included): pre-fault its buffers now
         self.last_restore = {
             "step": int(header.step),
             "source": header.source,
@@ -839,6 +913,17 @@ def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
 
 def _tensor_key(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.numel() * t.element_size())
+
+
+def _optimizers(state: Any) -> Iterator[torch.optim.Optimizer]:
+    if isinstance(state, torch.optim.Optimizer):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _optimizers(v)
+    elif isinstance(state, list | tuple):
+        for v in state:
+            yield from _optimizers(v)
 
 
 def _modules(state: Any) -> Iterator[torch.nn.Module]:

@@ -17,6 +17,7 @@ from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_
 RESUME_POLICIES = ("auto", "never", "require")
 BUSY_POLICIES = ("skip", "wait")
 SHM_POLICIES = ("auto", "on", "off")
+OVERLAP_POLICIES = ("auto", "off")
 
 
 def _torchelastic_generation() -> str | None:
@@ -56,6 +57,9 @@ class ClientSettings:
     rpc_timeout_s: float = 600.0
     commit_timeout_s: float = 900.0
     capture_rng: bool = True
+    #: overlapped staging: "auto" (the optimizers found in the saved state stage in the background,
+    #: their step() waiting for the copy), "off" (only those passed as ``optimizers=``)
+    overlap: str = "auto"
     #: seconds a save after SIGTERM may take, counted from the signal (STRATA_SAVE_ON_SIGTERM_S);
     #: None: SIGTERM is left alone (see CheckpointClient)
     save_on_sigterm: float | None = None
@@ -75,6 +79,7 @@ class ClientSettings:
             "resume": _env("STRATA_RESUME"),
             "when_busy": _env("STRATA_WHEN_BUSY"),
             "shm": _env("STRATA_SHM"),
+            "overlap": _env("STRATA_OVERLAP"),
             "chunk_bytes": _env("STRATA_CHUNK_BYTES"),
             "max_message_bytes": _env("STRATA_MAX_MESSAGE_BYTES"),
             "commit_timeout_s": _env("STRATA_COMMIT_TIMEOUT_S"),
@@ -106,6 +111,8 @@ class ClientSettings:
             raise ValueError(f"when_busy={self.when_busy!r}: expected one of {', '.join(BUSY_POLICIES)}")
         if self.shm not in SHM_POLICIES:
             raise ValueError(f"shm={self.shm!r}: expected one of {', '.join(SHM_POLICIES)}")
+        if self.overlap not in OVERLAP_POLICIES:
+            raise ValueError(f"overlap={self.overlap!r}: expected one of {', '.join(OVERLAP_POLICIES)}")
         if self.shm == "on" and self.address:
             raise ValueError("shm='on' needs the unix socket: a TCP sidecar may be on another host")
         if not 0 <= self.rank < self.world_size:

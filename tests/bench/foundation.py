@@ -79,6 +79,7 @@ KEYS = (
     "torch_save_s",
     "dcp_async_save_stall_s",
     "save_overhead_s",
+    "save_overhead_sync_s",
     "save_overhead_grpc_s",
     "save_overhead_full_s",
     "overlapped_overhead_s",
@@ -429,13 +430,18 @@ def quiet_client() -> Iterator[None]:
 
 
 def make_client(
-    socket_path: str, job: str, optimizers: list[torch.optim.Optimizer] | None = None, shm: str = "auto"
+    socket_path: str,
+    job: str,
+    optimizers: list[torch.optim.Optimizer] | None = None,
+    shm: str = "auto",
+    overlap: str = "auto",
 ) -> Any:
     return CheckpointClient(
         job=job,
         socket=socket_path,
         optimizers=optimizers or [],
         shm=shm,
+        overlap=overlap,
         resume="never",
         when_busy="skip",
         connect_timeout_s=60.0,
@@ -525,10 +531,14 @@ def strata_overhead(
     overlap: bool,
     n: int,
     shm: str = "auto",
+    policy: str = "auto",
 ) -> Attributed:
-    client = make_client(socket_path, job, [trainer.opt] if overlap else None, shm)
+    """``overlap``: pass the optimizer explicitly; ``policy``: the client's overlap setting (its
+    default, "auto", finds the optimizer in the state by itself)."""
+    client = make_client(socket_path, job, [trainer.opt] if overlap else None, shm, policy)
     state = trainer.state()
     try:
+        client.resume(state)  # as a training script starts: the client learns the state
         warm = client.save(next(steps), state)  # allocates the staging buffer outside the timing
         steps_until(trainer, warm.durable)
         warm.durable.result(600)
@@ -652,7 +662,16 @@ def _run(
         for key, measure in (
             # The estimator on a save that does nothing for about as long as a diff takes.
             ("overhead_null", lambda: attributed_overhead(trainer, n, null_save(2 * step_s))),
-            ("save_overhead", lambda: strata_overhead(trainer, sock, job, steps, False, n)),
+            # Defaults: overlapped staging of the optimizer found in the state. The tightest
+            # target (a fraction of a memcpy), so as many saves as the overlapped variant had.
+            (
+                "save_overhead",
+                lambda: strata_overhead(trainer, sock, job, steps, False, opts.overlapped_saves),
+            ),
+            (
+                "save_overhead_sync",
+                lambda: strata_overhead(trainer, sock, job, steps, False, n, policy="off"),
+            ),
             ("save_overhead_grpc", lambda: strata_overhead(trainer, sock, job, steps, False, n, "off")),
             (
                 "save_overhead_full",
@@ -660,7 +679,7 @@ def _run(
             ),
             (
                 "overlapped_overhead",
-                lambda: strata_overhead(trainer, sock, job, steps, True, opts.overlapped_saves),
+                lambda: strata_overhead(trainer, sock, job, steps, True, n),
             ),
             ("dcp_overhead", lambda: dcp_overhead(trainer, opts.tmp / "dcp-loop", n, False)),
             ("dcp_async_stager_overhead", lambda: dcp_overhead(trainer, opts.tmp / "dcp-loop", n, True)),
@@ -696,6 +715,11 @@ def _run(
         client = make_client(s3_sidecar.socket, job)
         services.append(lambda: client.close(wait=False))
         state = trainer.state()
+        # As a training script starts: resume() (nothing to restore here) lets the client pre-fault
+        # its staging off the training thread, and a few steps run before the first save.
+        client.resume(state)
+        for _ in range(3):
+            trainer.step()
         t0 = time.perf_counter()
         client.save(next(steps), state).durable.result(600)  # warm-up; its stall is the first-save stall
         figures["time_to_durable_full_s"] = time.perf_counter() - t0  # the first checkpoint is full
@@ -836,7 +860,15 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         Row("state", (get("state_bytes") or 0) / GiB, "GiB"),
         row(m, "s", m),
         row("save_stall_s", "s", m, "<= 1.5x memcpy", lambda s, c: s <= 1.5 * c, "save_stall_s", m),
-        row("first_save_stall_s", "s", m),
+        row(
+            "first_save_stall_s",
+            "s",
+            m,
+            "<= 1.5x memcpy",
+            lambda s, c: s <= 1.5 * c,
+            "first_save_stall_s",
+            m,
+        ),
         row("save_stall_s_with_tracking", "s", m),
         row("torch_save_s", "s", m),
         row("dcp_async_save_stall_s", "s", m),
@@ -846,23 +878,24 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         row(
             "save_overhead_s",
             "s",
-            "dcp_overhead_s",
-            "<= 0.5x dcp_overhead",
-            lambda s, d: s <= 0.5 * d,
-            "save_overhead_s",
-            "dcp_overhead_s",
-        ),
-        row(
-            "overlapped_overhead_s",
-            "s",
             m,
             "<= 0.25x memcpy, < dcp_stager",
             lambda o, c, d: o <= 0.25 * c and o < d,
-            "overlapped_overhead_s",
+            "save_overhead_s",
             m,
             "dcp_async_stager_overhead_s",
         ),
-        row("overlapped_overhead_ci_high_s", "s", m),
+        row(
+            "save_overhead_ci_high_s",
+            "s",
+            m,
+            "<= 0.5x memcpy",
+            lambda o, c: o <= 0.5 * c,
+            "save_overhead_ci_high_s",
+            m,
+        ),
+        row("save_overhead_sync_s", "s", "dcp_overhead_s"),
+        row("overlapped_overhead_s", "s", m),
         row("save_overhead_grpc_s", "s", "dcp_overhead_s"),
         row("save_overhead_full_s", "s", "dcp_overhead_s"),
         row("dcp_overhead_s", "s", m),
@@ -877,8 +910,8 @@ def _rows(f: dict[str, Any]) -> list[Row]:
             "train_slowdown",
             "x",
             "",
-            "<= 1.15, no save skipped",
-            lambda s, k: s <= 1.15 and k == 0,
+            "<= 1.08, no save skipped",
+            lambda s, k: s <= 1.08 and k == 0,
             "train_slowdown",
             "train_slowdown_skipped",
         ),

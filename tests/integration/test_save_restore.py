@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,9 +109,11 @@ def test_mutation_after_save_returns_never_leaks_into_the_snapshot(make_sidecar,
 
 
 @pytest.mark.parametrize("shm", ["on", "off"])
-def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_client, job_name, shm):
+@pytest.mark.parametrize("how", ["passed", "found in the state"])
+def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_client, job_name, shm, how):
     """Parameters and optimizer state are staged while forward/backward run; BatchNorm
-    statistics and Embedding(max_norm) weights change in forward, so they are captured in save()."""
+    statistics and Embedding(max_norm) weights change in forward, so they are captured in save().
+    By default (overlap="auto") the optimizers in the saved state get this without being passed."""
     server = make_sidecar()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -123,10 +127,11 @@ def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_cli
     x = torch.randint(0, 50, (16, 2))
     model(x).sum().backward()
     opt.step()
-    client = make_client(server, job_name, shm=shm, optimizers=[opt])
+    client = make_client(server, job_name, shm=shm, optimizers=[opt] if how == "passed" else [])
     state = {"model": model, "opt": opt}
     expected = flat_tensors(state)
     handle = client.save(1, state)
+    assert client._overlap == [opt]
     # Next iteration right away: forward mutates BN stats and renormalises embedding rows.
     opt.zero_grad()
     model(torch.randint(0, 50, (16, 2)) * 1).pow(2).sum().backward()
@@ -205,6 +210,67 @@ def test_restore_refuses_a_state_that_does_not_match(make_sidecar, make_client, 
     client.save(1, {"a": torch.ones(2)}).durable.result(30)
     with pytest.raises(RestoreError, match="b"):
         client.restore({"a": torch.zeros(2), "b": torch.zeros(2)})
+
+
+def test_overlap_off_stages_everything_inside_save(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt, 1)
+    client = make_client(server, job_name, overlap="off")
+    handle = client.save(1, {"model": model, "opt": opt})
+    assert client._overlap == [] and handle.staged.done()  # copied before save() returned
+    handle.durable.result(30)
+    with pytest.raises(ValueError, match="overlap='sometimes': expected one of auto, off"):
+        make_client(server, job_name, overlap="sometimes")
+
+
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_staging_is_prefaulted_off_the_training_thread_before_the_first_save(
+    make_sidecar, make_client, job_name, shm, monkeypatch
+):
+    """resume() on a fresh run knows the state: the buffers are allocated and pre-faulted in the
+    warm thread, again after the first optimizer step (Adam's lazy state changes the layout), so
+    the first save() only copies. After a restore the same happens for the restored layout."""
+    from trainer_client import _staging
+
+    threads: list[str] = []
+    original = _staging.HostBuffers._allocate
+
+    def spy(self: Any, size: int, pin: bool) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(self, size, pin)
+
+    monkeypatch.setattr(_staging.HostBuffers, "_allocate", spy)
+    server = make_sidecar()
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters())
+    state = {"model": model, "opt": opt}
+    client = make_client(server, job_name, shm=shm)
+    assert client.resume(state) is None  # nothing committed yet: a fresh start
+    client._wait_warm()
+    per_buffer = len(client._buffers)
+    assert [b.allocations for b in client._buffers] == [1] * per_buffer
+    train_steps(model, opt, 1)  # the post-step hook warms for the layout with Adam's moments
+    client._wait_warm()
+    assert [b.allocations for b in client._buffers] == [2] * per_buffer
+    client.save(1, state).durable.result(30)
+    assert [b.allocations for b in client._buffers] == [2] * per_buffer  # the save allocated nothing
+    assert threads and all(name.startswith("strata-warm") for name in threads), threads
+    assert client.stats["first_save_stall_s"] > 0
+    # a new process restores step 1 and is warmed for it before its first save
+    threads.clear()
+    model2 = small_model()
+    opt2 = torch.optim.Adam(model2.parameters())
+    again = make_client(server, job_name, shm=shm)
+    restored = {"model": model2, "opt": opt2}
+    assert again.resume(restored) == 1
+    again._wait_warm()
+    assert [b.allocations for b in again._buffers] == [1] * per_buffer
+    train_steps(model2, opt2, 1)
+    again.save(2, restored).durable.result(30)
+    assert [b.allocations for b in again._buffers] == [1] * per_buffer
+    assert threads and all(name.startswith("strata-warm") for name in threads), threads
 
 
 @pytest.mark.parametrize("shm", ["on", "off"])
