@@ -22,7 +22,7 @@ def test_restore_is_served_from_the_prefetch_started_at_connect(
     reader = make_client(second, job_name)  # connecting starts the prefetch
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        entry = second.engine._prefetched.get(("default", job_name, 0))
+        entry = second.engine.restorer.prefetched.get(("default", job_name, 0))
         if entry is not None and entry[1].is_set():
             break
         time.sleep(0.02)
@@ -40,7 +40,7 @@ def test_no_prefetch_when_resume_is_never(make_sidecar, make_client, job_name):
     server = make_sidecar()
     make_client(server, job_name, resume="never")
     time.sleep(0.2)
-    assert server.engine._prefetched == {}
+    assert server.engine.restorer.prefetched == {}
 
 
 def test_the_sidecar_keeps_only_the_newest_steps(make_sidecar, make_client, job_name):

@@ -112,13 +112,13 @@ def test_held_lossy_forms_that_do_not_fit_start_a_new_chain(make_sidecar, make_c
     state = {"emb": emb}
     client.save(1, state).durable.result(60)
     engine = server.engine
-    (slot,) = list(engine._slots)
-    assert engine._held_layers[slot] and engine.memory.held()["encode"] > 0
+    (slot,) = list(engine.held.slots)
+    assert engine.held.layers[slot] and engine.memory.held()["encode"] > 0
     limit, engine.memory.limit = engine.memory.limit, 1024  # another holder took the room
-    with engine._lock:
-        engine._account_held(slot)
+    with engine.shared.lock:
+        engine.held.account(slot)
     engine.memory.limit = limit
-    assert engine._held_layers[slot] == [] and slot not in engine._chains
+    assert engine.held.layers[slot] == [] and slot not in engine.held.chains
     with torch.no_grad():
         emb.weight[:10] += 1.0
     client.save(2, state).durable.result(60)

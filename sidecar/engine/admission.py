@@ -1,0 +1,226 @@
+"""Admitting saves: a save's header is validated (names, dtypes and sizes, offsets in a shared
+segment, the snapshot size limit, the attempt's restore step) and given its place among the
+rank's held snapshots and its share of the memory budget, or refused at once (counted). Then
+the stream's chunks, its end (from there the snapshot commits even if the trainer dies), or
+its abort."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from sidecar import manifest as mf
+from sidecar.api.dtypes import expected_nbytes
+from sidecar.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    StrataError,
+)
+from sidecar.faults import fault_point
+from sidecar.pipeline import encode as enc
+
+from .attempts import Attempts
+from .commit import Commits
+from .held import Held
+from .reports import Reports
+from .restore import Restorer
+from .state import Shared
+from .types import Identity, Snapshot, TensorSpec, zeroed
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(
+        self,
+        shared: Shared,
+        held: Held,
+        attempts: Attempts,
+        commits: Commits,
+        restorer: Restorer,
+        reports: Reports,
+    ) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.metrics = shared.metrics
+        self.memory = shared.memory
+        self.held = held
+        self.attempts = attempts
+        self.commits = commits
+        self.restorer = restorer
+        self.reports = reports
+
+    def begin_save(
+        self,
+        protocol_version: int,
+        identity: Identity,
+        step: int,
+        save_id: str,
+        tensors: list[TensorSpec],
+        tree: bytes,
+        segment: tuple[str, int] | None = None,
+    ) -> Snapshot:
+        """Validate a header and reserve memory for the snapshot, or raise (counted as refused).
+
+        With ``segment`` (name, size) the bytes are already in a shared segment
+        at the tensors' offsets, and the snapshot is complete once admitted.
+        """
+        try:
+            return self._admit(protocol_version, identity, step, save_id, tensors, tree, segment)
+        except StrataError:
+            self.metrics.checkpoints.labels(identity.job, "refused").inc()
+            raise
+
+    def _admit(
+        self,
+        protocol_version: int,
+        identity: Identity,
+        step: int,
+        save_id: str,
+        tensors: list[TensorSpec],
+        tree: bytes,
+        segment: tuple[str, int] | None,
+    ) -> Snapshot:
+        identity.validate()
+        self.attempts.greet(identity, protocol_version)
+        self.restorer.forget_prefetched(identity.slot)  # training has started: no read-ahead restore
+        if step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {step}")
+        if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
+            raise InvalidArgument(f"save_id {save_id!r} must be 1-64 letters, digits or '-'")
+        entries: list[mf.TensorEntry] = []
+        names: set[str] = set()
+        offset = 0
+        for t in tensors:
+            if t.name in names:
+                raise InvalidArgument(f"duplicate tensor name {t.name!r}")
+            names.add(t.name)
+            try:
+                expect = expected_nbytes(t.dtype, t.shape)
+            except ValueError as exc:
+                raise InvalidArgument(f"tensor {t.name!r}: {exc}") from None
+            if expect != t.nbytes:
+                raise InvalidArgument(
+                    f"tensor {t.name!r}: {t.nbytes} bytes declared, but {t.dtype}{list(t.shape)} is {expect}"
+                )
+            if segment is not None:
+                if t.offset < offset:
+                    raise InvalidArgument(
+                        f"tensor {t.name!r} at offset {t.offset} overlaps the one before (ends at {offset})"
+                    )
+                offset = t.offset
+            if t.touched and len(t.touched) != (enc.rows_of(t.shape) + 7) // 8:
+                raise InvalidArgument(
+                    f"tensor {t.name!r}: touched-rows bitmap of {len(t.touched)} bytes for "
+                    f"{enc.rows_of(t.shape)} rows"
+                )
+            entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset, role=t.role))
+            offset += t.nbytes
+        if segment is not None and offset > segment[1]:
+            raise InvalidArgument(f"tensors end at byte {offset}, beyond shared segment size {segment[1]}")
+        if offset > self.settings.max_snapshot_bytes:
+            raise InvalidArgument(
+                f"snapshot of {offset} bytes exceeds the sidecar's --max-snapshot-bytes "
+                f"{self.settings.max_snapshot_bytes}"
+            )
+        if self.shared.quant.patterns and not any(self.shared.quant.matches(e.name, e.role) for e in entries):
+            raise InvalidArgument(
+                f"--quantize-match {','.join(self.shared.quant.patterns)!r} matches no tensor of this save "
+                f"(names look like {', '.join(e.name for e in entries[:3])})"
+            )
+        try:
+            tree_value = json.loads(tree) if tree else None
+        except ValueError as exc:
+            raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
+        epoch = self.attempts.epoch_for(identity)
+        if epoch.restore is not None and step <= epoch.restore[1]:
+            raise AlreadyExists(
+                f"step {step} of {identity.namespace}/{identity.job}: attempt {epoch.attempt} resumed from "
+                f"step {epoch.restore[1]}; it saves later steps only (committed checkpoints are never "
+                "overwritten)"
+            )
+        buffer: bytearray | memoryview
+        with self.shared.lock:
+            held = self.held.slots.setdefault(identity.slot, [])
+            for snap in held:
+                if segment is not None and snap.segment == segment[0]:
+                    raise FailedPrecondition(
+                        f"shared segment {segment[0]} still holds step {snap.step} ({snap.state}); "
+                        "a client must stage into its other segment"
+                    )
+                if snap.step == step and snap.state in ("receiving", "uploading"):
+                    raise Aborted(f"a save of step {step} for rank {identity.rank} is still in progress")
+                if snap.position == (epoch.attempt, step) and snap.state == "committed":
+                    raise AlreadyExists(f"step {step} of {identity.namespace}/{identity.job} is committed")
+            if len(held) >= self.settings.max_held_snapshots:
+                busy = ", ".join(f"step {s.step} {s.state}" for s in held)
+                raise ResourceExhausted(
+                    f"rank {identity.rank} already holds {len(held)} snapshots ({busy}); "
+                    "save less often or wait for the previous upload"
+                )
+            memory = None
+            if segment is None:
+                what = f"the streamed save of step {step} (rank {identity.rank})"
+                try:
+                    memory = self.memory.reserve("snapshot", offset, what, retry=True)
+                except ResourceExhausted:
+                    # The committed copy in memory is a cache (storage has it): give it up before
+                    # refusing. The next checkpoint of this rank is then a full one.
+                    self.held.drop_committed_locked(identity, what)
+                    memory = self.memory.reserve("snapshot", offset, what)
+                buffer = zeroed(offset)
+            else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
+                buffer = self.shared.segments.view(segment[0], offset, identity.slot)
+            snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer, memory=memory)
+            snap.attempt, snap.generation = epoch.attempt, epoch.generation
+            snap.touched = {t.name: t.touched for t in tensors if t.touched}
+            if segment is not None:
+                snap.segment, snap.received = segment[0], offset
+            held.append(snap)
+            self.reports.count_save_locked(identity.slot)
+        self.held.update_gauge()
+        self.commits.rank_back(
+            identity, epoch.attempt
+        )  # saving: whatever a dropped stream said no longer holds
+        return snap
+
+    def write_chunk(self, snap: Snapshot, data: bytes) -> None:
+        end = snap.received + len(data)
+        if end > snap.total_bytes:
+            raise InvalidArgument(
+                f"stream carries more than the {snap.total_bytes} bytes its header declared"
+            )
+        snap.buffer[snap.received : end] = data
+        snap.received = end
+        fault_point("sidecar.receive.chunk", snap.step)
+
+    def finish(self, snap: Snapshot, footer_total: int, stall_s: float, skipped: int) -> None:
+        """The stream is complete: from here the snapshot commits even if the trainer dies."""
+        if snap.segment:
+            fault_point("sidecar.receive.chunk", snap.step)  # the shared-memory save's "bytes arrived"
+        if snap.received != snap.total_bytes or footer_total != snap.total_bytes:
+            raise InvalidArgument(
+                f"stream ended with {snap.received} bytes (footer says {footer_total}); "
+                f"header declared {snap.total_bytes}"
+            )
+        job = snap.identity.job
+        self.metrics.received_bytes.labels(job).inc(snap.total_bytes)
+        self.metrics.save_stall.labels(job).observe(max(stall_s, 0.0))
+        if skipped:
+            self.metrics.saves_skipped.labels(job).inc(skipped)
+        snap.state = "uploading"
+        self.held.remember(snap)
+        self.commits.submit(snap)
+
+    def abort(self, snap: Snapshot, reason: str) -> None:
+        """Drop an incomplete stream; nothing of it was written."""
+        if snap.state != "receiving":
+            return
+        snap.state, snap.message = "aborted", reason
+        self.metrics.checkpoints.labels(snap.identity.job, "aborted").inc()
+        log.warning("save of step %d (rank %d) aborted: %s", snap.step, snap.identity.rank, reason)
+        self.held.release(snap)
+        snap.done.set()

@@ -1,0 +1,354 @@
+"""Generations and attempts: which gang generation a trainer belongs to (generation file,
+--generation, or what the trainer declares), the client protocol check, the attempt (EPOCH)
+each generation runs as (rank 0's sidecar allocates it in storage, other ranks wait for it),
+the restore step a new attempt records (the operator's restore request, else the newest
+usable commit), commits found unusable, and the operator's "stop"."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from sidecar import manifest as mf
+from sidecar.api import EXIT_LIMIT_SPENT, LIMIT_SPENT_MARKER, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+from sidecar.errors import (
+    CorruptObject,
+    FailedPrecondition,
+    InvalidArgument,
+    ObjectNotFound,
+    PreconditionFailed,
+)
+from sidecar.gang import JobGang, Position
+
+from .held import Held
+from .reports import Reports
+from .state import Shared
+from .types import Identity, JobKey, Slot
+
+log = logging.getLogger(__name__)
+
+
+def check_protocol(version: int) -> None:
+    """Serve clients of this protocol and of the one before it (rolling upgrades: the sidecar
+    is upgraded first). What a protocol-1 client lacks, and what it gets instead:
+
+    - Identity.generation: never sent. The sidecar's generation file wins anyway; without
+      one, a single rank gets a generation of its own per handshake (as a protocol-2 client
+      makes itself), several ranks are refused (see Engine.greet).
+    - the Attach stream: never opened. A rank that never attached is never taken for gone
+      (only an Attach stream that ends, or a peer's GoneHint, says a rank left), so nothing
+      waits on it; its liveness falls back to the commit timeouts (--commit-timeout-s).
+    """
+    if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        supported = " and ".join(str(v) for v in range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1))
+        newer = version > PROTOCOL_VERSION
+        raise FailedPrecondition(
+            f"protocol version {version} is not supported; this sidecar speaks protocol "
+            f"{PROTOCOL_VERSION} and serves clients of protocol {supported}. "
+            + (
+                "Upgrade the sidecar (roll out the new chart) before the trainer client"
+                if newer
+                else f"Upgrade the trainer client (strata-ckpt) to one speaking protocol {supported}"
+            )
+        )
+
+
+class Attempts:
+    def __init__(self, shared: Shared, held: Held, reports: Reports) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.store = shared.store
+        self.held = held
+        self.reports = reports
+        # Commits a restore found unusable, per job (also marked in storage).
+        self._unusable: dict[JobKey, set[Position]] = {}
+        # Single ranks of protocol-1 clients (which declare no generation): slot -> the
+        # generation this sidecar gave the trainer process at its handshake (see greet).
+        self._v1_solo: dict[Slot, str] = {}
+
+    def generation_of(self, identity: Identity) -> mf.Generation:
+        """The generation file when the sidecar has one (the launcher or a downward-API volume
+        writes it), else what the trainer declares."""
+        declared = identity.generation.strip()
+        path = self.settings.generation_file
+        if not path and self.settings.generation:
+            if declared.startswith("solo-"):
+                declared = ""
+            try:
+                fixed = mf.Generation.parse(self.settings.generation)
+            except ValueError as exc:
+                raise FailedPrecondition(f"--generation: {exc}") from None
+            if declared and declared != str(fixed):
+                raise FailedPrecondition(
+                    f"the trainer declares generation {declared}, but this sidecar's is {fixed}: a trainer "
+                    "of another gang generation reached this sidecar"
+                )
+            return fixed
+        if path:
+            if declared.startswith("solo-"):
+                declared = ""  # a lone trainer's own default yields to the pod's file
+            try:
+                with open(path) as f:  # read each time: it changes when the gang restarts
+                    text = f.read().strip()
+            except OSError as exc:
+                raise FailedPrecondition(f"cannot read the generation file {path}: {exc}") from None
+            try:
+                generation = mf.Generation.parse(text)
+            except ValueError as exc:
+                raise FailedPrecondition(f"generation file {path}: {exc}") from None
+            if declared and declared != str(generation):
+                raise FailedPrecondition(
+                    f"the trainer declares generation {declared}, but this pod's generation file says "
+                    f"{generation}: a trainer of another gang generation reached this sidecar"
+                )
+            return generation
+        if not declared:
+            with self.shared.lock:
+                declared = self._v1_solo.get(identity.slot, "") if identity.world_size == 1 else ""
+        if not declared:
+            raise FailedPrecondition(
+                "no gang generation: run under `strata launch` or the operator, set STRATA_GENERATION="
+                "RUN/RESTART for every rank, or give the sidecar --generation-file (a trainer client of "
+                "protocol 1 never declares one: its ranks need the generation file)"
+            )
+        try:
+            return mf.Generation.parse(declared)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    def greet(self, identity: Identity, protocol_version: int, handshake: bool = False) -> None:
+        """Check the client's protocol. A protocol-1 client declares no generation: without a
+        generation file, a single rank gets one of its own at each handshake (one trainer
+        process, as a protocol-2 client's own "solo-" default), and at its first save or
+        restore here when its handshake went to an earlier sidecar process."""
+        check_protocol(protocol_version)
+        if (
+            protocol_version >= 2
+            or identity.generation
+            or self.settings.generation_file
+            or self.settings.generation
+        ):
+            return
+        if identity.world_size != 1:
+            return  # generation_of refuses it, naming the generation file
+        with self.shared.lock:
+            if handshake or identity.slot not in self._v1_solo:
+                self._v1_solo[identity.slot] = f"solo-v1-{uuid.uuid4().hex[:16]}/0"
+
+    def epoch_for(self, identity: Identity) -> mf.Epoch:
+        """The attempt ``identity``'s generation runs as: rank 0's sidecar creates it (after
+        settling what it still uploads), every other rank waits until it exists."""
+        epoch = self._epoch_for(identity)
+        self.reports.note_rank(identity, epoch)
+        return epoch
+
+    def check_not_stopped(self, identity: Identity) -> None:
+        """The operator spent the job's restart limit and released this pod only so that its trainer
+        exits with EXIT_LIMIT_SPENT (the Job's podFailurePolicy then fails the Job): refuse it at
+        the handshake, every restore and every attempt, so it never trains."""
+        if self._read_restore_request() == "stop":
+            raise FailedPrecondition(
+                f"{LIMIT_SPENT_MARKER}: the operator stopped {identity.job_key[0]}/{identity.job_key[1]}; "
+                f"nothing is restored or saved (the trainer exits {EXIT_LIMIT_SPENT})"
+            )
+
+    def _epoch_for(self, identity: Identity) -> mf.Epoch:
+        self.check_not_stopped(identity)
+        generation = self.generation_of(identity)
+        gang = self.shared.gang(identity.job_key)
+        with gang.cond:
+            if gang.epoch is not None and gang.epoch.generation == str(generation):
+                return gang.epoch
+            current = gang.generation
+            if current is not None and current.run == generation.run and current.restart > generation.restart:
+                raise FailedPrecondition(
+                    f"generation {generation} is older than {current}, which this sidecar already serves"
+                )
+            if gang.generation != generation:
+                gang.generation = generation
+                gang.cond.notify_all()  # commits of the previous generation stop waiting soon
+        if identity.rank != 0:
+            # Never under epoch_lock: rank 0 of this very sidecar may be about to create it.
+            epoch = self._find_or_create_epoch(identity, gang, generation)
+            with gang.epoch_lock:
+                if gang.epoch is None or gang.epoch.attempt < epoch.attempt:
+                    self.adopt(gang, epoch)
+            return epoch
+        with gang.epoch_lock:
+            with gang.cond:
+                if gang.epoch is not None and gang.epoch.generation == str(generation):
+                    return gang.epoch
+            epoch = self._find_or_create_epoch(identity, gang, generation)
+            self.adopt(gang, epoch)
+            self.reports.retained(gang)
+            return epoch
+
+    def _find_or_create_epoch(self, identity: Identity, gang: JobGang, generation: mf.Generation) -> mf.Epoch:
+        ns, job = identity.job_key
+        deadline = time.monotonic() + self.settings.commit_timeout_s
+        delay = 0.05
+        if identity.rank == 0:
+            self.held.settle(identity.job_key)
+        while True:
+            with gang.cond:  # adopted by this sidecar's own rank 0 meanwhile?
+                if gang.epoch is not None and gang.epoch.generation == str(generation):
+                    return gang.epoch
+            fences = gang.refresh_fences()
+            newest = fences.newest
+            if newest is not None and newest.generation == str(generation):
+                return newest
+            if str(generation) in fences.generations.values():
+                raise FailedPrecondition(
+                    f"{ns}/{job}: generation {generation} was superseded (attempt "
+                    f"{fences.newest_attempt} runs generation {newest.generation if newest else '?'}); "
+                    "this trainer belongs to a gang that was restarted"
+                )
+            if newest is not None:
+                try:
+                    there = mf.Generation.parse(newest.generation)
+                except ValueError:
+                    there = None
+                if there is not None and there.run == generation.run and there.restart > generation.restart:
+                    raise FailedPrecondition(
+                        f"{ns}/{job}: generation {generation} was superseded by {there} (attempt "
+                        f"{newest.attempt}); this trainer belongs to a gang that was restarted"
+                    )
+            if identity.rank == 0:
+                restore, reason = self.decide_restore(identity, fences)
+                try:
+                    return mf.create_epoch(
+                        self.store, ns, job, generation, identity.world_size, restore, fences, reason
+                    )
+                except PreconditionFailed:
+                    # Another writer took that attempt number: read again, decide again.
+                    if time.monotonic() > deadline:
+                        raise FailedPrecondition(
+                            f"{ns}/{job}: could not allocate an attempt within "
+                            f"{self.settings.commit_timeout_s:.0f} s (other writers kept taking it)"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 1.5, 1.0)
+                    continue
+            if self.shared.stopping.is_set() or time.monotonic() > deadline:
+                raise FailedPrecondition(
+                    f"{ns}/{job}: rank 0 of generation {generation} did not record its attempt within "
+                    f"{self.settings.commit_timeout_s:.0f} s"
+                )
+            with gang.cond:
+                gang.cond.wait(delay)
+            delay = min(delay * 1.5, 1.0)
+
+    def reattempt(self, identity: Identity) -> mf.Epoch:
+        """A new attempt for the same generation (world size 1 only), deciding its restore again."""
+        gang = self.shared.gang(identity.job_key)
+        generation = self.generation_of(identity)
+        ns, job = identity.job_key
+        deadline = time.monotonic() + self.settings.commit_timeout_s
+        with gang.epoch_lock:
+            while True:
+                fences = gang.refresh_fences()
+                restore, reason = self.decide_restore(identity, fences)
+                try:
+                    epoch = mf.create_epoch(self.store, ns, job, generation, 1, restore, fences, reason)
+                except PreconditionFailed:
+                    if time.monotonic() > deadline:
+                        raise FailedPrecondition(f"{ns}/{job}: could not allocate an attempt") from None
+                    time.sleep(0.1)
+                    continue
+                self.adopt(gang, epoch)
+                return epoch
+
+    def decide_restore(self, identity: Identity, fences: mf.Fences) -> tuple[Position | None, str]:
+        """The restore step of a new attempt and how it was chosen (recorded in its EPOCH): the
+        operator's one-shot restore request when this pod has one, else the newest usable commit."""
+        ns, job = identity.job_key
+        unusable = mf.unusable_commits(self.store, ns, job) | self._unusable.get(identity.job_key, set())
+        request = self.restore_request()
+        if request is None:
+            return mf.newest_valid(self.store, ns, job, fences, exclude=unusable), ""
+        if request == "none":
+            log.info("%s/%s: restore request: none (a fresh start; older commits are fenced off)", ns, job)
+            return None, "fresh"
+        step = int(request)
+        attempts = [
+            a
+            for a in mf.step_commits(self.store, ns, job, step)
+            if fences.valid(a, step) and (a, step) not in unusable
+        ]
+        problem = "" if attempts else "it has no valid, usable COMMIT"
+        if attempts:
+            try:
+                commit = mf.read_commit(self.store, ns, job, step, attempts[-1])
+            except (ObjectNotFound, CorruptObject) as exc:
+                problem = f"its COMMIT is unreadable ({exc})"
+            else:
+                if commit.world_size != identity.world_size:
+                    problem = (
+                        f"it was saved by {commit.world_size} ranks and this job runs {identity.world_size}"
+                    )
+        if problem:
+            valid = sorted(
+                {s for a, s in mf.valid_commits(self.store, ns, job, fences) if (a, s) not in unusable}
+            )
+            raise FailedPrecondition(
+                f"{ns}/{job}: the operator's restore request names step {step}, but {problem}; "
+                f"valid committed steps: {valid or 'none'}. Nothing was restored or deleted"
+            )
+        log.info("%s/%s: restore request: step %d (attempt %d)", ns, job, step, attempts[-1])
+        return (attempts[-1], step), "requested"
+
+    def _read_restore_request(self) -> str:
+        """The restore request file's text ("" when there is none or it cannot be read: only a new
+        attempt acts on it, and reports a bad one)."""
+        path = self.settings.restore_request_file
+        if not path:
+            return ""
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def restore_request(self) -> str | None:
+        """The pod's one-shot restore request: "none", a step number, "stop" (the restart limit is
+        spent), or None (no file, or empty)."""
+        path = self.settings.restore_request_file
+        if not path:
+            return None
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot read the restore request file {path}: {exc}") from None
+        if not text:
+            return None
+        if text not in ("none", "stop") and not text.isdigit():
+            raise FailedPrecondition(
+                f"restore request file {path} holds {text[:64]!r}: expected a committed step number, "
+                "none or stop"
+            )
+        return text
+
+    def mark_unusable(self, identity: Identity, position: Position, reason: str) -> None:
+        # Also remembered here: a marker that failed to write must not send us round in circles.
+        self._unusable.setdefault(identity.job_key, set()).add(position)
+        mf.mark_unusable(self.store, *identity.job_key, position, reason)
+
+    def adopt(self, gang: JobGang, epoch: mf.Epoch) -> None:
+        """Run as ``epoch`` from now on: snapshots and chains it fenced off are dropped."""
+        with gang.cond:
+            gang.epoch = epoch
+            if epoch.attempt > gang.fences.newest_attempt:
+                names = dict(gang.fences.generations)
+                if gang.fences.newest is not None:
+                    names[gang.fences.newest.attempt] = gang.fences.newest.generation
+                gang.fences = mf.Fences(
+                    {**gang.fences.restores, epoch.attempt: epoch.restore_step}, epoch, names
+                )
+            fences = gang.fences
+            gang.cond.notify_all()
+        self.shared.metrics.attempt.labels(gang.job).set(epoch.attempt)
+        self.held.drop_fenced((gang.namespace, gang.job), fences)

@@ -1,0 +1,253 @@
+"""Snapshots held in memory, per rank: the list admission appends to, the save outcomes a
+trainer asks about, the newest committed snapshot kept for fast restore (REFT's double
+buffering), each rank's diff chain with its COMMITs and held lossy forms, their share of the
+memory budget, and the held-bytes gauge.
+
+Every table here is guarded by the shared lock (``Shared.lock``); methods whose name ends in
+``_locked`` (and ``account``) expect the caller to hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+from sidecar import manifest as mf
+from sidecar.budget import Reservation
+from sidecar.errors import FailedPrecondition, ResourceExhausted
+from sidecar.gang import Position
+from sidecar.pipeline.plan import Chain
+
+from .state import Shared
+from .types import Identity, JobKey, Slot, Snapshot, drop_buffer
+
+log = logging.getLogger(__name__)
+
+#: One step of a chain's held lossy forms: (step, its stored tensor entries, name -> stored form)
+Layer = tuple[int, list[mf.TensorEntry], dict[str, bytes]]
+
+
+class Held:
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self.slots: dict[Slot, list[Snapshot]] = {}
+        self.outcomes: OrderedDict[str, Snapshot] = OrderedDict()
+        # Per rank: the budget share of its held lossy forms (layers)
+        self.layer_memory: dict[Slot, Reservation] = {}
+        # Per rank: what its newest committed checkpoint consists of (for the next diff), and the
+        # COMMIT of every step of that chain (diffs name their base by COMMIT key and sha256).
+        self.chains: dict[Slot, Chain] = {}
+        self.chain_refs: dict[Slot, dict[int, mf.CommitRef]] = {}
+        # Per rank: the stored form of every lossy tensor of that chain, step by step, so a memory
+        # restore gives exactly the values a storage restore gives (and every rank agrees).
+        self.layers: dict[Slot, list[Layer]] = {}
+        # Per job: restores seen, carried forward in manifests (bit-width escalation).
+        self.restores: dict[JobKey, int] = {}
+
+    # --- snapshots ---------------------------------------------------------------------------
+
+    def remember(self, snap: Snapshot) -> None:
+        with self.shared.lock:
+            self.outcomes[snap.save_id] = snap
+            while len(self.outcomes) > 1024:
+                self.outcomes.popitem(last=False)
+
+    def release(self, snap: Snapshot) -> None:
+        with self.shared.lock:
+            held = self.slots.get(snap.identity.slot, [])
+            if snap in held:
+                held.remove(snap)
+            drop_buffer(snap)
+        self.update_gauge()
+
+    def keep_newest_committed(self, snap: Snapshot) -> None:
+        """Only the newest committed snapshot of a rank stays in memory."""
+        with self.shared.lock:
+            held = self.slots.get(snap.identity.slot, [])
+            committed = [s for s in held if s.state == "committed"]
+            newest = max(committed, key=lambda s: s.position)
+            for old in committed:
+                if old is not newest:
+                    held.remove(old)
+                    drop_buffer(old)
+        self.update_gauge()
+
+    def drop_committed_locked(self, identity: Identity, what: str) -> None:
+        """Give up the committed copies in memory of ``identity``'s rank (caller holds the lock):
+        they are a cache (storage has them)."""
+        held = self.slots.get(identity.slot, [])
+        for old in [s for s in held if s.state == "committed" and s.memory is not None]:
+            held.remove(old)
+            drop_buffer(old)
+            log.info("rank %d: dropped step %d from memory to fit %s", identity.rank, old.step, what)
+
+    def drop_fenced(self, job_key: JobKey, fences: mf.Fences) -> None:
+        """Drop the job's committed snapshots and chains that ``fences`` fenced off."""
+        with self.shared.lock:
+            for slot, held in self.slots.items():
+                if slot[:2] != job_key:
+                    continue
+                for snap in list(held):
+                    if snap.state == "committed" and not fences.valid(*snap.position):
+                        held.remove(snap)
+                        drop_buffer(snap)
+                refs = self.chain_refs.get(slot, {})
+                if any(not fences.valid(r.attempt, r.step) for r in refs.values()):
+                    self.chains.pop(slot, None)
+                    self.chain_refs.pop(slot, None)
+                    self.layers.pop(slot, None)
+                    self.account(slot)
+        self.update_gauge()
+
+    def update_gauge(self) -> None:
+        with self.shared.lock:
+            total = sum(len(s.buffer) for held in self.slots.values() for s in held)
+        self.shared.metrics.held_bytes.set(total)
+
+    def wait_committed(self, save_id: str, timeout: float) -> Snapshot | None:
+        """The snapshot once it is final (or still pending at the timeout); None if unknown."""
+        with self.shared.lock:
+            snap = self.outcomes.get(save_id)
+        if snap is None:
+            return None
+        snap.done.wait(timeout)
+        return snap
+
+    def snapshots(self) -> list[Snapshot]:
+        with self.shared.lock:
+            return [s for held in self.slots.values() for s in held]
+
+    def uploading_steps(self, slot: Slot, attempt: int) -> set[int]:
+        """Steps of ``attempt`` whose stream is complete: uploading, or durable and waiting for
+        the COMMIT."""
+        with self.shared.lock:
+            return {
+                s.step
+                for s in self.slots.get(slot, [])
+                if s.attempt == attempt and (s.state == "uploading" or s.manifest_durable)
+            }
+
+    def settle(self, job_key: JobKey) -> None:
+        """Wait (one bound for all of them) until the job's uploading snapshots are final."""
+        # Every rank of the job, not just this one: what a completed stream commits must be
+        # seen before the restore step is decided.
+        with self.shared.lock:
+            pending = [
+                s
+                for (ns, job, _), held in self.slots.items()
+                if (ns, job) == job_key
+                for s in held
+                if s.state == "uploading"
+            ]
+        deadline = time.monotonic() + self.shared.settings.commit_timeout_s  # one bound for all of them
+        for snap in pending:
+            snap.done.wait(max(0.0, deadline - time.monotonic()))
+
+    def newest_committed(self, identity: Identity) -> Position | None:
+        with self.shared.lock:
+            held = [s.position for s in self.slots.get(identity.slot, []) if s.state == "committed"]
+        return max(held) if held else None
+
+    def committed_copy(
+        self, identity: Identity, target: Position
+    ) -> tuple[Snapshot, memoryview, list[Layer]] | None:
+        """The committed snapshot of ``target`` still in memory (same world size), a view of its
+        buffer and the rank's held lossy forms; None when it is not held."""
+        found = None
+        with self.shared.lock:
+            for snap in self.slots.get(identity.slot, []):
+                if (
+                    snap.position == target
+                    and snap.state == "committed"
+                    and snap.identity.world_size == identity.world_size
+                ):
+                    found, buf = snap, memoryview(snap.buffer)
+            layers = list(self.layers.get(identity.slot, []))
+        if found is None:
+            return None
+        return found, buf, layers
+
+    def in_memory(self, namespace: str, job: str, position: Position) -> bool:
+        with self.shared.lock:
+            return any(
+                s.position == position and s.state == "committed"
+                for (ns, jb, _), held in self.slots.items()
+                if ns == namespace and jb == job
+                for s in held
+            )
+
+    # --- chains ------------------------------------------------------------------------------
+
+    def diff_base(self, snap: Snapshot) -> tuple[Chain | None, memoryview | None, frozenset[str]]:
+        """What ``snap`` may be encoded against: the rank's chain, the buffer of its newest
+        committed snapshot while it is still held, and the tensors whose lossy forms are held.
+        Sets ``snap.restores`` to the job's restores."""
+        ident = snap.identity
+        previous = None
+        with self.shared.lock:
+            chain = self.chains.get(ident.slot)
+            snap.restores = self.restores.get(ident.job_key, 0)
+            for held in self.slots.get(ident.slot, []):
+                if chain is not None and held.state == "committed" and held.step == chain.steps[-1]:
+                    previous = memoryview(held.buffer)
+            refs = self.chain_refs.get(ident.slot, {})
+            if chain is not None and not all(s in refs for s in chain.steps):
+                chain, previous = None, None  # a base without a known COMMIT: start a new chain
+            hold = frozenset(n for _, _, held in self.layers.get(ident.slot, []) for n in held)
+        return chain, previous, hold
+
+    def chain_committed(
+        self,
+        slot: Slot,
+        chain: Chain,
+        step: int,
+        ref: mf.CommitRef,
+        tensors: list[mf.TensorEntry],
+        forms: dict[str, bytes],
+    ) -> None:
+        """``step`` committed as the end of ``chain``: keep the COMMITs and held lossy forms of
+        the chain's steps, drop the rest."""
+        with self.shared.lock:
+            self.chains[slot] = chain
+            kept = {s: r for s, r in self.chain_refs.get(slot, {}).items() if s in chain.steps}
+            kept[step] = ref
+            self.chain_refs[slot] = kept
+            layers = [x for x in self.layers.get(slot, []) if x[0] in chain.steps[:-1]]
+            layers.append((step, tensors, forms))
+            self.layers[slot] = layers if any(h for _, _, h in layers) else []
+            self.account(slot)
+
+    def restored(self, identity: Identity, keep_chain: bool, restores: int) -> None:
+        """The trainer of ``identity`` restored a checkpoint saved after ``restores`` restores.
+        Unless ``keep_chain``, the rank's chain ends: the next checkpoint is full."""
+        key = identity.job_key
+        with self.shared.lock:
+            if not keep_chain:
+                self.chains.pop(identity.slot, None)
+                self.chain_refs.pop(identity.slot, None)
+                self.layers.pop(identity.slot, None)
+                self.account(identity.slot)
+            # Every rank of a gang restart restores once: count the restart, not the ranks.
+            if restores + 1 > self.restores.get(key, 0):
+                self.restores[key] = restores + 1
+
+    def account(self, slot: Slot) -> None:
+        """Charge a rank's held lossy forms to the budget (caller holds the shared lock). When
+        they do not fit they are dropped: memory restores of that chain then read storage."""
+        old = self.layer_memory.pop(slot, None)
+        if old is not None:
+            old.release()
+        layers = self.layers.get(slot, [])
+        size = sum(len(b) for _, _, held in layers for b in held.values())
+        if not size:
+            return
+        try:
+            what = f"rank {slot[2]}'s held lossy forms"
+            self.layer_memory[slot] = self.shared.memory.reserve("encode", size, what)
+        except (ResourceExhausted, FailedPrecondition) as exc:
+            log.warning("rank %d: %s; its memory restores read storage instead", slot[2], exc)
+            # A chain whose held forms have a gap cannot be replayed: the next checkpoint is full.
+            self.layers[slot] = []
+            self.chains.pop(slot, None)
+            self.chain_refs.pop(slot, None)

@@ -1,0 +1,276 @@
+"""Restores: the attempt's restore step (every rank of a generation restores the same one)
+or an explicit committed step, served from what prefetch read ahead, from the snapshot still
+held in memory (checked against what was saved), or from storage (a diff chain replayed);
+an unusable step is marked and, for a single rank, the next usable one is restored. Also the
+queries: committed checkpoints, which are in memory, one rank's MANIFEST."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from sidecar import manifest as mf
+from sidecar.errors import CorruptObject, FailedPrecondition, NotFound, StorageError, StrataError
+from sidecar.gang import Position
+from sidecar.pipeline.plan import decode_held, read_snapshot
+
+from .attempts import Attempts
+from .held import Held
+from .state import Shared
+from .types import Identity, JobKey, RestoreData, Slot, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    def __init__(self, shared: Shared, held: Held, attempts: Attempts) -> None:
+        self.shared = shared
+        self.settings = shared.settings
+        self.store = shared.store
+        self.metrics = shared.metrics
+        self.memory = shared.memory
+        self.held = held
+        self.attempts = attempts
+        # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
+        self.prefetched: dict[Slot, tuple[Position | None, threading.Event, RestoreData | None]] = {}
+
+    def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
+        """The attempt's restore step (every rank of a generation restores the same one), or
+        an explicit committed ``step``."""
+        identity.validate()
+        self.attempts.check_not_stopped(identity)
+        ns, job = identity.job_key
+        if step is not None:
+            fences = self.shared.gang(identity.job_key).refresh_fences()
+            attempts = [a for a in mf.step_commits(self.store, ns, job, step) if fences.valid(a, step)]
+            if not attempts:
+                raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
+            return self._served(identity, self._load(identity, (attempts[-1], step)))
+        try:
+            epoch = self.attempts.epoch_for(identity)
+        except StorageError as exc:
+            # Storage is unreachable: one rank alone cannot disagree with anyone, so it may
+            # restore the newest snapshot this sidecar committed for it.
+            held = self.held.newest_committed(identity) if identity.world_size == 1 else None
+            if held is None:
+                raise
+            log.warning("storage unreachable (%s); restoring step %d from memory", exc, held[1])
+            memory = self._from_memory(identity, held)
+            if memory is None:
+                raise
+            return self._served(identity, memory)
+        target = self._newest_of_attempt(identity.job_key, epoch)
+        if target is None:
+            raise NotFound(f"no committed checkpoint for {ns}/{job}")
+        try:
+            return self._served(identity, self._load(identity, target))
+        except (CorruptObject, NotFound) as exc:
+            first_error = exc
+        # Loud: the attempt's restore step is unusable here. Mark it, so no later attempt picks it.
+        self.metrics.restore_fallbacks.labels(job).inc()
+        log.error("%s/%s step %d is unusable (%s)", ns, job, target[1], first_error)
+        self.attempts.mark_unusable(identity, target, f"rank {identity.rank}: {first_error}")
+        if identity.world_size > 1:
+            raise CorruptObject(
+                str(first_error),
+                f"every rank of an attempt restores the same step, so this gang cannot go on: step "
+                f"{target[1]} is marked unusable and the next gang restart restores an older one",
+            )
+        # A single rank: a new attempt, right away, from the newest usable step.
+        while True:
+            epoch = self.attempts.reattempt(identity)
+            older = epoch.restore
+            if older is None:
+                raise CorruptObject(
+                    str(first_error), f"no restorable committed step at or before {target[1]}"
+                )
+            try:
+                data = self._from_storage(identity, older)
+            except (CorruptObject, NotFound) as exc:
+                log.error("%s/%s step %d is unusable too: %s", ns, job, older[1], exc)
+                self.attempts.mark_unusable(identity, older, f"rank {identity.rank}: {exc}")
+                continue
+            data.fallback_reason = f"step {target[1]} unusable ({first_error}); restored step {older[1]}"
+            return self._served(identity, data)
+
+    def _newest_of_attempt(self, job_key: JobKey, epoch: mf.Epoch) -> Position | None:
+        """A resumed gang restores the attempt's restore step; later in the same attempt, the
+        newest step it committed since (a mid-run restore: pass a step for agreement)."""
+        gang = self.shared.gang(job_key)
+        with gang.cond:
+            own = [p for p, news in gang.steps.items() if p[0] == epoch.attempt and news.committed]
+        return max(own) if own else epoch.restore
+
+    def _load(self, identity: Identity, target: Position) -> RestoreData:
+        ahead = self._take_prefetched(identity, target)
+        if ahead is not None:
+            return ahead
+        memory = self._from_memory(identity, target)
+        if memory is not None:
+            return memory
+        return self._from_storage(identity, target)
+
+    def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
+        """Count a restore; later checkpoints of the job carry the count (bit-width escalation)."""
+        self.metrics.restores.labels(identity.job, data.source).inc()
+        # Unless it is from memory as saved, the trainer now holds something other than the
+        # snapshot this rank's chain ends with (an older step, or a stored chain that may be
+        # damaged): start a new one.
+        self.held.restored(identity, data.source == "memory" and not data.fallback_reason, data.restores)
+        return data
+
+    def prefetch(self, identity: Identity) -> None:
+        """Read the attempt's restore step into memory in the background (asynchronous
+        discovery: the restore that follows finds it ready)."""
+        identity.validate()
+        ready = threading.Event()
+        with self.shared.lock:
+            current = self.prefetched.get(identity.slot)
+            if current is not None and not current[1].is_set():
+                return  # one is already loading
+            self.prefetched[identity.slot] = (None, ready, None)
+
+        def load() -> None:
+            target, data = None, None
+            try:
+                target = self.attempts.epoch_for(identity).restore
+                if target is not None and self._from_memory(identity, target) is None:
+                    data = self._from_storage(identity, target, "prefetch")
+                    log.info(
+                        "rank %d: prefetched step %d (%d bytes)", identity.rank, target[1], data.total_bytes
+                    )
+            except (StrataError, OSError) as exc:
+                log.warning("rank %d: prefetch failed, restore will retry: %s", identity.rank, exc)
+            finally:
+                with self.shared.lock:
+                    # Unless a save on this slot dropped the entry meanwhile (training went on).
+                    if self.prefetched.get(identity.slot, (None, None, None))[1] is ready:
+                        self.prefetched[identity.slot] = (target, ready, data)
+                ready.set()
+
+        threading.Thread(target=load, name=f"strata-prefetch-r{identity.rank}", daemon=True).start()
+
+    def _take_prefetched(self, identity: Identity, target: Position) -> RestoreData | None:
+        with self.shared.lock:
+            entry = self.prefetched.get(identity.slot)
+        if entry is None:
+            return None
+        entry[1].wait(self.settings.commit_timeout_s)
+        with self.shared.lock:
+            got, _, data = self.prefetched.pop(identity.slot, (None, entry[1], None))
+        return data if got == target else None
+
+    def _from_memory(self, identity: Identity, target: Position) -> RestoreData | None:
+        copy = self.held.committed_copy(identity, target)
+        if copy is None:
+            return None
+        found, buf, layers = copy
+        if not self._intact(found, buf):
+            return None
+        if layers or any(t.lossy for t in found.stored):
+            # Lossy tensors come back as storage gives them: the held stored forms, decoded the
+            # same way (ranks restored from memory and from storage agree bit for bit).
+            if not layers or layers[-1][0] != found.step:
+                return None
+            memory = self.memory.reserve("restore", len(buf), f"restoring step {target[1]} from memory")
+            out = bytearray(buf)
+            try:
+                decode_held(memoryview(out), [(t, h) for _, t, h in layers], steps=[s for s, _, _ in layers])
+            except ValueError as exc:
+                log.error("rank %d: held stored forms unusable (%s); reading storage", identity.rank, exc)
+                return None
+            buf = memoryview(out)
+        else:
+            memory = None
+        return RestoreData(
+            target[1],
+            found.tensors,
+            found.tree,
+            found.total_bytes,
+            "memory",
+            "",
+            iter([buf]),
+            found.restores,
+            memory,
+        )
+
+    def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
+        """A shared segment is writable by its trainer: check every tensor still holds what was
+        saved (the same crc32 a storage restore checks) before serving it."""
+        for t in snap.stored:
+            if t.lossy:
+                continue  # its restored values come from the held stored form, not these bytes
+            got = mf.crc32(buf[t.offset : t.offset + t.nbytes])
+            if t.crc32 and got != t.crc32:
+                log.error(
+                    "rank %d: step %d in memory changed since it was saved (%s: crc32 %s != %s); "
+                    "reading it from storage instead",
+                    snap.identity.rank,
+                    snap.step,
+                    t.name,
+                    got,
+                    t.crc32,
+                )
+                return False
+        return True
+
+    def _from_storage(self, identity: Identity, target: Position, kind: str = "restore") -> RestoreData:
+        ns, job = identity.job_key
+        key = mf.commit_key(ns, job, target[1], target[0])
+        commit = mf.Commit.from_json(self.store.get(key), key)
+        if commit.world_size != identity.world_size:
+            raise FailedPrecondition(
+                f"step {target[1]} was saved by {commit.world_size} ranks; this job runs "
+                f"{identity.world_size}. Changing the world size needs resharding, which this version "
+                "does not do"
+            )
+        manifest = mf.load_manifest(self.store, commit, identity.rank)
+        refs = {r.step: r for r in manifest.required_commits}
+
+        def load(older: int) -> mf.Manifest:
+            ref = refs.get(older)
+            if ref is None:
+                raise NotFound(f"step {target[1]} names no COMMIT for its base step {older}")
+            return mf.load_manifest(self.store, mf.load_ref(self.store, ref), identity.rank)
+
+        # A lossless full comes back as its objects; anything else is decoded into one buffer
+        # while one step's objects are held (a step stores at most its raw size).
+        plain = manifest.checkpoint == "full" and not any(t.lossy for t in manifest.tensors)
+        need = manifest.total_bytes if plain else 2 * manifest.total_bytes
+        memory = self.memory.reserve(kind, need, f"reading step {target[1]} from storage")
+        pieces = read_snapshot(self.store, manifest, load, self.shared.uploads)
+        if len(pieces) == 1 and manifest.checkpoint == "diff":
+            view = pieces[0]
+            for t in manifest.tensors:  # the chain replayed must give back what was saved
+                if t.crc32 and not t.lossy and mf.crc32(view[t.offset : t.offset + t.nbytes]) != t.crc32:
+                    raise CorruptObject(f"step {target[1]}", f"{t.name} restored differs from what was saved")
+        return RestoreData(
+            target[1],
+            manifest.tensors,
+            manifest.tree,
+            manifest.total_bytes,
+            "storage",
+            "",
+            iter(pieces),
+            manifest.restores,
+            memory,
+        )
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def list_checkpoints(self, namespace: str, job: str) -> list[tuple[mf.Commit, bool]]:
+        out = []
+        for attempt, step in mf.valid_commits(self.store, namespace, job):
+            commit = mf.read_commit(self.store, namespace, job, step, attempt)
+            out.append((commit, self.held.in_memory(namespace, job, (attempt, step))))
+        return out
+
+    def describe(self, namespace: str, job: str, step: int, rank: int) -> tuple[mf.Commit, bytes]:
+        commit = mf.read_commit(self.store, namespace, job, step)
+        ref = commit.manifest_for(rank)
+        return commit, self.store.get(ref.key)
+
+    def forget_prefetched(self, slot: Slot) -> None:
+        """Drop what prefetch read (or reads) ahead for ``slot``."""
+        with self.shared.lock:
+            self.prefetched.pop(slot, None)

@@ -1,0 +1,66 @@
+"""What every part of the engine shares: settings, storage, metrics, the one engine lock, the
+memory budget, shared segments, the upload pool, the stopping flag, and each job's gang (with
+the hints sent to the job's other sidecars). Components get this object; nothing else of theirs
+is shared except through their public methods."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sidecar.api import pb
+from sidecar.budget import MemoryBudget, default_limit
+from sidecar.config import SidecarSettings
+from sidecar.gang import JobGang, Peers, Position
+from sidecar.metrics import Metrics
+from sidecar.pipeline.settings import quantization
+from sidecar.shm import Segments, check_dir
+from sidecar.store.base import Store
+
+from .types import JobKey
+
+
+class Shared:
+    def __init__(
+        self, settings: SidecarSettings, store: Store, metrics: Metrics, peers: Peers | None = None
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        #: Guards the components' per-rank and per-job tables (a gang has its own ``cond``).
+        self.lock = threading.Lock()
+        self.uploads = ThreadPoolExecutor(settings.upload_concurrency, thread_name_prefix="strata-upload")
+        self._gangs: dict[JobKey, JobGang] = {}
+        self.peers = peers if peers is not None else Peers([])
+        self.segments = Segments(check_dir(settings.shm_dir))
+        self.quant = quantization(settings)
+        limit, source = (
+            (settings.memory_budget, "--memory-budget") if settings.memory_budget else default_limit()
+        )
+        self.memory = MemoryBudget(
+            limit,
+            source,
+            on_change=self._memory_changed,
+            on_refused=lambda kind: metrics.memory_refusals.labels(kind).inc(),
+        )
+        metrics.memory_budget.set(limit)
+        self.stopping = threading.Event()
+
+    def gang(self, job_key: JobKey) -> JobGang:
+        with self.lock:
+            gang = self._gangs.get(job_key)
+            if gang is None:
+                gang = self._gangs[job_key] = JobGang(self.store, *job_key, self.settings.keep)
+            return gang
+
+    def hint(self, gang: JobGang, position: Position, **hint: Any) -> None:
+        self.peers.send(
+            pb.HintRequest(
+                namespace=gang.namespace, job=gang.job, attempt=position[0], step=position[1], **hint
+            )
+        )
+
+    def _memory_changed(self, budget: MemoryBudget) -> None:
+        for kind, held in budget.held().items():
+            self.metrics.memory_held.labels(kind).set(held)

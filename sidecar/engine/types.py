@@ -1,0 +1,127 @@
+"""The engine's data: who saves (Identity), what a save declares (TensorSpec), a snapshot as
+the sidecar holds it (Snapshot), what a restore serves (RestoreData), and the two helpers
+that allocate and drop a snapshot's buffer."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sidecar import manifest as mf
+from sidecar.budget import Reservation
+from sidecar.errors import InvalidArgument
+from sidecar.gang import Position
+
+#: (namespace, job, rank): one trainer rank's place in the engine
+Slot = tuple[str, str, int]
+#: (namespace, job)
+JobKey = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Identity:
+    namespace: str
+    job: str
+    rank: int
+    world_size: int
+    #: restart count as the trainer knows it (informational; storage allocates the attempt)
+    attempt: int
+    #: generation the trainer declares ("RUN/RESTART"); a generation file wins over it
+    generation: str = ""
+
+    def validate(self) -> None:
+        try:
+            mf.check_name("namespace", self.namespace)
+            mf.check_name("job", self.job)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if self.world_size < 1 or self.rank >= self.world_size:
+            raise InvalidArgument(f"rank {self.rank} is outside world size {self.world_size}")
+
+    @property
+    def slot(self) -> Slot:
+        return (self.namespace, self.job, self.rank)
+
+    @property
+    def job_key(self) -> JobKey:
+        return (self.namespace, self.job)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    #: Where the tensor sits in a shared segment (chunked saves pack tensors; this is ignored).
+    offset: int = 0
+    role: str = ""
+    #: rows the client saw looked up since the newest committed checkpoint (packed bits)
+    touched: bytes = b""
+
+
+@dataclass
+class Snapshot:
+    identity: Identity
+    step: int
+    save_id: str
+    tensors: list[mf.TensorEntry]
+    tree: object
+    total_bytes: int
+    buffer: bytearray | memoryview
+    #: storage-allocated attempt (EPOCH) of the generation that saved it
+    attempt: int = 0
+    generation: str = ""
+    received: int = 0
+    #: Shared segment the bytes live in (the client wrote them; verify before serving from memory).
+    segment: str = ""
+    #: The objects as uploaded, when they are ``buffer`` itself cut in slices (a lossless full).
+    objects: list[mf.ObjectEntry] = field(default_factory=list)
+    #: Restores the job had seen when this was saved.
+    restores: int = 0
+    #: tensor name -> packed bitmap of rows the client tracked as looked up
+    touched: dict[str, bytes] = field(default_factory=dict)
+    state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
+    message: str = ""
+    commit_key: str = ""
+    #: this rank's MANIFEST is durable (from then on the rank never reports a skip of the step)
+    manifest_durable: bool = False
+    #: the stored tensor entries (per-tensor crc32 of what the trainer saved; encodings)
+    stored: list[mf.TensorEntry] = field(default_factory=list)
+    #: its buffer's share of the memory budget (streamed saves; shared segments are the trainer's)
+    memory: Reservation | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def position(self) -> Position:
+        return (self.attempt, self.step)
+
+
+@dataclass
+class RestoreData:
+    step: int
+    tensors: list[mf.TensorEntry]
+    tree: object
+    total_bytes: int
+    source: str
+    fallback_reason: str
+    chunks: Iterator[memoryview]
+    restores: int = 0
+    #: the restore buffer's share of the memory budget, released once the data is dropped
+    memory: Reservation | None = None
+
+
+def drop_buffer(snap: Snapshot) -> None:
+    snap.buffer = bytearray()
+    if snap.memory is not None:
+        snap.memory.release()
+
+
+def zeroed(size: int) -> bytearray | memoryview:
+    """A writable zero-filled buffer whose pages are mapped as the stream fills them (an
+    anonymous mapping), so a dropped stream costs only what it carried."""
+    if size < 1 << 20:
+        return bytearray(size)
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))  # private: the sidecar's own pages

@@ -1,0 +1,94 @@
+"""sidecar.engine.admission, through the Engine facade over an in-memory store: a save's header
+is checked and refused (counted) before anything is held; a stream is held, then committed."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from sidecar.config import SidecarSettings
+from sidecar.engine import Engine, Identity, TensorSpec
+from sidecar.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from sidecar.metrics import Metrics
+from sidecar.store import open_store
+
+SOLO = Identity("ns", "job", 0, 1, 0, "run/0")
+W = TensorSpec("w", "float32", (4,), 16)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    settings = SidecarSettings(
+        storage="memory://unit", shm_dir="", memory_budget=1 << 30, max_snapshot_bytes=64
+    )
+    engine = Engine(settings, open_store(f"memory://admission-{uuid.uuid4().hex}"), Metrics())
+    yield engine
+    engine.close()
+
+
+def refused(engine: Engine) -> float:
+    sample = engine.metrics.registry.get_sample_value(
+        "strata_checkpoints_total", {"training_job": "job", "result": "refused"}
+    )
+    return sample or 0.0
+
+
+@pytest.mark.parametrize(
+    ("step", "save_id", "tensors", "tree", "message"),
+    [
+        (-1, "a", [W], b"", "step must be >= 0"),
+        (1, "no spaces", [W], b"", "save_id"),
+        (1, "a", [W, W], b"", "duplicate tensor name"),
+        (1, "a", [TensorSpec("w", "float32", (4,), 15)], b"", "15 bytes declared"),
+        (1, "a", [TensorSpec("w", "nonsense", (4,), 16)], b"", "tensor 'w'"),
+        (1, "a", [TensorSpec("w", "float32", (32,), 128)], b"", "--max-snapshot-bytes"),
+        (1, "a", [TensorSpec("w", "float32", (4, 1), 16, touched=b"\0\0")], b"", "touched-rows bitmap"),
+        (1, "a", [W], b"{not json", "not valid JSON"),
+    ],
+)
+def test_a_bad_header_is_refused_and_counted_before_anything_is_held(
+    engine, step, save_id, tensors, tree, message
+):
+    with pytest.raises(InvalidArgument, match=message):
+        engine.begin_save(2, SOLO, step, save_id, tensors, tree)
+    assert refused(engine) == 1
+    assert engine.snapshots() == [] and engine.memory.held()["snapshot"] == 0
+
+
+def test_a_stream_is_held_then_committed_and_restored_from_memory(engine):
+    snap = engine.begin_save(2, SOLO, 1, "a", [W], b'{"w": 1}')
+    assert snap.state == "receiving" and engine.memory.held()["snapshot"] == 16
+    engine.write_chunk(snap, bytes(8))
+    with pytest.raises(InvalidArgument, match="more than the 16 bytes"):
+        engine.write_chunk(snap, bytes(9))
+    engine.write_chunk(snap, bytes(range(8)))
+    engine.finish(snap, 16, 0.0, 0)
+    done = engine.wait_committed(SOLO, 1, "a", 10)
+    assert done is snap and snap.state == "committed", snap.message
+    assert engine.in_memory("ns", "job", snap.position)
+    with pytest.raises(AlreadyExists, match="is committed"):
+        engine.begin_save(2, SOLO, 1, "b", [W], b"")
+    data = engine.open_restore(SOLO, None)
+    assert data.source == "memory" and b"".join(bytes(c) for c in data.chunks) == bytes(8) + bytes(range(8))
+
+
+def test_a_short_stream_fails_and_an_aborted_one_is_released(engine):
+    snap = engine.begin_save(2, SOLO, 1, "a", [W], b"")
+    engine.write_chunk(snap, bytes(4))
+    with pytest.raises(InvalidArgument, match="stream ended with 4 bytes"):
+        engine.finish(snap, 16, 0.0, 0)
+    engine.abort(snap, "the trainer went away")
+    assert snap.state == "aborted" and snap.done.is_set()
+    assert engine.snapshots() == [] and engine.memory.held()["snapshot"] == 0
+
+
+def test_a_rank_holds_at_most_max_held_snapshots(engine):
+    first = engine.begin_save(2, SOLO, 1, "a", [W], b"")
+    second = engine.begin_save(2, SOLO, 2, "b", [W], b"")
+    with pytest.raises(ResourceExhausted, match="already holds 2 snapshots"):
+        engine.begin_save(2, SOLO, 3, "c", [W], b"")
+    assert refused(engine) == 1
+    for snap in (first, second):
+        engine.abort(snap, "test over")
