@@ -101,7 +101,7 @@ class Commits:
                 snap.stored = out.tensors
                 view = memoryview(snap.buffer)
                 for t in out.tensors:  # what a lossless restore must reproduce, from any source
-                    t.crc32 = mf.crc32(view[t.offset : t.offset + t.nbytes])
+                    t.xxh3 = mf.xxh3(view[t.offset : t.offset + t.nbytes])
                 if out.kind == "full" and all(t.stored_offset < 0 for t in out.tensors):
                     snap.objects = objects  # slices of the buffer
                 manifest = mf.Manifest(

@@ -196,20 +196,19 @@ class Restorer:
 
     def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
         """A shared segment is writable by its trainer: check every tensor still holds what was
-        saved (the same crc32 a storage restore checks) before serving it."""
+        saved (the same digest a storage restore checks) before serving it."""
         for t in snap.stored:
             if t.lossy:
                 continue  # its restored values come from the held stored form, not these bytes
-            got = mf.crc32(buf[t.offset : t.offset + t.nbytes])
-            if t.crc32 and got != t.crc32:
+            why = mf.check_digest(t, buf[t.offset : t.offset + t.nbytes])
+            if why is not None:
                 log.error(
-                    "rank %d: step %d in memory changed since it was saved (%s: crc32 %s != %s); "
+                    "rank %d: step %d in memory changed since it was saved (%s: %s); "
                     "reading it from storage instead",
                     snap.identity.rank,
                     snap.step,
                     t.name,
-                    got,
-                    t.crc32,
+                    why,
                 )
                 return False
         return True
@@ -242,7 +241,7 @@ class Restorer:
         if len(pieces) == 1 and manifest.checkpoint == "diff":
             view = pieces[0]
             for t in manifest.tensors:  # the chain replayed must give back what was saved
-                if t.crc32 and not t.lossy and mf.crc32(view[t.offset : t.offset + t.nbytes]) != t.crc32:
+                if not t.lossy and mf.check_digest(t, view[t.offset : t.offset + t.nbytes]) is not None:
                     raise CorruptObject(f"step {target[1]}", f"{t.name} restored differs from what was saved")
         return RestoreData(
             target[1],

@@ -88,7 +88,7 @@ class Snapshot:
     commit_key: str = ""
     #: this rank's MANIFEST is durable (from then on the rank never reports a skip of the step)
     manifest_durable: bool = False
-    #: the stored tensor entries (per-tensor crc32 of what the trainer saved; encodings)
+    #: the stored tensor entries (per-tensor digest of what the trainer saved; encodings)
     stored: list[mf.TensorEntry] = field(default_factory=list)
     #: its buffer's share of the memory budget (streamed saves; shared segments are the trainer's)
     memory: Reservation | None = None

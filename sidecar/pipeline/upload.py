@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 
 from sidecar.faults import fault_point
-from sidecar.manifest import Manifest, ManifestRef, ObjectEntry, crc32, write_manifest
+from sidecar.manifest import Manifest, ManifestRef, ObjectEntry, write_manifest, xxh3
 from sidecar.store.base import Buffer, Store
 
 
@@ -38,7 +38,7 @@ def upload_snapshot(
 
     def put(index: int, piece: Buffer) -> ObjectEntry:
         fault_point("sidecar.upload.object", step)
-        entry = ObjectEntry(f"{prefix}obj-{index:05d}", len(memoryview(piece)), crc32(piece))
+        entry = ObjectEntry(f"{prefix}obj-{index:05d}", len(memoryview(piece)), xxh3=xxh3(piece))
         store.put(entry.key, piece)
         on_bytes(entry.size)
         return entry

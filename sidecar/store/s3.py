@@ -140,7 +140,7 @@ class S3Store(Store):
             retries={"mode": retry_mode, "total_max_attempts": max_attempts},  # attempts, not retries
             max_pool_connections=max(10, concurrency + 4),
             # No SHA-256 of every body over TLS (~1 CPU-s per GiB): integrity rests on TLS plus
-            # the crc32 of every object that the manifest records and restore checks.
+            # the digest (xxh3) of every object that the manifest records and restore checks.
             s3={"addressing_style": "path", "payload_signing_enabled": False}
             if endpoint_url
             else {"payload_signing_enabled": False},

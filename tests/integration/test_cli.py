@@ -228,7 +228,7 @@ def test_verify_names_the_corrupted_object(make_sidecar, make_client, job_name):
     out = strata("verify", *store)
     assert out.returncode == 1, out.stdout + out.stderr
     assert key in out.stdout
-    assert re.search(rf"^step 2: .*{re.escape(key)}.*crc32", out.stdout, re.M), out.stdout
+    assert re.search(rf"^step 2: .*{re.escape(key)}.*xxh3", out.stdout, re.M), out.stdout
     assert out.stdout.splitlines()[-1] == "step 2: CORRUPT (4 objects, 4.0 KiB)"
     # The other step is intact.
     older = strata("verify", *store, "--step", "1")

@@ -95,8 +95,8 @@ def test_a_segment_changed_after_upload_is_refused_for_memory_restore(
     assert reader.restore(out) == 5
     assert torch.equal(out["w"], state(5.0)["w"])  # read back from storage, not from the scribble
     assert reader.last_restore["source"] == "storage", reader.last_restore
-    # the per-tensor crc32 names the tensor that changed
-    assert "step 5 in memory changed since it was saved (w: crc32" in caplog.text
+    # the per-tensor digest names the tensor that changed
+    assert "step 5 in memory changed since it was saved (w: xxh3" in caplog.text
 
 
 def test_a_restarted_sidecar_gets_the_save_streamed_then_new_segments(
