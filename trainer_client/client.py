@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
@@ -55,6 +55,8 @@ from trainer_client.errors import (
     SaveSkipped,
     SidecarUnavailable,
 )
+
+T = TypeVar("T")
 
 log = logging.getLogger("strata.client")
 _RNG_KEY = "__strata_rng__"
@@ -915,26 +917,24 @@ def _tensor_key(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.numel() * t.element_size())
 
 
-def _optimizers(state: Any) -> Iterator[torch.optim.Optimizer]:
-    if isinstance(state, torch.optim.Optimizer):
+def _found(state: Any, kind: type[T]) -> Iterator[T]:
+    """The objects of ``kind`` in ``state`` (its dicts, lists and tuples walked, not the objects)."""
+    if isinstance(state, kind):
         yield state
     elif isinstance(state, dict):
         for v in state.values():
-            yield from _optimizers(v)
+            yield from _found(v, kind)
     elif isinstance(state, list | tuple):
         for v in state:
-            yield from _optimizers(v)
+            yield from _found(v, kind)
+
+
+def _optimizers(state: Any) -> Iterator[torch.optim.Optimizer]:
+    return _found(state, torch.optim.Optimizer)
 
 
 def _modules(state: Any) -> Iterator[torch.nn.Module]:
-    if isinstance(state, torch.nn.Module):
-        yield state
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from _modules(v)
-    elif isinstance(state, list | tuple):
-        for v in state:
-            yield from _modules(v)
+    return _found(state, torch.nn.Module)
 
 
 __all__ = ["CheckpointClient", "Committed", "SaveHandle"]
