@@ -12,7 +12,7 @@ and the final state must equal an uninterrupted run's bit for bit. Per zombie
 trial: the superseding run resumes from a valid commit and ends bitwise equal,
 the zombie's void commits exist in storage, and no reader returns any of them.
 
-`make test` runs a few trials (STRATA_CHAOS_TRIALS, default 3); `make chaos`
+`make test` runs a few trials (STRATA_CHAOS_TRIALS, default 2); `make chaos`
 runs 100 and adds the counts to bench-results.json.
 """
 
@@ -225,7 +225,7 @@ def zombie_trial(tmp: Path, url: str, endpoint: str, reference: Callable[[int], 
 
 @pytest.mark.timeout(5400)
 def test_kill_trials(tmp_path, s3_store_url):
-    trials = int(os.environ.get("STRATA_CHAOS_TRIALS", "3"))
+    trials = int(os.environ.get("STRATA_CHAOS_TRIALS", "2"))
     seed = int(os.environ.get("STRATA_CHAOS_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
     url, endpoint = s3_store_url

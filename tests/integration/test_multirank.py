@@ -58,8 +58,10 @@ def test_a_skip_on_one_rank_fails_the_step_on_every_rank_at_once(
     assert r1_step2.skipped
     with pytest.raises(SaveSkipped):
         r1_step2.durable.result(5)
-    r0_step2 = rank0.save(2, {"w": torch.zeros(4)})
+    # Release rank 1's held stream first: rank 0 (when_busy="wait") waits in save() for step 1 to
+    # become durable, which needs that stream.
     gate.set()
+    r0_step2 = rank0.save(2, {"w": torch.zeros(4)})
     assert r0_step1.durable.result(30).step == r1_step1.durable.result(30).step == 1
     # Rank 0's step 2 fails as soon as it is its turn, naming the rank that skipped.
     with pytest.raises(SaveFailed, match=r"rank\(s\) \[1\] did not save it"):
