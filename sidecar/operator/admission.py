@@ -102,18 +102,16 @@ def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: tab
             "set completionMode: Indexed"
         )
     world = int(spec.get("completions") or spec.get("parallelism") or 1)
-    declared = {
-        e.get("name")
-        for c in pod_spec.get("containers") or []
-        for e in c.get("env") or []
-        if e.get("name") in ("STRATA_WORLD_SIZE", "WORLD_SIZE")
-    }
-    if world > 1 and not declared:
-        # a pod carries no field with its Job's completions, so the injection cannot set it
-        warnings.append(
-            f"no container sets STRATA_WORLD_SIZE (or WORLD_SIZE): set it to {world} in the pod "
-            "template, or every rank checkpoints as if it were alone and no step commits for the gang"
-        )
+    for c in pod_spec.get("containers") or []:
+        for e in c.get("env") or []:
+            value = e.get("value")
+            # the injection sets STRATA_WORLD_SIZE from completions; a template's own value wins
+            if e.get("name") == "STRATA_WORLD_SIZE" and isinstance(value, str) and value != str(world):
+                warnings.append(
+                    f"container {c.get('name')}: STRATA_WORLD_SIZE={value} but the Job runs {world} "
+                    "completions (one rank per pod): no step commits unless every rank is counted; "
+                    "remove it (the injection sets it from completions) or fix it"
+                )
     if pod_spec.get("restartPolicy") != "Never":
         warnings.append(
             "spec.template.spec.restartPolicy should be Never: the operator restarts the whole gang, "

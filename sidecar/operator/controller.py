@@ -34,6 +34,7 @@ from sidecar.operator import annotations as table
 from sidecar.operator import names, objects
 from sidecar.operator.admission import opted_in
 from sidecar.operator.classify import classify_pod, is_terminal
+from sidecar.operator.inject import Shape, workload_shape
 from sidecar.operator.kube import Api, ApiError, path
 
 __all__ = ["Controller", "lift_gates"]
@@ -255,6 +256,32 @@ class Controller:
         else:
             job.pods[name] = dict(body)
         await self.reconcile(job)
+
+    async def shape_of(self, namespace: str, pod: Mapping[str, Any]) -> Shape:
+        """A pod's world size and rank from its Job or JobSet, for the injection: from the watch
+        cache, else one GET (the pod's admission may come before the watch event). Unknown
+        (a bare pod, an API error) leaves both to the pod template."""
+        labels = _meta(pod).get("labels") or {}
+        jobset = labels.get(names.JOBSET_NAME_LABEL)
+        owner = jobset or labels.get(names.JOB_NAME_LABEL)
+        if not owner:
+            return Shape()
+        known = self.jobs.get((namespace, str(owner)))
+        workload = known.workload if known is not None else None
+        if workload is None:
+            url = (
+                path(names.JOBSET_API_GROUP, "v1alpha2", "jobsets", namespace, str(owner))
+                if jobset
+                else path("batch", "v1", "jobs", namespace, str(owner))
+            )
+            try:
+                workload = await asyncio.wait_for(self.api.get(url), timeout=2.0)
+            except (TimeoutError, ApiError, OSError) as exc:
+                log.warning(
+                    "%s/%s: world size unknown at admission (%s); template's applies", namespace, owner, exc
+                )
+                return Shape()
+        return workload_shape(workload, pod)
 
     def _tidy(self, job: _Job) -> None:
         """Drop a job neither watched nor holding pods (its Job was deleted and its pods are gone);

@@ -22,12 +22,12 @@ For each opted-in pod outside the operator's own namespace it adds, as one JSON 
   settings table, storage from :class:`InjectConfig`, and ``envFrom`` the Secret named by
   ``strata.dev/storage-secret``, into the sidecar only).
 
-World size: a pod carries no field with its Job's completions (and an admission-time API lookup
-would put the API server on every pod's creation path), so ``STRATA_WORLD_SIZE`` is set only when
-the caller passes ``world_size``; otherwise the trainer takes it from its own env (``WORLD_SIZE``
-or ``STRATA_WORLD_SIZE`` in the pod template). Rank: the completion index, which is the global rank
-for a Job, and for a JobSet whose replicated job has one replica; other JobSets set ``STRATA_RANK``
-in the template.
+World size and rank: a pod carries no field with its workload's size, so the caller passes the
+:class:`Shape` that :func:`workload_shape` reads from the Job or JobSet (the operator's watch cache,
+else one GET). ``STRATA_WORLD_SIZE`` is the Job's completions, or the sum over a JobSet's replicated
+jobs of replicas x completions; ``STRATA_RANK`` is the completion index (downward API) for a Job,
+and for a JobSet the literal global rank: the ranks of the replicated jobs before this one, plus
+the job index x completions, plus the completion index. A variable the template already sets wins.
 
 Idempotent by construction: every piece is added only when missing (the sidecar container by
 name, each volume, mount and env var by name, the gate by name), so a reinvocation, or a patched
@@ -129,15 +129,59 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _common_env(pod: Mapping[str, Any], world_size: int | None) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Shape:
+    """What a pod's workload says of its ranks: the world size, and the pod's global rank when the
+    completion index alone is not it (a JobSet's pods); None where unknown."""
+
+    world_size: int | None = None
+    rank: int | None = None
+
+
+def _count(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("completions") or spec.get("parallelism") or 1)
+
+
+def _label_int(labels: Mapping[str, Any], key: str) -> int | None:
+    value = labels.get(key)
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def workload_shape(workload: Mapping[str, Any] | None, pod: Mapping[str, Any]) -> Shape:
+    """The :class:`Shape` of ``pod`` in ``workload`` (its Job or JobSet; None: unknown)."""
+    if not isinstance(workload, Mapping):
+        return Shape()
+    spec = workload.get("spec") or {}
+    if workload.get("kind") != "JobSet":
+        return Shape(world_size=_count(spec))
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    total, offset, rank = 0, None, None
+    for rj in spec.get("replicatedJobs") or []:
+        per_job = _count(((rj.get("template") or {}).get("spec")) or {})
+        if rj.get("name") == labels.get(names.JOBSET_REPLICATED_JOB_LABEL):
+            offset = total
+            job_index = _label_int(labels, names.JOBSET_JOB_INDEX_LABEL)
+            completion = _label_int(labels, names.JOB_INDEX_LABEL)
+            if job_index is not None and completion is not None:
+                rank = offset + job_index * per_job + completion
+        total += int(rj.get("replicas", 1)) * per_job
+    return Shape(world_size=total or None, rank=rank)
+
+
+def _common_env(pod: Mapping[str, Any], shape: Shape) -> list[dict[str, Any]]:
+    rank = (
+        {"name": "STRATA_RANK", "value": str(shape.rank)}
+        if shape.rank is not None
+        else _field_env("STRATA_RANK", f"metadata.labels['{names.JOB_INDEX_LABEL}']")
+    )
     env = [
         {"name": "STRATA_JOB", "value": _job_name(pod)},
         _field_env("STRATA_NAMESPACE", "metadata.namespace"),
-        _field_env("STRATA_RANK", f"metadata.labels['{names.JOB_INDEX_LABEL}']"),
+        rank,
         {"name": "STRATA_SOCKET", "value": SOCKET_PATH},
     ]
-    if world_size is not None:
-        env.append({"name": "STRATA_WORLD_SIZE", "value": str(world_size)})
+    if shape.world_size is not None:
+        env.append({"name": "STRATA_WORLD_SIZE", "value": str(shape.world_size)})
     labels = (pod.get("metadata") or {}).get("labels") or {}
     if labels.get(names.JOBSET_NAME_LABEL):
         # JobSet recreates the gang itself, so the generation is the JobSet's uid (the operator's run
@@ -174,9 +218,9 @@ def _check(parsed: table.Parsed, raw: Mapping[str, str]) -> int:
 
 
 def _sidecar(
-    pod: Mapping[str, Any], config: InjectConfig, parsed: table.Parsed, port: int, world_size: int | None
+    pod: Mapping[str, Any], config: InjectConfig, parsed: table.Parsed, port: int, shape: Shape
 ) -> dict[str, Any]:
-    env = _common_env(pod, world_size)
+    env = _common_env(pod, shape)
     env.append({"name": "STRATA_STORAGE", "value": config.storage_uri})
     if config.storage_endpoint:
         env.append({"name": "STRATA_S3_ENDPOINT", "value": config.storage_endpoint})
@@ -362,13 +406,14 @@ def inject(
     *,
     namespace: str,
     config: InjectConfig,
-    world_size: int | None = None,
+    shape: Shape | None = None,
 ) -> list[dict[str, Any]]:
     """The JSON patch that injects Strata into ``pod`` (created in ``namespace``), or [] when it is
     not opted in, is in the operator's own namespace, or has everything already.
 
     Raises :class:`Denied` for bad ``strata.dev/*`` annotations, naming each and what it accepts.
     """
+    shape = shape or Shape()
     if not admission.opted_in(pod) or (config.own_namespace and namespace == config.own_namespace):
         return []
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
@@ -381,7 +426,7 @@ def inject(
     if SIDECAR_CONTAINER not in have:
         # First among the init containers: the kubelet starts them in order, so any later init
         # container (and every regular one) can use the sidecar.
-        sidecar = _sidecar(pod, config, parsed, port, world_size)
+        sidecar = _sidecar(pod, config, parsed, port, shape)
         if spec["initContainers"]:
             patch.ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
             spec["initContainers"].insert(0, sidecar)
@@ -399,7 +444,7 @@ def inject(
         container = _lists(original, "env", "volumeMounts")
         path = f"/spec/containers/{i}"
         set_env = {e.get("name") for e in container["env"] or []}
-        for var in _common_env(pod, world_size):
+        for var in _common_env(pod, shape):
             if var["name"] not in set_env:
                 patch.append(container, "env", path, var)
         mounted = {m.get("name") for m in container["volumeMounts"] or []}

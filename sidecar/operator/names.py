@@ -58,6 +58,8 @@ JOBSET_GROUP = "jobset.sigs.k8s.io"
 JOBSET_RESTART_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
+JOBSET_REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+JOBSET_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 # The Job controller's own pod labels.
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"

@@ -230,7 +230,12 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
     if config.report_port is not None:
         authenticator = reports.Authenticator(api, workload_uid=controller.workload_uid)
         app = reports.make_app(authenticator, writer, metrics)
-        webhook.add_routes(app, config.inject, report_ca=(lambda: tls.ca_pem) if tls is not None else None)
+        webhook.add_routes(
+            app,
+            config.inject,
+            report_ca=(lambda: tls.ca_pem) if tls is not None else None,
+            shape_of=controller.shape_of,
+        )
         context = tls.context if tls is not None else None
         server = await reports.start_server(app, config.report_host, config.report_port, context)
         host = "127.0.0.1" if config.report_host in ("0.0.0.0", "") else config.report_host

@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from sidecar.operator import admission
-from sidecar.operator.inject import Denied, InjectConfig, inject, warnings
+from sidecar.operator.inject import Denied, InjectConfig, Shape, inject, warnings
 
 __all__ = ["MUTATE_PATH", "VALIDATE_PATH", "Malformed", "add_routes", "mutate", "read_review", "validate"]
 
@@ -59,9 +59,12 @@ def read_review(body: Any) -> Mapping[str, Any]:
     return request
 
 
-def mutate(request: Mapping[str, Any], config: InjectConfig | None) -> dict[str, Any]:
+def mutate(
+    request: Mapping[str, Any], config: InjectConfig | None, shape: Shape | None = None
+) -> dict[str, Any]:
     """The AdmissionReview answering a pod request: allowed with a patch, or denied naming why.
-    Without ``config`` only the gang gate is added (no injection)."""
+    Without ``config`` only the gang gate is added (no injection). ``shape``: the pod's world size
+    and rank as its workload says (:func:`inject.workload_shape`)."""
     uid = str(request["uid"])
     pod = request.get("object")
     if request.get("operation", "CREATE") != "CREATE" or not isinstance(pod, Mapping):
@@ -72,7 +75,7 @@ def mutate(request: Mapping[str, Any], config: InjectConfig | None) -> dict[str,
     if config is None:
         return admission.mutation_response(uid, admission.mutate_pod(pod))
     try:
-        patch = inject(pod, namespace=namespace, config=config)
+        patch = inject(pod, namespace=namespace, config=config, shape=shape)
     except Denied as exc:
         log.info("pod %s/%s denied: %s", namespace, _name(pod), exc)
         return admission.Verdict(False, str(exc)).to_admission_response(uid)
@@ -109,11 +112,20 @@ async def _review(request: web.Request) -> Mapping[str, Any] | web.Response:
         return web.json_response({"error": str(exc)}, status=400)
 
 
+#: Looks up a pod's :class:`Shape` from its workload: (namespace, pod) -> Shape
+ShapeOf = Callable[[str, Mapping[str, Any]], Awaitable[Shape]]
+
+
 def add_routes(
-    app: web.Application, config: InjectConfig | None, *, report_ca: Callable[[], str] | None = None
+    app: web.Application,
+    config: InjectConfig | None,
+    *,
+    report_ca: Callable[[], str] | None = None,
+    shape_of: ShapeOf | None = None,
 ) -> None:
     """Serve both webhooks on ``app`` (the report endpoint's application). ``report_ca`` gives the
-    CA bundle injected sidecars are told to trust, read at each request: it follows a rotation."""
+    CA bundle injected sidecars are told to trust, read at each request: it follows a rotation.
+    ``shape_of`` gives a pod's world size and rank from its workload (the operator's controller)."""
 
     async def mutate_pods(request: web.Request) -> web.Response:
         review = await _review(request)
@@ -122,7 +134,12 @@ def add_routes(
         current = config
         if config is not None and report_ca is not None:
             current = dataclasses.replace(config, report_ca=report_ca())
-        return web.json_response(mutate(review, current))
+        shape = None
+        pod = review.get("object")
+        if current is not None and shape_of is not None and isinstance(pod, Mapping):
+            namespace = str(review.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "")
+            shape = await shape_of(namespace, pod)
+        return web.json_response(mutate(review, current, shape))
 
     async def validate_workloads(request: web.Request) -> web.Response:
         review = await _review(request)

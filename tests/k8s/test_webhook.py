@@ -656,6 +656,46 @@ async def test_add_routes_without_injection_only_gates(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_world_size_and_the_jobset_rank_come_from_the_workload(tmp_path: Path) -> None:
+    """The operator's controller answers shape_of from its watch cache (else one GET): the world size
+    for every pod, and a JobSet pod's global rank as a literal (the completion index alone repeats in
+    every replica of a replicated job)."""
+    asked: list[tuple[str, str]] = []
+
+    async def shape_of(namespace: str, pod: dict[str, Any]) -> injection.Shape:
+        asked.append((namespace, pod["metadata"]["labels"][JOB_NAME_LABEL]))
+        workload = {
+            "kind": "JobSet",
+            "spec": {
+                "replicatedJobs": [
+                    {"name": "workers", "replicas": 2, "template": {"spec": {"completions": 4}}},
+                ]
+            },
+        }
+        return injection.workload_shape(workload, pod)
+
+    cert, key, client = tls_files(tmp_path)
+    app = web.Application()
+    webhook.add_routes(app, CONFIG, shape_of=shape_of)
+    server = await reports.start_server(app, "127.0.0.1", 0, reports.server_ssl_context(str(cert), str(key)))
+    try:
+        hook = Webhook(f"https://localhost:{server.port}", client)
+        pod = jobset_pod()
+        pod["metadata"]["labels"]["jobset.sigs.k8s.io/job-index"] = "1"  # Job ranker-workers-1, index 1
+        _, patch = await hook.mutate(pod)
+        patched = jsonpatch.apply_patch(pod, patch)
+        for container in (patched["spec"]["initContainers"][0], patched["spec"]["containers"][0]):
+            env = {e["name"]: e for e in container["env"]}
+            assert env["STRATA_RANK"] == {"name": "STRATA_RANK", "value": "5"}
+            assert env["STRATA_WORLD_SIZE"] == {"name": "STRATA_WORLD_SIZE", "value": "8"}
+        valid(patched)
+        assert asked == [("ml", "ranker-workers-0")]
+        assert (await hook.mutate(patched))[1] == []
+    finally:
+        await server.close()
+
+
+@pytest.mark.asyncio
 async def test_a_trainer_limit_without_room_for_the_segments_is_a_warning(hook: Webhook) -> None:
     pod = job_pod()
     pod["spec"]["containers"][0]["resources"] = {"limits": {"memory": "2048Mi"}}

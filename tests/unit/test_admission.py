@@ -109,17 +109,19 @@ def test_admission_takes_the_injections_own_annotations_and_checks_their_values(
     assert "strata.dev/shm-size='big': expected a Kubernetes quantity" in verdict.message
 
 
-def test_admission_warns_when_no_container_declares_the_world_size() -> None:
+def test_admission_warns_when_the_template_miscounts_the_world_size() -> None:
+    """The injection sets STRATA_WORLD_SIZE from completions; a template value that disagrees wins
+    over it, so it is named."""
     unsized = job()
     unsized["spec"]["template"]["spec"]["containers"][0].pop("env")
-    verdict = validate_workload(unsized)
+    assert not any("WORLD_SIZE" in w for w in validate_workload(unsized).warnings)
+    wrong = job()
+    wrong["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "STRATA_WORLD_SIZE", "value": "2"}]
+    verdict = validate_workload(wrong)
     assert verdict.allowed
-    assert any("STRATA_WORLD_SIZE (or WORLD_SIZE): set it to 4" in w for w in verdict.warnings), (
+    assert any("STRATA_WORLD_SIZE=2 but the Job runs 4 completions" in w for w in verdict.warnings), (
         verdict.warnings
     )
-    single = job(completions=1, parallelism=1)
-    single["spec"]["template"]["spec"]["containers"][0].pop("env")
-    assert not any("WORLD_SIZE" in w for w in validate_workload(single).warnings)
 
 
 def test_admission_unlabelled_workload_untouched() -> None:

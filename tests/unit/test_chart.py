@@ -76,8 +76,8 @@ WORKLOAD_RULES = {
     # GangRestart, GangReleased, PodFenced, ... and kopf's handler events
     ("", "events"): {"create"},
     # watch opted-in workloads, never change them
-    ("batch", "jobs"): {"list", "watch"},
-    ("jobset.x-k8s.io", "jobsets"): {"list", "watch"},
+    ("batch", "jobs"): {"get", "list", "watch"},
+    ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch"},
     # one StrataJob per workload
     ("strata.dev", "stratajobs"): {"get", "create", "patch"},
     ("strata.dev", "stratajobs/status"): {"patch"},
@@ -346,6 +346,20 @@ def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
         **WORKLOAD_RULES,
     }
     assert not by_kind(objects, "Role")
+
+
+def test_rbac_table_in_the_chart_readme_lists_the_same_verbs() -> None:
+    """charts/README.md justifies every verb: its table names exactly the rules rendered (plain rows;
+    the rows naming resourceNames are the TLS and peering rules, checked by the tests above)."""
+    table: dict[tuple[str, str], set[str]] = {}
+    for line in (CHART.parent / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`") or "(" in cells[1] or "the same" in cells[1]:
+            continue
+        group = cells[0].strip("`").strip('"')
+        verbs = {v.strip() for v in cells[2].split(",")}
+        table.setdefault((group, cells[1]), set()).update(verbs)
+    assert table == {**WORKLOAD_RULES, **CLUSTER_RULES}
 
 
 def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
