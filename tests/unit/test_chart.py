@@ -3,13 +3,14 @@
 Every rendered built-in object is checked against the Kubernetes 1.29 and 1.33 schemas (strict: unknown
 fields fail); custom resources (Prometheus Operator, cert-manager, kopf peering) are checked for
 apiVersion and kind only. The RBAC rules are compared with the least-privilege list below: a new verb
-fails this test until it is justified here and in charts/README.md.
+fails this test until it is justified here and in charts/strata/README.md.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,7 +65,7 @@ MATRIX: dict[str, dict[str, Any]] = {
     },
 }
 
-# The least-privilege rules, each with its reason (charts/README.md, "RBAC", says the same).
+# The least-privilege rules, each with its reason (charts/strata/README.md, "RBAC", says the same).
 WORKLOAD_RULES = {
     # watch opted-in pods; get: a report's pod must exist; patch: lift the gate, write the generation;
     # delete: fallback when an eviction is refused (PDB), and fencing of pods stuck Terminating
@@ -212,6 +213,56 @@ def test_custom_resources_only_when_enabled(chart: Any) -> None:
     assert json.loads(dashboard["data"]["strata.json"])["uid"] == "strata-checkpoints"
 
 
+def _metric_names_defined() -> set[str]:
+    root = Path(__file__).resolve().parents[2] / "sidecar"
+    sources = (root / "metrics.py").read_text() + (root / "operator" / "metrics.py").read_text()
+    names = set(re.findall(r'"(strata_[a-z0-9_]+)"', sources))
+    return names | {f"{n}_total" for n in names}  # prometheus_client adds a counter's suffix
+
+
+def test_the_pod_monitor_scrapes_what_the_injection_exposes(chart: Any) -> None:
+    """The PodMonitor selects opted-in pods by the opt-in label and scrapes the port name the injected
+    sidecar declares: a renamed port or label would silently stop every sidecar scrape."""
+    from sidecar.operator import admission, inject
+    from sidecar.operator.names import OPT_IN_LABEL, OPT_IN_VALUE
+
+    [monitor] = by_kind(render(chart, ALL_ON), "PodMonitor")
+    assert monitor["spec"]["selector"] == {"matchLabels": {OPT_IN_LABEL: OPT_IN_VALUE}}
+    pod = {
+        "metadata": {"name": "p", "labels": {OPT_IN_LABEL: OPT_IN_VALUE}, "annotations": {}},
+        "spec": {"containers": [{"name": "trainer", "image": "t"}]},
+    }
+    assert admission.opted_in(pod)
+    config = inject.InjectConfig(image="strata:1", storage_uri="s3://b/p")
+    ops = inject.inject(pod, namespace="ml", config=config)
+    [sidecar] = [op["value"][0] for op in ops if op["path"] == "/spec/initContainers"]
+    declared = {p["name"] for p in sidecar["ports"]}
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["strata-metrics"]
+    assert "strata-metrics" in declared
+    assert monitor["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+
+
+def test_the_dashboard_queries_real_metrics(chart: Any) -> None:
+    [dashboard] = [c for c in by_kind(render(chart, ALL_ON), "ConfigMap") if "strata.json" in c["data"]]
+    exprs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                exprs.append(value) if key == "expr" else walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(dashboard["data"]["strata.json"]))
+    assert exprs
+    defined = _metric_names_defined()
+    for expr in exprs:
+        used = set(re.findall(r"\b(strata_[a-z0-9_]+?)(?:_bucket|_sum|_count|_created)?\b", expr))
+        assert used, expr
+        assert used <= defined, (expr, used - defined)
+
+
 def test_crds_are_valid(chart: Any) -> None:
     crds = chart.crds
     assert {c["name"] for c in crds} >= {
@@ -349,10 +400,10 @@ def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
 
 
 def test_rbac_table_in_the_chart_readme_lists_the_same_verbs() -> None:
-    """charts/README.md justifies every verb: its table names exactly the rules rendered (plain rows;
+    """charts/strata/README.md justifies every verb: its table names exactly the rules rendered (plain rows;
     the rows naming resourceNames are the TLS and peering rules, checked by the tests above)."""
     table: dict[tuple[str, str], set[str]] = {}
-    for line in (CHART.parent / "README.md").read_text().splitlines():
+    for line in (CHART / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 4 or not cells[0].startswith("`") or "(" in cells[1] or "the same" in cells[1]:
             continue
@@ -733,6 +784,15 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
                         "series": 'strata_operator_jobs_failed_total{reason="NotRestartable"}',
                         "values": "0x5 1x115",
                     },
+                    # reports refused for a bad token from t=30m on; malformed ones never alert
+                    {
+                        "series": 'strata_operator_report_rejections_total{reason="token"}',
+                        "values": "0x30 1+1x90",
+                    },
+                    {
+                        "series": 'strata_operator_report_rejections_total{reason="malformed"}',
+                        "values": "0+1x120",
+                    },
                     # a certificate that expires 10 days after t=0
                     {
                         "series": "strata_operator_tls_certificate_expiry_timestamp_seconds",
@@ -761,6 +821,19 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
                         ],
                     },
                     {"eval_time": "3m", "alertname": "StrataNoCommit", "exp_alerts": []},  # `for: 5m` not yet
+                    {"eval_time": "20m", "alertname": "StrataOperatorReportRejections", "exp_alerts": []},
+                    {
+                        "eval_time": "40m",
+                        "alertname": "StrataOperatorReportRejections",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": severity["StrataOperatorReportRejections"],
+                                    "reason": "token",
+                                }
+                            }
+                        ],
+                    },
                     # the committing job alone: its 1800 s are not over, the stuck one already fires
                     {
                         "eval_time": "20m",
