@@ -64,6 +64,10 @@ from sidecar.store.base import Store
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
+#: Rank manifests that list replicated tensors (saved by another rank) are written as format 3, so
+#: a build that cannot fetch them refuses the step instead of restoring a state with holes. Every
+#: other object is still written as FORMAT_VERSION.
+REPLICAS_FORMAT_VERSION = 3
 #: The oldest format this build reads (format 1: see the module docstring). Never written.
 MIN_FORMAT_VERSION = 1
 #: The attempt a format-1 commit reads as: older than any attempt storage allocates.
@@ -205,6 +209,22 @@ class TensorEntry:
         return bool(self.bits or self.cast)
 
 
+@dataclass
+class ReplicaEntry:
+    """A tensor replicated across a data-parallel group, as one rank of the group saw it: ``owner``
+    saved it (the owner's ``tensors`` hold it); ``sample`` digests a fixed sample of this rank's
+    own copy, so a replica that diverged from its owner's is caught at commit."""
+
+    name: str
+    #: its position in the state tree's flat tensor list
+    index: int
+    owner: int
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    sample: str
+
+
 @dataclass(frozen=True)
 class CommitRef:
     """A committed step, named by its COMMIT's key and the sha256 of its body."""
@@ -249,6 +269,16 @@ class Manifest:
     restores: int = 0
     #: The gang generation that wrote it.
     generation: str = ""
+    #: Replicated tensors of the state: the ones another rank owns are not in ``tensors``.
+    replicas: list[ReplicaEntry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.replicas and self.format_version < REPLICAS_FORMAT_VERSION:
+            self.format_version = REPLICAS_FORMAT_VERSION
+
+    def foreign(self) -> list[ReplicaEntry]:
+        """The replicated tensors another rank saved (restore fetches them from their owners)."""
+        return [r for r in self.replicas if r.owner != self.rank]
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False).encode()
@@ -261,6 +291,7 @@ class Manifest:
                 _manifest_from_format1(raw)
             raw["tensors"] = [TensorEntry(**_fields(TensorEntry, t)) for t in raw["tensors"]]
             raw["objects"] = [ObjectEntry(**_fields(ObjectEntry, o)) for o in raw["objects"]]
+            raw["replicas"] = [ReplicaEntry(**_fields(ReplicaEntry, r)) for r in raw.get("replicas", [])]
             if raw.get("base_commit") is not None:
                 raw["base_commit"] = CommitRef(**raw["base_commit"])
             raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
@@ -326,7 +357,8 @@ def _check_format(raw: Any, kind: str, key: str) -> int:
     if not isinstance(raw, dict) or raw.get("kind") != kind:
         raise ValueError(f"expected kind {kind!r}")
     version = raw.get("format_version")
-    readable = range(MIN_FORMAT_VERSION, FORMAT_VERSION + 1) if kind != "strata.epoch" else (FORMAT_VERSION,)
+    newest = REPLICAS_FORMAT_VERSION if kind == "strata.rank-manifest" else FORMAT_VERSION
+    readable = range(MIN_FORMAT_VERSION, newest + 1) if kind != "strata.epoch" else (FORMAT_VERSION,)
     if type(version) is not int or version not in readable:
         raise CorruptObject(
             key,
@@ -602,6 +634,7 @@ def build_commit(
     refs: list[ManifestRef] = []
     requires: set[int] = set()
     required: dict[str, CommitRef] = {}
+    parsed: dict[int, Manifest] = {}
     total = 0
     for rank in range(world_size):
         key, body = manifests[rank]
@@ -615,10 +648,12 @@ def build_commit(
             raise FailedPrecondition(
                 f"step {step}: rank {rank} saved with world size {manifest.world_size}, expected {world_size}"
             )
+        parsed[rank] = manifest
         total += manifest.total_bytes
         requires.update(manifest.requires)
         required.update((r.key, r) for r in manifest.required_commits)
         refs.append(ManifestRef(rank, key, sha256(body), len(body)))
+    check_replicas(step, parsed)
     return Commit(
         namespace,
         job,
@@ -631,6 +666,40 @@ def build_commit(
         required_commits=sorted(required.values(), key=lambda r: r.key),
         generation=generation,
     )
+
+
+def check_replicas(step: int, manifests: dict[int, Manifest]) -> None:
+    """Every replicated tensor of the step is held by its owner, as every rank declared it, and every
+    rank's sampled copy equals the owner's; else Aborted naming the ranks and tensors (a replica that
+    diverged is a training bug: committing the owner's copy for everyone would hide it)."""
+    problems: list[str] = []
+    for rank, manifest in sorted(manifests.items()):
+        for r in manifest.replicas:
+            owner = manifests.get(r.owner)
+            if owner is None:
+                problems.append(f"rank {rank} says rank {r.owner} saves {r.name}, outside the job")
+                continue
+            held = {t.name: t for t in owner.tensors}.get(r.name)
+            theirs = {o.name: o for o in owner.replicas}.get(r.name)
+            if held is None or theirs is None or theirs.owner != r.owner:
+                problems.append(f"rank {rank} says rank {r.owner} saves {r.name}, but rank {r.owner} did not")
+            elif (held.dtype, list(held.shape)) != (r.dtype, list(r.shape)):
+                problems.append(
+                    f"{r.name}: rank {rank} holds {r.dtype}{list(r.shape)}, its owner rank {r.owner} "
+                    f"saved {held.dtype}{list(held.shape)}"
+                )
+            elif theirs.sample != r.sample:
+                problems.append(
+                    f"{r.name}: rank {rank}'s replica differs from its owner rank {r.owner}'s (sampled "
+                    f"digest {r.sample} != {theirs.sample})"
+                )
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise Aborted(
+            f"replicated tensors of step {step} disagree across the data-parallel group "
+            f"({shown}). The replicas diverged (a data-parallel bug: ranks updated them differently), "
+            "or the ranks declared different replication"
+        )
 
 
 def put_commit(store: Store, commit: Commit) -> CommitRef:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from sidecar.api import LIMIT_SPENT_MARKER, PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
 from sidecar.faults import fault_point
-from trainer_client import _loaders, _rng, _tree
+from trainer_client import _loaders, _replicas, _rng, _tree
 from trainer_client._preempt import SigtermWatch
 from trainer_client._staging import (
     Gate,
@@ -57,6 +57,7 @@ from trainer_client.errors import (
 )
 
 T = TypeVar("T")
+_DDP = torch.nn.parallel.DistributedDataParallel
 
 log = logging.getLogger("strata.client")
 _RNG_KEY = "__strata_rng__"
@@ -126,6 +127,7 @@ class CheckpointClient:
         job: str | None = None,
         *,
         optimizers: Iterable[torch.optim.Optimizer] = (),
+        replicated: Iterable[Any] = (),
         settings: ClientSettings | None = None,
         **overrides: Any,
     ) -> None:
@@ -174,9 +176,22 @@ class CheckpointClient:
         self._heartbeat = Path(beat) if beat else None
         #: step, source ("memory"/"storage") and fallback reason of the newest restore
         self.last_restore: dict[str, Any] | None = None
-        self.stats = {"saves": 0, "skipped": 0, "failed": 0, "first_save_stall_s": 0.0, "last_stall_s": 0.0}
+        self.stats = {
+            "saves": 0,
+            "skipped": 0,
+            "failed": 0,
+            "first_save_stall_s": 0.0,
+            "last_stall_s": 0.0,
+            # replica-aware saves: the divergence check's share of the last stall, and the bytes of
+            # replicated tensors other ranks saved for this one in the last save
+            "last_replica_check_s": 0.0,
+            "last_replica_bytes_skipped": 0,
+        }
+        #: objects declared replicated (replicate()), with their group
+        self._declared: list[tuple[Any, tuple[int, ...]]] = []
         for opt in optimizers:
             self.register_optimizer(opt)
+        self.replicate(*replicated)
         # Held open while this client lives: the sidecar (and through it the other ranks' sidecars)
         # learns at once when this trainer is gone, instead of waiting for a commit timeout.
         self._closed = threading.Event()
@@ -342,7 +357,9 @@ class CheckpointClient:
     def _warm(self, state: MutableMapping[str, Any]) -> None:
         """Allocate and pre-fault the buffers the next saves of ``state`` stage into, in the warm
         thread (the layout is read here: only names, dtypes and shapes travel)."""
-        tensors = self._flat(state).tensors
+        flat = self._flat(state)
+        plan = self._plan(state, flat)
+        tensors = flat.tensors if plan is None else [flat.tensors[i] for i in plan.own]
         free = [i for i in range(len(self._buffers)) if i != self._held]
 
         def warm() -> None:
@@ -388,6 +405,76 @@ class CheckpointClient:
                 if getattr(sub, "max_norm", None) is not None and isinstance(weight, torch.Tensor):
                     keys.discard(_tensor_key(weight))
         return keys
+
+    # --- replica-aware saves ---------------------------------------------------------------
+
+    def replicate(self, *objects: Any, group: Any = None) -> None:
+        """Declare ``objects`` replicated across ``group`` (a ProcessGroup, a list of global ranks,
+        or None: every rank): each of their tensors is then saved by one rank of the group, and a
+        restore gives every rank all of them. ``objects``: DistributedDataParallel wrappers (their
+        parameters, across their own process group unless ``group`` is given), modules (their
+        parameters), or tensors. The optimizer state of replicated parameters is replicated too.
+
+        DDP wrappers found in the saved state need no declaration. Declare the wrapper when the
+        state holds its inner module (``state = {"model": ddp.module}``), and declare the replicate
+        dimension of an HSDP mesh with its process group. Every rank of the group must declare the
+        same objects: a mismatch fails the step's commit, naming the tensor.
+        """
+        for obj in objects:
+            ranks = _replicas.group_ranks(
+                group if group is not None or not isinstance(obj, _DDP) else obj.process_group,
+                self.settings.world_size,
+            )
+            if self.settings.rank not in ranks:
+                raise ValueError(
+                    f"replicate(): group {list(ranks)} does not include this rank {self.settings.rank}"
+                )
+            self._declared.append((obj, ranks))
+
+    def _replica_groups(self, state: Any) -> dict[tuple[int, int], tuple[int, ...]]:
+        """Tensor key -> the ranks it is replicated across."""
+        groups: dict[tuple[int, int], tuple[int, ...]] = {}
+        found = [
+            (m, _replicas.group_ranks(m.process_group, self.settings.world_size)) for m in _found(state, _DDP)
+        ]
+        for obj, ranks in [*found, *self._declared]:
+            if isinstance(obj, _DDP):
+                obj = obj.module
+            if isinstance(obj, torch.nn.Module):
+                for p in obj.parameters():
+                    groups[_tensor_key(p)] = ranks
+            elif isinstance(obj, torch.Tensor):
+                groups[_tensor_key(obj)] = ranks
+            else:
+                raise TypeError(
+                    f"replicate(): expected DDP wrappers, modules or tensors, got {type(obj).__name__}"
+                )
+        if groups:
+            optimizers = {id(o): o for o in [*_optimizers(state), *self._overlap]}
+            for opt in optimizers.values():
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        of_param = groups.get(_tensor_key(p))
+                        if of_param is None:
+                            continue
+                        for v in opt.state.get(p, {}).values():
+                            if isinstance(v, torch.Tensor) and v.numel():
+                                groups[_tensor_key(v)] = of_param
+        return groups
+
+    def _plan(self, state: Any, flat: _tree.Flat) -> _replicas.Plan | None:
+        """Which of ``flat``'s tensors this rank saves (None: all of them)."""
+        if (
+            self.settings.replicas == "off"
+            or self.settings.world_size < 2
+            or "save.replicas" not in self.server_info.capabilities
+        ):
+            return None
+        groups = self._replica_groups(state)
+        if not groups:
+            return None
+        found = _replicas.plan(flat.tensors, groups, self.settings.rank)
+        return found if found.replicas else None
 
     # --- save -----------------------------------------------------------------------------
 
@@ -518,7 +605,33 @@ class CheckpointClient:
                 for optimizer in _optimizers(state):
                     self.register_optimizer(optimizer)
             self._warm_state = None
-        flat = self._flat(state)
+        full = self._flat(state)
+        plan = self._plan(state, full)
+        replicas: list[pb.ReplicaRef] = []
+        if plan is None:
+            flat = full
+        else:
+            # Only the owner stages a replicated tensor; every rank digests a sample of its copy.
+            t_check = time.perf_counter()
+            entries = sorted(plan.replicas.values(), key=lambda r: r.index)
+            samples = _replicas.sample_digests([full.tensors[r.index][1] for r in entries])
+            replicas = [
+                pb.ReplicaRef(
+                    name=r.name,
+                    index=r.index,
+                    owner=r.owner,
+                    dtype=dtype_name(r.dtype),
+                    shape=list(r.shape),
+                    nbytes=r.nbytes,
+                    sample=sample,
+                )
+                for r, sample in zip(entries, samples, strict=True)
+            ]
+            self.stats["last_replica_check_s"] = time.perf_counter() - t_check
+            self.stats["last_replica_bytes_skipped"] = sum(
+                r.nbytes for r in entries if r.owner != self.settings.rank
+            )
+            flat = _tree.Flat(full.skeleton, [full.tensors[i] for i in plan.own])
         index = 0 if self._held is None else 1 - self._held
         self._wait_warm()
         try:
@@ -557,6 +670,7 @@ class CheckpointClient:
                 skipped,
                 _roles(state, flat.tensors),
                 touched,
+                replicas,
             )
             self._last = handle
         if not deferred:
@@ -595,6 +709,7 @@ class CheckpointClient:
         skipped: int,
         roles: list[str],
         touched: dict[int, bytes],
+        replicas: list[pb.ReplicaRef],
     ) -> None:
         bufs = self._buffers[index]
         try:
@@ -608,7 +723,7 @@ class CheckpointClient:
             save_id = uuid.uuid4().hex[:16]
             try:
                 ack = self._save_rpc(
-                    handle.step, save_id, bufs, bufs.shared, tree, stall, skipped, roles, touched
+                    handle.step, save_id, bufs, bufs.shared, tree, stall, skipped, roles, touched, replicas
                 )
             except grpc.RpcError as exc:
                 if not (bufs.shared and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
@@ -618,7 +733,9 @@ class CheckpointClient:
                 log.warning(
                     "step %d: shared-memory save refused (%s); streaming it", handle.step, exc.details()
                 )
-                ack = self._save_rpc(handle.step, save_id, bufs, False, tree, stall, skipped, roles, touched)
+                ack = self._save_rpc(
+                    handle.step, save_id, bufs, False, tree, stall, skipped, roles, touched, replicas
+                )
                 if "cannot open" in (exc.details() or "") or "does not accept" in (exc.details() or ""):
                     self._stop_shared_memory(exc.details() or "refused")
                 else:
@@ -657,12 +774,15 @@ class CheckpointClient:
         skipped: int,
         roles: list[str],
         touched: dict[int, bytes],
+        replicas: list[pb.ReplicaRef],
     ) -> pb.SaveAck:
         delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
         while True:
             try:
                 return self._stub.Save(
-                    self._requests(bufs, shared, step, save_id, tree, stall, skipped, roles, touched),
+                    self._requests(
+                        bufs, shared, step, save_id, tree, stall, skipped, roles, touched, replicas
+                    ),
                     timeout=self.settings.rpc_timeout_s,
                     metadata=self._metadata,
                 )
@@ -686,6 +806,7 @@ class CheckpointClient:
         skipped: int,
         roles: list[str],
         touched: dict[int, bytes],
+        replicas: list[pb.ReplicaRef],
     ) -> Iterator[pb.SaveRequest]:
         header = pb.SaveHeader(
             protocol_version=PROTOCOL_VERSION,
@@ -707,6 +828,7 @@ class CheckpointClient:
             tree=tree,
             stall_seconds=stall,
             skipped_saves=skipped,
+            replicas=replicas,
         )
         if shared:
             assert bufs.segment is not None
@@ -821,6 +943,7 @@ class CheckpointClient:
             raise RestoreError(f"{code.name}: {msg}") from None
         if header.fallback_reason:
             log.error("restore fell back: %s", header.fallback_reason)
+        tensors, replica_sources = self._with_replicas(header, tensors)
         skeleton = _tree.decode_skeleton(header.tree)
         target = dict(state)
         root = skeleton.get("root")
@@ -843,9 +966,66 @@ class CheckpointClient:
             "source": header.source,
             "fallback_reason": header.fallback_reason,
             "bytes": int(header.total_bytes),
+            # replicated tensors other ranks saved: owner rank -> where they came from
+            "replica_sources": replica_sources,
         }
         log.info("restored step %d from %s (%d bytes)", header.step, header.source, header.total_bytes)
         return int(header.step)
+
+    def _with_replicas(
+        self, header: pb.RestoreHeader, own: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], dict[int, str]]:
+        """The state's whole flat tensor list: this rank's own tensors, and the replicated ones
+        their owners saved, fetched through this rank's sidecar (its memory when it holds the
+        owner's snapshot, else storage)."""
+        foreign = list(header.replicas)
+        if not foreign:
+            return own, {}
+        total = len(own) + len(foreign)
+        taken = {r.index for r in foreign}
+        if len(taken) != len(foreign) or max(taken) >= total:
+            raise RestoreError(f"step {header.step}: the replicated tensors' positions are inconsistent")
+        slots: list[torch.Tensor | None] = [None] * total
+        mine = iter(own)
+        for i in range(total):
+            if i not in taken:
+                slots[i] = next(mine)
+        by_owner: dict[int, list[pb.ReplicaRef]] = {}
+        for r in foreign:
+            by_owner.setdefault(r.owner, []).append(r)
+        sources: dict[int, str] = {}
+        for owner, refs in sorted(by_owner.items()):
+            req = pb.RestoreRequest(
+                protocol_version=PROTOCOL_VERSION,
+                identity=self._identity,
+                step=header.step,
+                of_rank=owner,
+                attempt=header.attempt,
+            )
+            try:
+                theirs_header, theirs = self._restore_stream(req)
+            except grpc.RpcError as exc:
+                raise RestoreError(
+                    f"step {header.step}: the tensors rank {owner} saved for this rank: "
+                    f"{exc.code().name}: {exc.details()}"
+                ) from None
+            by_name = {m.name: t for m, t in zip(theirs_header.tensors, theirs, strict=True)}
+            for r in refs:
+                t = by_name.get(r.name)
+                if t is None or dtype_name(t.dtype) != r.dtype or list(t.shape) != list(r.shape):
+                    raise RestoreError(
+                        f"step {header.step}: rank {owner} did not save {r.name} as {r.dtype}{list(r.shape)}"
+                    )
+                slots[r.index] = t
+            sources[owner] = theirs_header.source
+        log.info(
+            "step %d: %d replicated tensors from %d owner(s) (%s)",
+            header.step,
+            len(foreign),
+            len(by_owner),
+            ", ".join(f"rank {o}: {src}" for o, src in sources.items()),
+        )
+        return [t for t in slots if t is not None], sources
 
     def _restore_stream(self, req: pb.RestoreRequest) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
         """One Restore call, asked again while the sidecar refuses it for lack of a free slot

@@ -18,6 +18,7 @@ RESUME_POLICIES = ("auto", "never", "require")
 BUSY_POLICIES = ("skip", "wait")
 SHM_POLICIES = ("auto", "on", "off")
 OVERLAP_POLICIES = ("auto", "off")
+REPLICA_POLICIES = ("auto", "off")
 
 
 def _torchelastic_generation() -> str | None:
@@ -63,6 +64,10 @@ class ClientSettings:
     #: seconds a save after SIGTERM may take, counted from the signal (STRATA_SAVE_ON_SIGTERM_S);
     #: None: SIGTERM is left alone (see CheckpointClient)
     save_on_sigterm: float | None = None
+    #: replica-aware saves: "auto" (a tensor replicated across a data-parallel group, found from the
+    #: DDP wrappers in the state or declared with replicate(), is saved by one rank of the group),
+    #: "off" (every rank saves everything)
+    replicas: str = "auto"
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ClientSettings:
@@ -80,6 +85,7 @@ class ClientSettings:
             "when_busy": _env("STRATA_WHEN_BUSY"),
             "shm": _env("STRATA_SHM"),
             "overlap": _env("STRATA_OVERLAP"),
+            "replicas": _env("STRATA_REPLICAS"),
             "chunk_bytes": _env("STRATA_CHUNK_BYTES"),
             "max_message_bytes": _env("STRATA_MAX_MESSAGE_BYTES"),
             "commit_timeout_s": _env("STRATA_COMMIT_TIMEOUT_S"),
@@ -113,6 +119,8 @@ class ClientSettings:
             raise ValueError(f"shm={self.shm!r}: expected one of {', '.join(SHM_POLICIES)}")
         if self.overlap not in OVERLAP_POLICIES:
             raise ValueError(f"overlap={self.overlap!r}: expected one of {', '.join(OVERLAP_POLICIES)}")
+        if self.replicas not in REPLICA_POLICIES:
+            raise ValueError(f"replicas={self.replicas!r}: expected one of {', '.join(REPLICA_POLICIES)}")
         if self.shm == "on" and self.address:
             raise ValueError("shm='on' needs the unix socket: a TCP sidecar may be on another host")
         if not 0 <= self.rank < self.world_size:

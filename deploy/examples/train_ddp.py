@@ -60,7 +60,9 @@ def main() -> int:
     state: dict[str, Any] = {"model": inner, "sparse_opt": sparse_opt, "dense_opt": dense_opt, "data": data}
     torch.manual_seed(args.seed + 1000 + rank)  # per-rank dropout streams
 
-    client = None if args.no_checkpoint else CheckpointClient()
+    # The state holds the inner module, so declare the DDP wrapper: its parameters (and their
+    # optimizer state) are saved once per job, spread over the ranks, not once per rank.
+    client = None if args.no_checkpoint else CheckpointClient(replicated=[model])
     resumed = client.resume(state) if client is not None else None
     start = 0 if resumed is None else resumed + 1
     # Every rank says what it resumed from: the ranks of one attempt must agree.

@@ -62,14 +62,18 @@ class Admission:
         tensors: list[TensorSpec],
         tree: bytes,
         segment: tuple[str, int] | None = None,
+        replicas: list[mf.ReplicaEntry] | None = None,
     ) -> Snapshot:
         """Validate a header and reserve memory for the snapshot, or raise (counted as refused).
 
         With ``segment`` (name, size) the bytes are already in a shared segment
-        at the tensors' offsets, and the snapshot is complete once admitted.
+        at the tensors' offsets, and the snapshot is complete once admitted. ``replicas``: the
+        state's replicated tensors (those another rank owns are not in ``tensors``).
         """
         try:
-            return self._admit(protocol_version, identity, step, save_id, tensors, tree, segment)
+            return self._admit(
+                protocol_version, identity, step, save_id, tensors, tree, segment, replicas or []
+            )
         except StrataError:
             self.metrics.checkpoints.labels(identity.job, "refused").inc()
             raise
@@ -83,6 +87,7 @@ class Admission:
         tensors: list[TensorSpec],
         tree: bytes,
         segment: tuple[str, int] | None,
+        replicas: list[mf.ReplicaEntry],
     ) -> Snapshot:
         identity.validate()
         self.attempts.greet(identity, protocol_version)
@@ -119,6 +124,7 @@ class Admission:
                 )
             entries.append(mf.TensorEntry(t.name, t.dtype, list(t.shape), t.nbytes, offset, role=t.role))
             offset += t.nbytes
+        _check_replicas(identity, entries, replicas)
         if segment is not None and offset > segment[1]:
             raise InvalidArgument(f"tensors end at byte {offset}, beyond shared segment size {segment[1]}")
         if offset > self.settings.max_snapshot_bytes:
@@ -177,6 +183,7 @@ class Admission:
             snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer, memory=memory)
             snap.attempt, snap.generation = epoch.attempt, epoch.generation
             snap.touched = {t.name: t.touched for t in tensors if t.touched}
+            snap.replicas = list(replicas)
             if segment is not None:
                 snap.segment, snap.received = segment[0], offset
             held.append(snap)
@@ -224,3 +231,38 @@ class Admission:
         log.warning("save of step %d (rank %d) aborted: %s", snap.step, snap.identity.rank, reason)
         self.held.release(snap)
         snap.done.set()
+
+
+def _check_replicas(
+    identity: Identity, entries: list[mf.TensorEntry], replicas: list[mf.ReplicaEntry]
+) -> None:
+    """A replica this rank owns is one of its tensors, as declared; one another rank owns is not;
+    names and tree positions are unique; the owner is a rank of the job."""
+    own = {e.name: e for e in entries}
+    names: set[str] = set()
+    indexes: set[int] = set()
+    for r in replicas:
+        what = f"replicated tensor {r.name!r}"
+        if r.name in names or r.index in indexes:
+            raise InvalidArgument(f"{what}: declared twice (name or tree index {r.index})")
+        names.add(r.name)
+        indexes.add(r.index)
+        if r.owner >= identity.world_size:
+            raise InvalidArgument(f"{what}: owner rank {r.owner} is outside world size {identity.world_size}")
+        try:
+            if expected_nbytes(r.dtype, tuple(r.shape)) != r.nbytes:
+                raise ValueError(f"{r.nbytes} bytes declared for {r.dtype}{list(r.shape)}")
+        except ValueError as exc:
+            raise InvalidArgument(f"{what}: {exc}") from None
+        if len(r.sample) != 8 or any(c not in "0123456789abcdef" for c in r.sample):
+            raise InvalidArgument(f"{what}: sample {r.sample!r} is not a crc32 (8 hex digits)")
+        held = own.get(r.name)
+        if r.owner == identity.rank:
+            if held is None:
+                raise InvalidArgument(f"{what}: this rank owns it but did not send it")
+            if (held.dtype, list(held.shape)) != (r.dtype, list(r.shape)):
+                raise InvalidArgument(
+                    f"{what}: declared {r.dtype}{list(r.shape)}, sent {held.dtype}{held.shape}"
+                )
+        elif held is not None:
+            raise InvalidArgument(f"{what}: rank {r.owner} owns it, yet this rank sent it too")

@@ -124,6 +124,7 @@ class Commits:
                     policy=self.settings.policy,
                     restores=snap.restores,
                     generation=snap.generation,
+                    replicas=snap.replicas,
                 )
                 built.append(manifest)
                 return manifest
@@ -406,7 +407,10 @@ class Commits:
                     interval = min(interval * 2, 30.0)
                     next_poll = time.monotonic() + interval
             if skipped:
-                raise Aborted(f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it")
+                why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(skipped.items()))
+                raise Aborted(
+                    f"step {snap.step} cannot commit: rank(s) {sorted(skipped)} did not save it ({why})"
+                )
             with gang.cond:
                 writer_gone = gang.gone_reason(position, [0])
             if writer_gone and poll:  # storage was asked just now and has no COMMIT

@@ -107,8 +107,11 @@ class Engine:
         tensors: list[TensorSpec],
         tree: bytes,
         segment: tuple[str, int] | None = None,
+        replicas: list[mf.ReplicaEntry] | None = None,
     ) -> Snapshot:
-        return self.admission.begin_save(protocol_version, identity, step, save_id, tensors, tree, segment)
+        return self.admission.begin_save(
+            protocol_version, identity, step, save_id, tensors, tree, segment, replicas or []
+        )
 
     def write_chunk(self, snap: Snapshot, data: bytes) -> None:
         self.admission.write_chunk(snap, data)
@@ -160,6 +163,9 @@ class Engine:
 
     def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
         return self.restorer.open_restore(identity, step)
+
+    def open_replicas(self, identity: Identity, owner: int, position: Position) -> RestoreData:
+        return self.restorer.open_replicas(identity, owner, position)
 
     def prefetch(self, identity: Identity) -> None:
         self.restorer.prefetch(identity)

@@ -6,11 +6,19 @@ queries: committed checkpoints, which are in memory, one rank's MANIFEST."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
 from sidecar import manifest as mf
-from sidecar.errors import CorruptObject, FailedPrecondition, NotFound, StorageError, StrataError
+from sidecar.errors import (
+    CorruptObject,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    StorageError,
+    StrataError,
+)
 from sidecar.gang import Position
 from sidecar.pipeline.plan import decode_held, read_snapshot
 
@@ -119,6 +127,33 @@ class Restorer:
         self.held.restored(identity, data.source == "memory" and not data.fallback_reason, data.restores)
         return data
 
+    def open_replicas(self, identity: Identity, owner: int, target: Position) -> RestoreData:
+        """The tensors rank ``owner`` saved at the commit ``target`` (attempt, step), for a rank of the
+        same job restoring the replicated tensors it did not save itself: the owner's snapshot held
+        here (one sidecar serves every rank of a pod), else its objects in storage. Nothing of
+        ``identity``'s own restore state changes."""
+        identity.validate()
+        self.attempts.check_not_stopped(identity)
+        if owner >= identity.world_size or owner == identity.rank:
+            raise InvalidArgument(
+                f"replicas of rank {owner}: a rank fetches the tensors of another rank of its world "
+                f"({identity.world_size} ranks)"
+            )
+        fences = self.shared.gang(identity.job_key).refresh_fences()
+        if not fences.valid(*target):
+            raise NotFound(f"step {target[1]} of attempt {target[0]} is not a valid commit of {identity.job}")
+        of = dataclasses.replace(identity, rank=owner)
+        data = self._from_memory(of, target) or self._from_storage(of, target)
+        log.info(
+            "rank %d: step %d: tensors of rank %d (%d bytes) from %s",
+            identity.rank,
+            target[1],
+            owner,
+            data.total_bytes,
+            data.source,
+        )
+        return data
+
     def prefetch(self, identity: Identity) -> None:
         """Read the attempt's restore step into memory in the background (asynchronous
         discovery: the restore that follows finds it ready)."""
@@ -192,6 +227,8 @@ class Restorer:
             iter([buf]),
             found.restores,
             memory,
+            [r for r in found.replicas if r.owner != identity.rank],
+            target[0],
         )
 
     def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
@@ -253,6 +290,8 @@ class Restorer:
             iter(pieces),
             manifest.restores,
             memory,
+            manifest.foreign(),
+            target[0],
         )
 
     # --- queries -----------------------------------------------------------------------------

@@ -90,6 +90,8 @@ class Snapshot:
     manifest_durable: bool = False
     #: the stored tensor entries (per-tensor digest of what the trainer saved; encodings)
     stored: list[mf.TensorEntry] = field(default_factory=list)
+    #: replicated tensors of the state, as this rank declared them (others own some of them)
+    replicas: list[mf.ReplicaEntry] = field(default_factory=list)
     #: its buffer's share of the memory budget (streamed saves; shared segments are the trainer's)
     memory: Reservation | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -111,6 +113,9 @@ class RestoreData:
     restores: int = 0
     #: the restore buffer's share of the memory budget, released once the data is dropped
     memory: Reservation | None = None
+    #: replicated tensors other ranks saved, and the attempt of the COMMIT served (with ``step``)
+    replicas: list[mf.ReplicaEntry] = field(default_factory=list)
+    attempt: int = 0
 
 
 def drop_buffer(snap: Snapshot) -> None:

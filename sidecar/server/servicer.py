@@ -13,9 +13,9 @@ from sidecar import __version__
 from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, pb, pb_grpc
 from sidecar.engine import Engine, Identity, TensorSpec, check_protocol
 from sidecar.errors import Aborted, InvalidArgument, NotFound
-from sidecar.manifest import Commit, TensorEntry
+from sidecar.manifest import Commit, ReplicaEntry, TensorEntry
 
-CAPABILITIES = ["save.stream", "restore.stream", "restore.memory"]
+CAPABILITIES = ["save.stream", "restore.stream", "restore.memory", "save.replicas"]
 _COMMIT_STATES = {
     "receiving": pb.COMMIT_STATE_PENDING,
     "uploading": pb.COMMIT_STATE_PENDING,
@@ -45,6 +45,22 @@ def _metas(tensors: list[TensorEntry]) -> list[pb.TensorMeta]:
         pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, offset=t.offset)
         for t in tensors
     ]
+
+
+def _replica(r: pb.ReplicaRef) -> ReplicaEntry:
+    return ReplicaEntry(r.name, r.index, r.owner, r.dtype, list(r.shape), r.nbytes, r.sample)
+
+
+def _replica_ref(r: ReplicaEntry) -> pb.ReplicaRef:
+    return pb.ReplicaRef(
+        name=r.name,
+        index=r.index,
+        owner=r.owner,
+        dtype=r.dtype,
+        shape=r.shape,
+        nbytes=r.nbytes,
+        sample=r.sample,
+    )
 
 
 class CheckpointerServicer(pb_grpc.CheckpointerServicer):
@@ -93,6 +109,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             ],
             h.tree,
             (h.shm.name, h.shm.size) if shared else None,
+            [_replica(r) for r in h.replicas],
         )
         try:
             for msg in request_iterator:
@@ -131,7 +148,16 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
     ) -> Iterator[pb.RestoreResponse]:
         self.engine.greet(_identity(request.identity), request.protocol_version)
         step = request.step if request.HasField("step") else None
-        data = self.engine.open_restore(_identity(request.identity), step)
+        if request.HasField("of_rank"):
+            if step is None or not request.HasField("attempt"):
+                raise InvalidArgument(
+                    "a restore of another rank's tensors (of_rank) names the step and attempt"
+                )
+            data = self.engine.open_replicas(
+                _identity(request.identity), request.of_rank, (request.attempt, step)
+            )
+        else:
+            data = self.engine.open_restore(_identity(request.identity), step)
         yield pb.RestoreResponse(
             header=pb.RestoreHeader(
                 step=data.step,
@@ -140,6 +166,8 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
                 total_bytes=data.total_bytes,
                 source=data.source,
                 fallback_reason=data.fallback_reason,
+                replicas=[_replica_ref(r) for r in data.replicas],
+                attempt=data.attempt,
             )
         )
         for blob in data.chunks:

@@ -45,6 +45,29 @@ def make_sidecar(short_tmp: Path) -> Iterator[Callable[..., SidecarServer]]:
         server.stop(grace=1)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def two_pods(make_sidecar, s3_store_url):
+    """Two sidecars on one bucket, each told where the other serves hints."""
+    url, endpoint = s3_store_url
+    ports = [free_port(), free_port()]
+
+    def make(**options):
+        return [
+            make_sidecar(
+                url, s3_endpoint=endpoint, peer_port=ports[i], peers=f"127.0.0.1:{ports[1 - i]}", **options
+            )
+            for i in range(2)
+        ]
+
+    return make, url, endpoint
+
+
 @pytest.fixture
 def make_client() -> Iterator[Callable[..., CheckpointClient]]:
     clients: list[CheckpointClient] = []

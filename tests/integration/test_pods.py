@@ -4,7 +4,6 @@ step the others completed, and quantized restores that agree between memory and 
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -13,29 +12,6 @@ import torch
 from sidecar import manifest as mf
 from sidecar.store import open_store
 from trainer_client import SaveFailed
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def two_pods(make_sidecar, s3_store_url):
-    """Two sidecars on one bucket, each told where the other serves hints."""
-    url, endpoint = s3_store_url
-    ports = [_port(), _port()]
-
-    def make(**options):
-        return [
-            make_sidecar(
-                url, s3_endpoint=endpoint, peer_port=ports[i], peers=f"127.0.0.1:{ports[1 - i]}", **options
-            )
-            for i in range(2)
-        ]
-
-    return make, url, endpoint
 
 
 def _ranks(make_client, pods, job, generation="pods/0", **options):

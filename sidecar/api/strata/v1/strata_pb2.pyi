@@ -215,6 +215,54 @@ class TensorMeta(_message.Message):
 Global___TensorMeta: _TypeAlias = TensorMeta  # noqa: Y015
 
 @_typing.final
+class ReplicaRef(_message.Message):
+    """A tensor replicated across a data-parallel group (DDP, the replicate dimension of HSDP): one rank
+    of the group, its owner, stages and uploads it; every rank lists it here, with a digest of a
+    sample of its own copy, so the commit can name a replica that diverged from its owner's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    SAMPLE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    index: _builtins.int
+    """Position of the tensor in the state tree's flat list (the header's tensors hold the others,
+    in order).
+    """
+    owner: _builtins.int
+    """Global rank that saves it; this rank's own tensors include it when owner == rank."""
+    dtype: _builtins.str
+    nbytes: _builtins.int
+    sample: _builtins.str
+    """crc32 (8 hex digits) of up to 64 elements sampled at fixed positions, from this rank's copy."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        index: _builtins.int = ...,
+        owner: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        nbytes: _builtins.int = ...,
+        sample: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "index", b"index", "name", b"name", "nbytes", b"nbytes", "owner", b"owner", "sample", b"sample", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaRef: _TypeAlias = ReplicaRef  # noqa: Y015
+
+@_typing.final
 class SharedSegment(_message.Message):
     """A file in the sidecar's shm_dir holding a save's bytes."""
 
@@ -252,6 +300,7 @@ class SaveHeader(_message.Message):
     STALL_SECONDS_FIELD_NUMBER: _builtins.int
     SKIPPED_SAVES_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     step: _builtins.int
     save_id: _builtins.str
@@ -270,6 +319,12 @@ class SaveHeader(_message.Message):
     def shm(self) -> Global___SharedSegment:
         """Set for shared-memory saves: where the bytes are; the stream has no chunks."""
 
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaRef]:
+        """Replicated tensors of the state (capability "save.replicas"); empty: every tensor is this
+        rank's own.
+        """
+
     def __init__(
         self,
         *,
@@ -282,10 +337,11 @@ class SaveHeader(_message.Message):
         stall_seconds: _builtins.float = ...,
         skipped_saves: _builtins.int = ...,
         shm: Global___SharedSegment | None = ...,
+        replicas: _abc.Iterable[Global___ReplicaRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "protocol_version", b"protocol_version", "save_id", b"save_id", "shm", b"shm", "skipped_saves", b"skipped_saves", "stall_seconds", b"stall_seconds", "step", b"step", "tensors", b"tensors", "tree", b"tree"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "protocol_version", b"protocol_version", "replicas", b"replicas", "save_id", b"save_id", "shm", b"shm", "skipped_saves", b"skipped_saves", "stall_seconds", b"stall_seconds", "step", b"step", "tensors", b"tensors", "tree", b"tree"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -428,9 +484,17 @@ class RestoreRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    OF_RANK_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     step: _builtins.int
     """Restore this step; unset means the newest committed step."""
+    of_rank: _builtins.int
+    """Set (with step and attempt, as a restore header gave them): the tensors another rank of the
+    job owns at that commit (replicated ones this rank did not save), from memory when this
+    sidecar holds them, else storage.
+    """
+    attempt: _builtins.int
     @_builtins.property
     def identity(self) -> Global___Identity: ...
     def __init__(
@@ -439,13 +503,24 @@ class RestoreRequest(_message.Message):
         protocol_version: _builtins.int = ...,
         identity: Global___Identity | None = ...,
         step: _builtins.int | None = ...,
+        of_rank: _builtins.int | None = ...,
+        attempt: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "identity", b"identity", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "identity", b"identity", "protocol_version", b"protocol_version", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__attempt: _TypeAlias = _typing.Literal["attempt"]  # noqa: Y015
+    _WhichOneofArgType__attempt: _TypeAlias = _typing.Literal["_attempt", b"_attempt"]  # noqa: Y015
+    _WhichOneofReturnType__of_rank: _TypeAlias = _typing.Literal["of_rank"]  # noqa: Y015
+    _WhichOneofArgType__of_rank: _TypeAlias = _typing.Literal["_of_rank", b"_of_rank"]  # noqa: Y015
     _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
     _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__attempt) -> _WhichOneofReturnType__attempt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__of_rank) -> _WhichOneofReturnType__of_rank | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 
 Global___RestoreRequest: _TypeAlias = RestoreRequest  # noqa: Y015
@@ -460,6 +535,8 @@ class RestoreHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     tree: _builtins.bytes
     total_bytes: _builtins.int
@@ -467,8 +544,14 @@ class RestoreHeader(_message.Message):
     """"memory" or "storage"."""
     fallback_reason: _builtins.str
     """Non-empty when newer committed steps were unusable and skipped."""
+    attempt: _builtins.int
+    """The attempt whose COMMIT this is (with step: the commit, for of_rank requests)."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMeta]: ...
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaRef]:
+        """Replicated tensors saved by other ranks: fetch them with RestoreRequest.of_rank."""
+
     def __init__(
         self,
         *,
@@ -478,10 +561,12 @@ class RestoreHeader(_message.Message):
         total_bytes: _builtins.int = ...,
         source: _builtins.str = ...,
         fallback_reason: _builtins.str = ...,
+        replicas: _abc.Iterable[Global___ReplicaRef] | None = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fallback_reason", b"fallback_reason", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
