@@ -126,19 +126,32 @@ def one_trial(
     # Bitwise final state for 2 ranks: with 3+ gloo ranks an uninterrupted DDP run and a resumed
     # one differ in the last bits whatever the checkpoint (seen with the previous protocol too).
     counts["mismatch"] = int(nproc == 2 and result["digest"] != reference(nproc))
+    store = open_store(url, endpoint_url=endpoint)
+    try:
+        commits = {
+            s: mf.read_commit(store, "default", job, s) for s in mf.committed_steps(store, "default", job)
+        }
+        # Replica ownership (the example declares its DDP wrapper): in the newest commit every
+        # replicated tensor is stored by exactly one rank; every rank owns a share, so a killed
+        # rank is always a killed owner whose share the others restored.
+        newest = commits[max(commits)]
+        manifests = [mf.load_manifest(store, newest, r) for r in range(newest.world_size)]
+    finally:
+        store.close()
+    replicated = {r.name for r in manifests[0].replicas}
+    stored = [t.name for m in manifests for t in m.tensors if t.name in replicated]
+    counts["replicas"] = int(bool(replicated))
+    counts["replica_errors"] = int(
+        sorted(stored) != sorted(replicated)
+        or any({r.name for r in m.replicas} != replicated for m in manifests)
+    )
+    counts["owner_kills"] = int(bool(counts["fired"] and replicated and target.startswith("rank")))
     if counts["fired"]:
-        store = open_store(url, endpoint_url=endpoint)
-        try:
-            commits = {
-                s: mf.read_commit(store, "default", job, s) for s in mf.committed_steps(store, "default", job)
-            }
-        finally:
-            store.close()
         resumed = result["resumed_from"]
         first_attempt = [s for s, c in commits.items() if c.attempt == 0]
         counts["torn"] = int(resumed is not None and resumed not in commits)
         counts["lost"] = int(bool(first_attempt) and (resumed is None or max(first_attempt) > resumed))
-    if any(counts[k] for k in ("torn", "lost", "mismatch", "disagree")):
+    if any(counts[k] for k in ("torn", "lost", "mismatch", "disagree", "replica_errors")):
         print(
             f"trial {spec} on {target} ({nproc} ranks, shm {shm}): {counts}, resumed {result['resumed_from']}"
         )
@@ -259,6 +272,7 @@ def test_kill_trials(tmp_path, s3_store_url):
         return references[nproc]
 
     totals = {"fired": 0, "torn": 0, "lost": 0, "mismatch": 0, "disagree": 0}
+    totals |= {"replicas": 0, "replica_errors": 0, "owner_kills": 0}
     totals |= {"zombie_written": 0, "zombie_read": 0}
     t0 = time.monotonic()
     zombies = max(1, trials // 10) if trials >= 3 else 0
@@ -283,6 +297,9 @@ def test_kill_trials(tmp_path, s3_store_url):
         "fault_zombie_trials": zombies,
         "fault_zombie_commits_written": totals["zombie_written"],
         "fault_zombie_commits_read": totals["zombie_read"],
+        "fault_replica_trials": totals["replicas"],
+        "fault_replica_ownership_errors": totals["replica_errors"],
+        "fault_replica_owner_kills": totals["owner_kills"],
     }
     print(f"\nchaos (seed {seed}, {time.monotonic() - t0:.0f} s): {json.dumps(summary)}")
     results = os.environ.get("STRATA_CHAOS_RESULTS")
@@ -293,5 +310,6 @@ def test_kill_trials(tmp_path, s3_store_url):
         path.write_text(json.dumps(data, indent=1, sort_keys=True))
     assert totals["torn"] == totals["lost"] == totals["mismatch"] == totals["disagree"] == 0, (seed, summary)
     assert totals["zombie_read"] == 0, (seed, summary)
+    assert totals["replica_errors"] == 0 and totals["replicas"] == kills, (seed, summary)
     assert totals["fired"] == kills, f"an injected kill did not fire (seed {seed}): the trial tested nothing"
     assert zombie_less == 0, f"{zombie_less} zombie trial(s) wrote no void commit: tested nothing ({summary})"

@@ -104,3 +104,18 @@ def test_quick_checknrun_section_writes_its_figures(tmp_path: Path) -> None:
         assert cells == sorted(cells), (policy, cells)
     assert data["write_reduction_fp32_full"] == pytest.approx(1.0, rel=1e-6)
     assert 0 < data["rows_changed_fraction"] < 1
+
+
+def test_quick_replicas_section_writes_the_issues_keys(tmp_path: Path) -> None:
+    """The replica-aware section's keys, read by name, and DCP's beside them (~15 s)."""
+    _, data = run_quick("replicas", tmp_path / "bench-results.json")
+    for key in (
+        "bytes_written_ratio_4dp_vs_1dp",
+        "stall_ratio_4dp_vs_1dp",
+        "replica_check_s",
+        "dcp_bytes_written_ratio_4dp_vs_1dp",
+        "dcp_stall_ratio_4dp_vs_1dp",
+    ):
+        assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
+    # the job writes its state once: the ratio is a count of bytes, not a timing
+    assert data["bytes_written_ratio_4dp_vs_1dp"] < 1.1

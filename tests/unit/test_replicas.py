@@ -53,6 +53,9 @@ def test_sample_digests_see_a_changed_element_and_any_dtype() -> None:
     digests = _replicas.sample_digests(tensors)
     assert digests[0] != digests[1] and all(len(d) == 8 for d in digests)
     assert digests == _replicas.sample_digests([t.clone() for t in tensors])
+    # the numpy path (contiguous host tensors) and the gather path agree on equal values
+    strided = torch.arange(200.0).reshape(10, 20).t()
+    assert _replicas.sample_digests([strided]) == _replicas.sample_digests([strided.contiguous()])
 
 
 def _manifest(rank: int, tensors: list[str], replicas: list[mf.ReplicaEntry]) -> mf.Manifest:
