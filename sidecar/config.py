@@ -103,9 +103,18 @@ class SidecarSettings:
         "storage must honour If-None-Match/If-Match (probed at start): require (refuse to start "
         "without) or warn (run, with a warning and strata_storage_conditional_writes 0)",
     )
-    peer_port: int = _opt(0, "serve hints to other sidecars of the job on TCP PORT (0: off)")
+    peer_port: int = _opt(
+        0,
+        "serve hints and held ranks' tensors to the job's other sidecars on TCP PORT (0: off)",
+    )
     peer_host: str = _opt("127.0.0.1", "address for --peer-port")
-    peers: str = _opt("", "comma-separated host:port of the job's other sidecars (commit hints)")
+    peers: str = _opt(
+        "",
+        "comma-separated host:port of the job's other sidecars (commit hints; replicas fetched from memory)",
+    )
+    peer_fetch_timeout_s: float = _opt(
+        30.0, "seconds a fetch of another rank's tensors from a peer's memory may take before storage is read"
+    )
     hint_fallback_s: float = _opt(
         10.0, "seconds a commit waits for a peer's hint before it asks storage (then every as long)"
     )
@@ -174,6 +183,8 @@ class SidecarSettings:
             raise ValueError(f"--conditional-writes must be require or warn, got {self.conditional_writes!r}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.peer_fetch_timeout_s <= 0:
+            raise ValueError(f"--peer-fetch-timeout-s must be positive, got {self.peer_fetch_timeout_s}")
         if self.hint_fallback_s <= 0:
             raise ValueError(f"--hint-fallback-s must be positive, got {self.hint_fallback_s}")
         if self.report_url:

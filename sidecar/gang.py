@@ -10,15 +10,21 @@ commit; a forged one can fail a step, never corrupt one.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from sidecar import manifest as mf
-from sidecar.api import pb, pb_grpc
+from sidecar.api import DEFAULT_MAX_MESSAGE_BYTES, pb, pb_grpc
+from sidecar.api import channel_options as grpc_options
+from sidecar.errors import StrataError
 from sidecar.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -103,14 +109,54 @@ class JobGang:
         return f"rank(s) {lost} left attempt {attempt} without saving step {step}" if lost else ""
 
 
+#: how far a fetch request's ``issued_at`` may be from the answering sidecar's clock
+FETCH_WINDOW_S = 60.0
+
+
+def fetch_mac(key: bytes, req: pb.FetchRequest) -> str:
+    """HMAC-SHA256 (hex) of a fetch request's fields with the job's peer key."""
+    text = "\n".join(
+        str(v)
+        for v in (
+            req.namespace,
+            req.job,
+            req.rank,
+            req.world_size,
+            req.attempt,
+            req.step,
+            repr(req.issued_at),
+        )
+    )
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def fetch_mac_ok(key: bytes, req: pb.FetchRequest) -> bool:
+    return hmac.compare_digest(fetch_mac(key, req), req.mac)
+
+
+#: trailing metadata of a fetch: a keyed BLAKE2b of the request's MAC and every byte streamed, so
+#: bytes changed on the way (the peer port is plain TCP) are caught, not only by their XXH3 digests
+STREAM_MAC_KEY = "strata-stream-mac"
+
+
+def stream_mac(key: bytes, req: pb.FetchRequest) -> Any:
+    """The running MAC of a fetch's bytes (``update`` it with each chunk, then ``hexdigest``)."""
+    mac = hashlib.blake2b(key=key, digest_size=32)
+    mac.update(req.mac.encode())
+    return mac
+
+
 class Peers:
-    """Sends hints to the job's other sidecars, in the background and best effort."""
+    """Sends hints to the job's other sidecars, in the background and best effort; asks them for a
+    rank's tensors (:meth:`fetch`)."""
 
     def __init__(self, addresses: list[str], timeout_s: float = 2.0) -> None:
         self._timeout = timeout_s
-        self._stubs = [
-            (address, pb_grpc.PeerStub(grpc.insecure_channel(address))) for address in addresses if address
-        ]
+        options = grpc_options(DEFAULT_MAX_MESSAGE_BYTES)
+        self._channels = {a: grpc.insecure_channel(a, options=options) for a in addresses if a}
+        self._stubs = [(a, pb_grpc.PeerStub(channel)) for a, channel in self._channels.items()]
+        #: the peer that last answered a fetch for (namespace, job, rank): asked first next time
+        self._holder: dict[tuple[str, str, int], str] = {}
         # One queue and thread per peer: a dead or unreachable peer (the preemption case) must not
         # hold up hints to the live ones.
         self._queues: list[queue.Queue[pb.HintRequest | None]] = []
@@ -126,6 +172,31 @@ class Peers:
 
     def __bool__(self) -> bool:
         return bool(self._stubs)
+
+    def fetch(self, req: pb.FetchRequest, timeout_s: float) -> Iterator[tuple[str, pb.RestoreHeader, Any]]:
+        """Each peer's answer that has the rank's tensors in memory, the last one to have had
+        them first: (address, header, the rest of its stream). Peers that do not hold them answer
+        NOT_FOUND at once; an unreachable one costs ``timeout_s`` at most."""
+        slot = (req.namespace, req.job, req.rank)
+        first = self._holder.get(slot)
+        for address, stub in sorted(self._stubs, key=lambda s: s[0] != first):
+            try:
+                # A peer that is gone (its pod lost) costs two seconds, not the whole fetch budget.
+                grpc.channel_ready_future(self._channels[address]).result(timeout=2.0)
+            except grpc.FutureTimeoutError:
+                log.info("fetch: peer %s is not reachable", address)
+                continue
+            try:
+                stream = stub.Fetch(req, timeout=timeout_s)
+                head = next(stream, None)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    log.info("fetch from peer %s: %s: %s", address, exc.code().name, exc.details())
+                continue
+            if head is None or head.WhichOneof("msg") != "header":
+                continue
+            self._holder[slot] = address
+            yield address, head.header, stream
 
     def send(self, req: pb.HintRequest) -> None:
         for q in self._queues:
@@ -154,10 +225,47 @@ class Peers:
 
 
 class PeerServicer(pb_grpc.PeerServicer):
-    """Receives hints; thin: hands them to the engine."""
+    """Receives hints and fetches; thin: hands them to the engine."""
 
-    def __init__(self, on_hint: object) -> None:
+    def __init__(
+        self,
+        on_hint: object,
+        on_fetch: Callable[[pb.FetchRequest], tuple[pb.RestoreHeader, Iterator[memoryview], bytes]]
+        | None = None,
+        chunk_bytes: int = 4 << 20,
+        max_fetches: int = 2,
+    ) -> None:
         self._on_hint = on_hint
+        self._on_fetch = on_fetch
+        self._chunk = chunk_bytes
+        # Fetches are big: a few at a time, so hints (commits) always find a thread; the others
+        # are refused at once and read storage instead of queueing into their deadline.
+        self._fetching = threading.BoundedSemaphore(max_fetches)
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.RestoreResponse]:
+        on_fetch = self._on_fetch
+        if on_fetch is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this sidecar serves no fetches")
+            return
+        if not self._fetching.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "serving other fetches; read storage")
+            return
+        try:
+            try:
+                header, blobs, key = on_fetch(request)
+            except StrataError as exc:
+                context.abort(exc.code, str(exc))
+                return
+            mac = stream_mac(key, request)
+            yield pb.RestoreResponse(header=header)
+            for blob in blobs:
+                for start in range(0, len(blob), self._chunk):
+                    chunk = bytes(blob[start : start + self._chunk])
+                    mac.update(chunk)
+                    yield pb.RestoreResponse(chunk=chunk)
+            context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
+        finally:
+            self._fetching.release()
 
     def Hint(self, request: pb.HintRequest, context: grpc.ServicerContext) -> pb.HintResponse:
         try:

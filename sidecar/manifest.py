@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 import time
 import zlib
 from collections.abc import Mapping
@@ -64,10 +65,6 @@ from sidecar.store.base import Store
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
-#: Rank manifests that list replicated tensors (saved by another rank) are written as format 3, so
-#: a build that cannot fetch them refuses the step instead of restoring a state with holes. Every
-#: other object is still written as FORMAT_VERSION.
-REPLICAS_FORMAT_VERSION = 3
 #: The oldest format this build reads (format 1: see the module docstring). Never written.
 MIN_FORMAT_VERSION = 1
 #: The attempt a format-1 commit reads as: older than any attempt storage allocates.
@@ -89,6 +86,31 @@ def check_name(kind: str, value: str) -> str:
 
 def job_prefix(namespace: str, job: str) -> str:
     return f"{check_name('namespace', namespace)}/{check_name('job', job)}/"
+
+
+def peer_key(store: Store, namespace: str, job: str, create: bool = True) -> bytes:
+    """The job's peer key (``<job>/PEER_KEY``, 64 hex digits), created once by whichever sidecar
+    needs it first (create-only: every sidecar of the job ends up with the same key). It
+    authenticates sidecar-to-sidecar fetches: whoever can read it can read the job's checkpoints
+    in storage anyway, so serving them to a holder of the key grants nothing more."""
+    key = job_prefix(namespace, job) + "PEER_KEY"
+    try:
+        body = store.get(key)
+    except ObjectNotFound:
+        if not create:
+            raise
+        body = secrets.token_hex(32).encode()
+        try:
+            store.put(key, body, if_none_match=True)
+        except PreconditionFailed:
+            body = store.get(key)
+    try:
+        raw = bytes.fromhex(body.decode())
+    except (UnicodeDecodeError, ValueError):
+        raw = b""
+    if len(raw) != 32:
+        raise CorruptObject(key, "not a peer key (64 hex digits)")
+    return raw
 
 
 def step_prefix(namespace: str, job: str, step: int) -> str:
@@ -269,12 +291,10 @@ class Manifest:
     restores: int = 0
     #: The gang generation that wrote it.
     generation: str = ""
-    #: Replicated tensors of the state: the ones another rank owns are not in ``tensors``.
+    #: Replicated tensors of the state: the ones another rank owns are not in ``tensors``. A field
+    #: older readers ignore (the format stays 2): their restore then lacks those tensors, and the
+    #: client refuses it ("does not fit this state") without marking the step unusable.
     replicas: list[ReplicaEntry] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.replicas and self.format_version < REPLICAS_FORMAT_VERSION:
-            self.format_version = REPLICAS_FORMAT_VERSION
 
     def foreign(self) -> list[ReplicaEntry]:
         """The replicated tensors another rank saved (restore fetches them from their owners)."""
@@ -357,8 +377,7 @@ def _check_format(raw: Any, kind: str, key: str) -> int:
     if not isinstance(raw, dict) or raw.get("kind") != kind:
         raise ValueError(f"expected kind {kind!r}")
     version = raw.get("format_version")
-    newest = REPLICAS_FORMAT_VERSION if kind == "strata.rank-manifest" else FORMAT_VERSION
-    readable = range(MIN_FORMAT_VERSION, newest + 1) if kind != "strata.epoch" else (FORMAT_VERSION,)
+    readable = range(MIN_FORMAT_VERSION, FORMAT_VERSION + 1) if kind != "strata.epoch" else (FORMAT_VERSION,)
     if type(version) is not int or version not in readable:
         raise CorruptObject(
             key,
@@ -673,21 +692,24 @@ def check_replicas(step: int, manifests: dict[int, Manifest]) -> None:
     rank's sampled copy equals the owner's; else Aborted naming the ranks and tensors (a replica that
     diverged is a training bug: committing the owner's copy for everyone would hide it)."""
     problems: list[str] = []
+    held_by = {rank: {t.name: t for t in m.tensors} for rank, m in manifests.items()}
+    declared_by = {rank: {r.name: r for r in m.replicas} for rank, m in manifests.items()}
     for rank, manifest in sorted(manifests.items()):
         for r in manifest.replicas:
-            owner = manifests.get(r.owner)
-            if owner is None:
+            if r.owner not in manifests:
                 problems.append(f"rank {rank} says rank {r.owner} saves {r.name}, outside the job")
                 continue
-            held = {t.name: t for t in owner.tensors}.get(r.name)
-            theirs = {o.name: o for o in owner.replicas}.get(r.name)
-            if held is None or theirs is None or theirs.owner != r.owner:
+            held = held_by[r.owner].get(r.name)
+            theirs = declared_by[r.owner].get(r.name)
+            if held is None or (theirs is not None and theirs.owner != r.owner):
                 problems.append(f"rank {rank} says rank {r.owner} saves {r.name}, but rank {r.owner} did not")
             elif (held.dtype, list(held.shape)) != (r.dtype, list(r.shape)):
                 problems.append(
                     f"{r.name}: rank {rank} holds {r.dtype}{list(r.shape)}, its owner rank {r.owner} "
                     f"saved {held.dtype}{list(held.shape)}"
                 )
+            elif theirs is None:
+                continue  # the owner saved everything (a sidecar without replica support): nothing to compare
             elif theirs.sample != r.sample:
                 problems.append(
                     f"{r.name}: rank {rank}'s replica differs from its owner rank {r.owner}'s (sampled "
@@ -698,7 +720,7 @@ def check_replicas(step: int, manifests: dict[int, Manifest]) -> None:
         raise Aborted(
             f"replicated tensors of step {step} disagree across the data-parallel group "
             f"({shown}). The replicas diverged (a data-parallel bug: ranks updated them differently), "
-            "or the ranks declared different replication"
+            "or the ranks declared different replication (or run sidecars of different versions)"
         )
 
 

@@ -127,21 +127,24 @@ def plan(
     return Plan(own, replicas)
 
 
-def sample_digests(tensors: list[torch.Tensor]) -> list[str]:
-    """crc32 of up to SAMPLE_ELEMENTS elements of each tensor at fixed, spread positions. Contiguous
-    host tensors are sampled through numpy views (no torch op per tensor); others take one small
-    gather per tensor and one host transfer per device. Equal tensors give equal digests either way."""
+def sample_digests(tensors: list[torch.Tensor], step: int = 0) -> list[str]:
+    """crc32 of up to SAMPLE_ELEMENTS elements of each tensor, spread over it, starting at an offset
+    that moves with ``step`` (every rank samples the same positions at a step, and successive saves
+    look at different ones). Contiguous host tensors are sampled through numpy views (no torch op
+    per tensor); others take one small gather per tensor and one host transfer per device. Equal
+    tensors give equal digests either way."""
     out = [""] * len(tensors)
     samples: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
         t = t.detach()
         n = t.numel()
-        step = max(1, n // SAMPLE_ELEMENTS)
+        stride = max(1, n // SAMPLE_ELEMENTS)
+        start = step % stride
         if t.device.type == "cpu" and t.is_contiguous() and n:
             rows = t.reshape(-1).view(torch.uint8).numpy().reshape(n, t.element_size())
-            out[i] = f"{zlib.crc32(rows[::step][:SAMPLE_ELEMENTS].tobytes()):08x}"
+            out[i] = f"{zlib.crc32(rows[start::stride][:SAMPLE_ELEMENTS].tobytes()):08x}"
             continue
-        picked = t.reshape(-1)[::step][:SAMPLE_ELEMENTS].contiguous()
+        picked = t.reshape(-1)[start::stride][:SAMPLE_ELEMENTS].contiguous()
         samples.setdefault(picked.device, []).append((i, picked.view(torch.uint8)))
     for device_samples in samples.values():
         joined = torch.cat([s for _, s in device_samples]).cpu().numpy()

@@ -438,11 +438,15 @@ class CheckpointClient:
             (m, _replicas.group_ranks(m.process_group, self.settings.world_size)) for m in _found(state, _DDP)
         ]
         for obj, ranks in [*found, *self._declared]:
+            ignored: set[str] = set()
             if isinstance(obj, _DDP):
+                # What DDP does not synchronise (model-parallel shards inside it) stays per rank.
+                ignored = set(getattr(obj, "parameters_to_ignore", ()))
                 obj = obj.module
             if isinstance(obj, torch.nn.Module):
-                for p in obj.parameters():
-                    groups[_tensor_key(p)] = ranks
+                for name, p in obj.named_parameters():
+                    if name not in ignored:
+                        groups[_tensor_key(p)] = ranks
             elif isinstance(obj, torch.Tensor):
                 groups[_tensor_key(obj)] = ranks
             else:
@@ -614,7 +618,7 @@ class CheckpointClient:
             # Only the owner stages a replicated tensor; every rank digests a sample of its copy.
             t_check = time.perf_counter()
             entries = sorted(plan.replicas.values(), key=lambda r: r.index)
-            samples = _replicas.sample_digests([full.tensors[r.index][1] for r in entries])
+            samples = _replicas.sample_digests([full.tensors[r.index][1] for r in entries], step)
             replicas = [
                 pb.ReplicaRef(
                     name=r.name,

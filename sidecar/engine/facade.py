@@ -167,6 +167,9 @@ class Engine:
     def open_replicas(self, identity: Identity, owner: int, position: Position) -> RestoreData:
         return self.restorer.open_replicas(identity, owner, position)
 
+    def serve_fetch(self, req: pb.FetchRequest) -> tuple[RestoreData, bytes]:
+        return self.restorer.serve_fetch(req)
+
     def prefetch(self, identity: Identity) -> None:
         self.restorer.prefetch(identity)
 

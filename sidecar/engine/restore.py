@@ -7,10 +7,15 @@ queries: committed checkpoints, which are in memory, one rank's MANIFEST."""
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import threading
+import time
+
+import grpc
 
 from sidecar import manifest as mf
+from sidecar.api import pb
 from sidecar.errors import (
     CorruptObject,
     FailedPrecondition,
@@ -18,8 +23,9 @@ from sidecar.errors import (
     NotFound,
     StorageError,
     StrataError,
+    Unauthenticated,
 )
-from sidecar.gang import Position
+from sidecar.gang import FETCH_WINDOW_S, STREAM_MAC_KEY, Position, fetch_mac, fetch_mac_ok, stream_mac
 from sidecar.pipeline.plan import decode_held, read_snapshot
 
 from .attempts import Attempts
@@ -143,7 +149,7 @@ class Restorer:
         if not fences.valid(*target):
             raise NotFound(f"step {target[1]} of attempt {target[0]} is not a valid commit of {identity.job}")
         of = dataclasses.replace(identity, rank=owner)
-        data = self._from_memory(of, target) or self._from_storage(of, target)
+        data = self._from_memory(of, target) or self._from_peer(of, target) or self._from_storage(of, target)
         log.info(
             "rank %d: step %d: tensors of rank %d (%d bytes) from %s",
             identity.rank,
@@ -153,6 +159,128 @@ class Restorer:
             data.source,
         )
         return data
+
+    def serve_fetch(self, req: pb.FetchRequest) -> tuple[RestoreData, bytes]:
+        """A peer sidecar asks for the tensors of a rank this sidecar serves, at a commit: from
+        memory only (NotFound otherwise), lossless only (a lossy form is decoded from storage by
+        whoever needs it), to holders of the job's peer key. Returns the data and the key (the
+        stream's MAC)."""
+        identity = Identity(req.namespace, req.job, req.rank, req.world_size, 0)
+        identity.validate()
+        target = (int(req.attempt), int(req.step))
+        with self.shared.lock:
+            known = any(ns == req.namespace and jb == req.job for ns, jb, _ in self.held.slots)
+        if not known:  # an unknown job costs nothing: storage is not asked for its key
+            raise NotFound(f"{req.namespace}/{req.job} has no rank on this sidecar")
+        if not abs(time.time() - req.issued_at) <= FETCH_WINDOW_S:  # NaN is refused too
+            raise Unauthenticated(f"fetch request issued {time.time() - req.issued_at:.0f} s from now")
+        try:
+            key = self.shared.peer_key(identity.job_key, create=False)
+            if not fetch_mac_ok(key, req):  # the job's prefix may have been recreated: read it again
+                key = self.shared.peer_key(identity.job_key, create=False, fresh=True)
+        except NotFound:
+            raise Unauthenticated(f"{req.job} has no peer key yet: nothing can be signed") from None
+        if not fetch_mac_ok(key, req):
+            raise Unauthenticated("fetch request not signed with this job's peer key")
+        data = self._from_memory(identity, target)
+        if data is None or data.memory is not None:  # not held, or lossy (decoded into a copy)
+            if data is not None and data.memory is not None:
+                data.memory.release()
+            raise NotFound(
+                f"rank {req.rank} step {req.step} (attempt {req.attempt}) is not held here losslessly"
+            )
+        data.source = "peer"
+        return data, key
+
+    def _from_peer(self, identity: Identity, target: Position) -> RestoreData | None:
+        """The rank's tensors from the peer sidecar that holds them in memory, checked against the
+        rank's MANIFEST (every tensor's digest), or None (no peers, none holds it, a lossy step, or
+        what came back does not match: storage then)."""
+        if not self.shared.peers:
+            return None
+        ns, job = identity.job_key
+        try:
+            key = mf.commit_key(ns, job, target[1], target[0])
+            manifest = mf.load_manifest(
+                self.store, mf.Commit.from_json(self.store.get(key), key), identity.rank
+            )
+            secret = self.shared.peer_key(identity.job_key)
+        except (StrataError, OSError) as exc:
+            log.info("rank %d: no peer fetch (%s)", identity.rank, exc)
+            return None
+        if any(t.lossy or not (t.xxh3 or t.crc32) for t in manifest.tensors):
+            return None  # lossy forms are decoded from storage; bytes without a digest stay unchecked
+        req = pb.FetchRequest(
+            namespace=ns,
+            job=job,
+            rank=identity.rank,
+            world_size=identity.world_size,
+            attempt=target[0],
+            step=target[1],
+            issued_at=time.time(),
+        )
+        req.mac = fetch_mac(secret, req)
+        expected = {t.name: (t.offset, t.nbytes) for t in manifest.tensors}
+        # the base budget, plus the transfer at a conservative 50 MB/s
+        budget = self.settings.peer_fetch_timeout_s + manifest.total_bytes / 50e6
+        for address, header, stream in self.shared.peers.fetch(req, budget):
+            if {m.name: (m.offset, m.nbytes) for m in header.tensors} != expected or (
+                header.total_bytes != manifest.total_bytes
+            ):
+                stream.cancel()
+                log.warning(
+                    "peer %s answered rank %d step %d with another layout", address, identity.rank, target[1]
+                )
+                continue
+            memory = self.memory.reserve(
+                "restore", manifest.total_bytes, f"fetching step {target[1]} from a peer"
+            )
+            buf = bytearray(manifest.total_bytes)
+            pos = 0
+            mac = stream_mac(secret, req)
+            try:
+                for msg in stream:
+                    end = pos + len(msg.chunk)
+                    if end > len(buf):
+                        raise ValueError("more bytes than the header declared")
+                    buf[pos:end] = msg.chunk
+                    mac.update(msg.chunk)
+                    pos = end
+                if pos != len(buf):
+                    raise ValueError(f"stream ended after {pos} of {len(buf)} bytes")
+                trailer = dict(stream.trailing_metadata() or ())
+                if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
+                    raise ValueError("the bytes do not carry the job's stream MAC (changed on the way?)")
+                view = memoryview(buf)
+                for t in manifest.tensors:
+                    why = mf.check_digest(t, view[t.offset : t.offset + t.nbytes])
+                    if why is not None:
+                        raise ValueError(f"{t.name}: {why}")
+            except (grpc.RpcError, ValueError) as exc:
+                stream.cancel()
+                memory.release()
+                log.warning(
+                    "fetch of rank %d step %d from peer %s unusable: %s",
+                    identity.rank,
+                    target[1],
+                    address,
+                    exc,
+                )
+                continue
+            return RestoreData(
+                target[1],
+                manifest.tensors,
+                manifest.tree,
+                manifest.total_bytes,
+                "peer",
+                "",
+                iter([view]),
+                manifest.restores,
+                memory,
+                manifest.foreign(),
+                target[0],
+            )
+        return None
 
     def prefetch(self, identity: Identity) -> None:
         """Read the attempt's restore step into memory in the background (asynchronous

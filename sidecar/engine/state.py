@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from sidecar import manifest as mf
 from sidecar.api import pb
 from sidecar.budget import MemoryBudget, default_limit
 from sidecar.config import SidecarSettings
@@ -46,6 +47,18 @@ class Shared:
         )
         metrics.memory_budget.set(limit)
         self.stopping = threading.Event()
+        self._peer_keys: dict[JobKey, bytes] = {}
+
+    def peer_key(self, job_key: JobKey, create: bool = True, fresh: bool = False) -> bytes:
+        """The job's peer key, read (or created, with ``create``) in storage once per job, or again
+        with ``fresh`` (the job's prefix may have been recreated)."""
+        with self.lock:
+            known = None if fresh else self._peer_keys.get(job_key)
+        if known is None:
+            known = mf.peer_key(self.store, *job_key, create=create)
+            with self.lock:
+                self._peer_keys[job_key] = known
+        return known
 
     def gang(self, job_key: JobKey) -> JobGang:
         with self.lock:

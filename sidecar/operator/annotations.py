@@ -33,6 +33,7 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "generation": "the operator owns the generation (a JobSet pod's, composed from its labels)",
     "peer_host": "commit hints between pods are not wired by the injection yet (storage decides commits)",
     "peers": "commit hints between pods are not wired by the injection yet (storage decides commits)",
+    "peer_fetch_timeout_s": "fetches between pods' sidecars are not wired by the injection yet",
     "report_url": "the injection points every sidecar at the operator's report endpoint",
     "report_token_file": "the injection mounts the projected service-account token there",
     "report_ca_file": "the injection writes the operator's CA into the pod (strata.dev/report-ca)",

@@ -6,19 +6,20 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sidecar.api import channel_options, pb_grpc
+from sidecar.api import DEFAULT_CHUNK_BYTES, channel_options, pb, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
 from sidecar.gang import Peers, PeerServicer
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
-from sidecar.server.servicer import CheckpointerServicer
+from sidecar.server.servicer import CheckpointerServicer, restore_header
 from sidecar.server.unixsock import bind_private, prepare_directory
 from sidecar.store import open_store
 from sidecar.store.base import Store
@@ -58,12 +59,26 @@ class SidecarServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self._peer_grpc: grpc.Server | None = None
         if settings.peer_port:
-            self._peer_grpc = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="strata-peer"))
-            pb_grpc.add_PeerServicer_to_server(PeerServicer(self.engine.on_hint), self._peer_grpc)
+            self._peer_grpc = grpc.server(
+                ThreadPoolExecutor(max_workers=8, thread_name_prefix="strata-peer"),
+                options=channel_options(settings.max_message_bytes),
+            )
+            pb_grpc.add_PeerServicer_to_server(
+                PeerServicer(
+                    self.engine.on_hint,
+                    self._serve_fetch,
+                    min(DEFAULT_CHUNK_BYTES, settings.max_message_bytes // 2),
+                ),
+                self._peer_grpc,
+            )
         self.socket_path = settings.socket
         self.peer_port = 0
         self.tcp_port = 0
         self.metrics_port = 0
+
+    def _serve_fetch(self, req: pb.FetchRequest) -> tuple[pb.RestoreHeader, Iterator[memoryview], bytes]:
+        data, key = self.engine.serve_fetch(req)
+        return restore_header(data), data.chunks, key
 
     def start(self) -> SidecarServer:
         path = Path(self.socket_path)

@@ -11,7 +11,7 @@ import grpc
 
 from sidecar import __version__
 from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, pb, pb_grpc
-from sidecar.engine import Engine, Identity, TensorSpec, check_protocol
+from sidecar.engine import Engine, Identity, RestoreData, TensorSpec, check_protocol
 from sidecar.errors import Aborted, InvalidArgument, NotFound
 from sidecar.manifest import Commit, ReplicaEntry, TensorEntry
 
@@ -60,6 +60,20 @@ def _replica_ref(r: ReplicaEntry) -> pb.ReplicaRef:
         shape=r.shape,
         nbytes=r.nbytes,
         sample=r.sample,
+    )
+
+
+def restore_header(data: RestoreData) -> pb.RestoreHeader:
+    """What a restore stream (or a peer's fetch) starts with."""
+    return pb.RestoreHeader(
+        step=data.step,
+        tensors=_metas(data.tensors),
+        tree=json.dumps(data.tree).encode(),
+        total_bytes=data.total_bytes,
+        source=data.source,
+        fallback_reason=data.fallback_reason,
+        replicas=[_replica_ref(r) for r in data.replicas],
+        attempt=data.attempt,
     )
 
 
@@ -158,18 +172,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             )
         else:
             data = self.engine.open_restore(_identity(request.identity), step)
-        yield pb.RestoreResponse(
-            header=pb.RestoreHeader(
-                step=data.step,
-                tensors=_metas(data.tensors),
-                tree=json.dumps(data.tree).encode(),
-                total_bytes=data.total_bytes,
-                source=data.source,
-                fallback_reason=data.fallback_reason,
-                replicas=[_replica_ref(r) for r in data.replicas],
-                attempt=data.attempt,
-            )
-        )
+        yield pb.RestoreResponse(header=restore_header(data))
         for blob in data.chunks:
             for start in range(0, len(blob), self.chunk_bytes):
                 yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))

@@ -134,11 +134,11 @@ def one_trial(
         # Replica ownership (the example declares its DDP wrapper): in the newest commit every
         # replicated tensor is stored by exactly one rank; every rank owns a share, so a killed
         # rank is always a killed owner whose share the others restored.
-        newest = commits[max(commits)]
-        manifests = [mf.load_manifest(store, newest, r) for r in range(newest.world_size)]
+        newest = commits[max(commits)] if commits else None
+        manifests = [mf.load_manifest(store, newest, r) for r in range(newest.world_size)] if newest else []
     finally:
         store.close()
-    replicated = {r.name for r in manifests[0].replicas}
+    replicated = {r.name for r in manifests[0].replicas} if manifests else set()
     stored = [t.name for m in manifests for t in m.tensors if t.name in replicated]
     counts["replicas"] = int(bool(replicated))
     counts["replica_errors"] = int(

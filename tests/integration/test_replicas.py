@@ -9,14 +9,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from sidecar import manifest as mf
+from sidecar.api import pb, pb_grpc
+from sidecar.gang import fetch_mac
 from sidecar.store import open_store
 from trainer_client import SaveFailed, _tree
+from trainer_client._replicas import tensor_key
 
 
 def model(seed: int = 0) -> torch.nn.Module:
@@ -77,7 +82,7 @@ def test_replicated_tensors_are_saved_once_and_every_rank_restores_them(make_sid
     for h in handles:
         assert h.durable.result(30).step == 1
     saved = manifests(server.settings.storage, job_name, 1)
-    assert [m.format_version for m in saved] == [mf.REPLICAS_FORMAT_VERSION] * 2
+    assert [m.format_version for m in saved] == [mf.FORMAT_VERSION] * 2  # older readers read it too
     replicated = {n for n, _ in _tree.flatten(states[0]).tensors if n != "private"}
     owners: dict[str, list[int]] = {}
     for m in saved:
@@ -103,7 +108,7 @@ def test_replicated_tensors_are_saved_once_and_every_rank_restores_them(make_sid
         assert client.last_restore["replica_sources"] == {1 - rank: "memory"}
 
 
-def test_two_pods_fetch_the_other_owners_share_from_storage(two_pods, make_client, job_name):
+def test_two_pods_fetch_the_other_owners_share_from_its_sidecars_memory(two_pods, make_client, job_name):
     make = two_pods[0]
     pods = make()
     clients, states = ranks(make_client, pods, job_name)
@@ -114,8 +119,70 @@ def test_two_pods_fetch_the_other_owners_share_from_storage(two_pods, make_clien
         assert client.restore(target) == 5
         for name, tensor in flat(states[rank]).items():
             assert torch.equal(flat(target)[name], tensor), (rank, name)
-        # the other owner's snapshot lives in the other pod's sidecar: this one reads storage
-        assert client.last_restore["replica_sources"] == {1 - rank: "storage"}
+        # the other owner's snapshot lives in the other pod's sidecar: fetched from its memory
+        assert client.last_restore["replica_sources"] == {1 - rank: "peer"}
+
+
+def test_bytes_without_the_jobs_stream_mac_are_not_used(two_pods, make_client, job_name, monkeypatch):
+    """A peer (or anything on the way) whose stream does not carry the job's MAC: the fetch is
+    dropped and the share is read from storage, bit for bit."""
+    make = two_pods[0]
+    pods = make()
+    clients, states = ranks(make_client, pods, job_name)
+    for h in [c.save(5, s) for c, s in zip(clients, states, strict=True)]:
+        h.durable.result(60)
+    serve = pods[1].engine.serve_fetch
+    monkeypatch.setattr(pods[1].engine, "serve_fetch", lambda req: (serve(req)[0], b"\x00" * 32))
+    target = fresh(0)
+    assert clients[0].restore(target) == 5
+    assert clients[0].last_restore["replica_sources"] == {1: "storage"}
+    for name, tensor in flat(states[0]).items():
+        assert torch.equal(flat(target)[name], tensor), name
+
+
+def test_a_peer_serves_only_signed_fresh_requests_for_what_it_holds(two_pods, make_client, job_name):
+    """The peer port answers holders of the job's peer key (kept in the job's storage prefix), within
+    a minute of the request, from memory only."""
+    make = two_pods[0]
+    pods = make()
+    clients, states = ranks(make_client, pods, job_name)
+    for h in [c.save(5, s) for c, s in zip(clients, states, strict=True)]:
+        h.durable.result(60)
+    key = mf.peer_key(pods[0].store, "default", job_name)
+    assert key == mf.peer_key(pods[1].store, "default", job_name)  # one key per job, created once
+    stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{pods[1].peer_port}"))
+
+    def fetch(rank: int, **change: object) -> list[pb.RestoreResponse]:
+        req = pb.FetchRequest(
+            namespace="default",
+            job=job_name,
+            rank=rank,
+            world_size=2,
+            attempt=0,
+            step=5,
+            issued_at=time.time(),
+        )
+        commit = mf.read_commit(pods[0].store, "default", job_name, 5)
+        req.attempt = commit.attempt
+        req.mac = fetch_mac(key, req)
+        for field, value in change.items():
+            setattr(req, field, value)
+        return list(stub.Fetch(req, timeout=10))
+
+    served = fetch(1)
+    assert served[0].header.source == "peer" and served[0].header.total_bytes > 0
+    assert sum(len(m.chunk) for m in served[1:]) == served[0].header.total_bytes
+    for change, code in (
+        ({"mac": "0" * 64}, grpc.StatusCode.UNAUTHENTICATED),
+        ({"step": 4}, grpc.StatusCode.UNAUTHENTICATED),  # signed for another step
+        ({"issued_at": time.time() - 600}, grpc.StatusCode.UNAUTHENTICATED),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            fetch(1, **change)
+        assert refused.value.code() == code, change
+    with pytest.raises(grpc.RpcError) as elsewhere:
+        fetch(0)  # rank 0 is the other pod's: this one does not hold it
+    assert elsewhere.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_a_lost_owner_still_leaves_every_rank_the_full_state(make_sidecar, make_client, job_name, short_tmp):
@@ -150,7 +217,7 @@ def test_replicas_that_disagree_are_named_and_nothing_commits(make_sidecar, make
         states[1]["model"][2].bias.add_(1e-3)  # rank 1's replica drifted (a DDP bug)
     handles = [c.save(1, s) for c, s in zip(clients, states, strict=True)]
     for h in handles:
-        with pytest.raises(SaveFailed, match=r"replicated tensors disagree") as raised:
+        with pytest.raises(SaveFailed, match=r"replicated tensors of step 1 disagree") as raised:
             h.durable.result(30)
     message = str(raised.value)
     assert "model.2.bias: rank 1's replica differs from its owner rank 0's" in message or (
@@ -233,3 +300,30 @@ def test_ddp_over_two_pods_saves_each_replica_once_and_survives_a_killed_owner(t
     )
     assert reference.returncode == 0, reference.stdout + reference.stderr
     assert json.loads(out.read_text())["digest"] == json.loads(ref.read_text())["digest"]
+
+
+def test_ddp_wrappers_in_the_state_are_found_and_their_ignored_parameters_stay_per_rank(
+    make_sidecar, make_client, job_name, tmp_path
+):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        inner = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "fc": torch.nn.Linear(4, 2)})
+        inner._ddp_params_and_buffers_to_ignore = ["emb.weight"]  # a model-parallel shard inside DDP
+        ddp = torch.nn.parallel.DistributedDataParallel(inner)
+        opt = torch.optim.Adam(ddp.parameters())
+        ddp.module["fc"](torch.randn(3, 4)).sum().backward()
+        opt.step()
+        client = make_client(make_sidecar(), job_name)
+        groups = client._replica_groups({"model": ddp, "opt": opt})
+        key = tensor_key
+        assert key(inner["fc"].weight) in groups and key(inner["fc"].bias) in groups
+        assert key(opt.state[inner["fc"].weight]["exp_avg"]) in groups  # their optimizer state too
+        assert key(inner["emb"].weight) not in groups
+        # declared through the wrapper when the state holds the inner module
+        client.replicate(ddp)
+        assert key(inner["fc"].weight) in client._replica_groups({"model": inner, "opt": opt})
+        del ddp
+    finally:
+        dist.destroy_process_group()

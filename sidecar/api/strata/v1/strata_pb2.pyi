@@ -1110,3 +1110,53 @@ class HintResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HintResponse: _TypeAlias = HintResponse  # noqa: Y015
+
+@_typing.final
+class FetchRequest(_message.Message):
+    """The tensors one rank saved at a commit, asked of the sidecar that serves that rank: answered from
+    its memory only (NOT_FOUND otherwise: the asker reads storage itself). The asker checks what it
+    gets against the rank's MANIFEST in storage, so a peer can make a fetch fail, never corrupt it.
+    Authenticated with the job's peer key, a random key kept in the job's storage prefix (PEER_KEY):
+    whoever can read it can read every checkpoint there anyway, so the peer port grants nothing more.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    job: _builtins.str
+    rank: _builtins.int
+    """The rank whose tensors are asked for (their owner)."""
+    world_size: _builtins.int
+    attempt: _builtins.int
+    step: _builtins.int
+    issued_at: _builtins.float
+    """Unix seconds when the request was made; refused when more than a minute off."""
+    mac: _builtins.str
+    """Hex HMAC-SHA256 of the fields above (sidecar.gang.fetch_mac) with the job's peer key."""
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        job: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+        step: _builtins.int = ...,
+        issued_at: _builtins.float = ...,
+        mac: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "namespace", b"namespace", "rank", b"rank", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchRequest: _TypeAlias = FetchRequest  # noqa: Y015

@@ -502,6 +502,11 @@ class PeerStub:
                 request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintRequest.SerializeToString,
                 response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintResponse.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/strata.v1.Peer/Fetch',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.FetchRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -513,6 +518,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -520,6 +532,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Hint,
                     request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintRequest.FromString,
                     response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintResponse.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.FetchRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -549,6 +566,33 @@ class Peer:
             '/strata.v1.Peer/Hint',
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintRequest.SerializeToString,
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.HintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.Peer/Fetch',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.FetchRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -162,11 +162,15 @@ class PeerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
     Hint: _grpc.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]
+    Fetch: _grpc.UnaryStreamMultiCallable[_strata_pb2.FetchRequest, _strata_pb2.RestoreResponse]
+    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Hint: _aio.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]  # type: ignore[assignment]
+    Fetch: _aio.UnaryStreamMultiCallable[_strata_pb2.FetchRequest, _strata_pb2.RestoreResponse]  # type: ignore[assignment]
+    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -175,5 +179,13 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _strata_pb2.HintRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_strata_pb2.HintResponse, _abc.Awaitable[_strata_pb2.HintResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Fetch(
+        self,
+        request: _strata_pb2.FetchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_strata_pb2.RestoreResponse], _abc.AsyncIterator[_strata_pb2.RestoreResponse]]:
+        """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
