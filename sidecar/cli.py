@@ -179,6 +179,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(
             f"{t.name:<48} {t.dtype:<10} {tuple(t.shape)!s:<20} {_human(t.nbytes):>10}  {t.encoding}{extra}"
         )
+    foreign = m.foreign()
+    if m.replicas:
+        owners, mine = sorted({r.owner for r in foreign}), len(m.replicas) - len(foreign)
+        print(
+            f"\nreplicas   {len(m.replicas)} replicated tensors: this rank saved {mine}, "
+            f"{_human(sum(r.nbytes for r in foreign))} of them saved by rank(s) {owners}"
+        )
+        for r in foreign:
+            print(
+                f"{r.name:<48} {r.dtype:<10} {tuple(r.shape)!s:<20} {_human(r.nbytes):>10}  on rank {r.owner}"
+            )
     return 0
 
 
@@ -208,11 +219,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: needs step {base}, which is not committed")
                 bad += 1
         objects = []
+        manifests = {}
         for ref in commit.manifests:
             try:
-                objects.extend(mf.load_manifest(store, commit, ref.rank).objects)
+                manifests[ref.rank] = mf.load_manifest(store, commit, ref.rank)
+                objects.extend(manifests[ref.rank].objects)
             except (CorruptObject, StrataError) as exc:
                 print(f"step {step}: rank {ref.rank} MANIFEST: {exc}")
+                bad += 1
+        if len(manifests) == len(commit.manifests):
+            try:  # every replicated tensor held by its owner, every rank's sample equal to the owner's
+                mf.check_replicas(step, manifests)
+            except StrataError as exc:
+                print(f"step {step}: {exc}")
                 bad += 1
         total = sum(o.size for o in objects)
         done = 0

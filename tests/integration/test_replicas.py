@@ -237,7 +237,7 @@ def test_replicas_off_saves_everything_on_every_rank(make_sidecar, make_client, 
     assert {t.name for t in saved[0].tensors} == {t.name for t in saved[1].tensors}
 
 
-def test_the_manifest_shows_who_holds_what(make_sidecar, make_client, job_name):
+def test_the_manifest_shows_who_holds_what(make_sidecar, make_client, job_name, short_tmp):
     server = make_sidecar()
     clients, states = ranks(make_client, [server, server], job_name)
     for h in [c.save(1, s) for c, s in zip(clients, states, strict=True)]:
@@ -246,6 +246,17 @@ def test_the_manifest_shows_who_holds_what(make_sidecar, make_client, job_name):
     entry = raw["replicas"][0]
     assert set(entry) == {"name", "index", "owner", "dtype", "shape", "nbytes", "sample"}
     assert entry["owner"] in (0, 1) and len(entry["sample"]) == 8
+    store = ["--storage", f"file://{short_tmp}/store", "--job", job_name]
+    shown = _cli("show", *store, "--step", "1", "--rank", "1")
+    assert shown.returncode == 0, shown.stderr
+    assert "replicated tensors: this rank saved" in shown.stdout and "on rank 0" in shown.stdout
+    verified = _cli("verify", *store, "--step", "1")
+    assert verified.returncode == 0 and "step 1: OK" in verified.stdout, verified.stdout + verified.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "AWS_"))}
+    return subprocess.run([STRATA, *args], capture_output=True, text=True, env=clean, timeout=60)
 
 
 ROOT = Path(__file__).resolve().parents[2]
