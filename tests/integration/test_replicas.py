@@ -279,8 +279,8 @@ def _launch(tmp: Path, *args: str, env: dict[str, str] | None = None) -> subproc
 def test_ddp_over_two_pods_saves_each_replica_once_and_survives_a_killed_owner(tmp_path):
     """DDP (the example declares its wrapper) over two simulated pods: each parameter and its
     optimizer state is stored by one rank; rank 1 is SIGKILLed while saving step 19, the gang
-    restarts, and each rank gets the other owner's share from storage: the run ends bitwise equal
-    to an uninterrupted one."""
+    restarts, and each rank gets the other owner's share (from the other pod's sidecar, which kept
+    it in memory): the run ends bitwise equal to an uninterrupted one."""
     store = f"file://{tmp_path}/store"
     out, ref = tmp_path / "out.json", tmp_path / "ref.json"
     kill = {
