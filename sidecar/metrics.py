@@ -80,6 +80,19 @@ class Metrics(Served):
             ["training_job", "source"],
             registry=r,
         )
+        self.replica_reads = Counter(
+            "strata_replica_reads_total",
+            "Another rank's share of the replicated tensors read for a restoring rank, by source "
+            "(memory: this sidecar serves the owner; peer: the owner's sidecar; storage).",
+            ["training_job", "source"],
+            registry=r,
+        )
+        self.replica_read_bytes = Counter(
+            "strata_replica_read_bytes_total",
+            "Bytes of those reads, by source.",
+            ["training_job", "source"],
+            registry=r,
+        )
         self.restore_fallbacks = Counter(
             "strata_restore_fallbacks_total",
             "Restores that skipped an unusable newer step (corrupt or missing objects).",

@@ -150,6 +150,8 @@ class Restorer:
             raise NotFound(f"step {target[1]} of attempt {target[0]} is not a valid commit of {identity.job}")
         of = dataclasses.replace(identity, rank=owner)
         data = self._from_memory(of, target) or self._from_peer(of, target) or self._from_storage(of, target)
+        self.metrics.replica_reads.labels(identity.job, data.source).inc()
+        self.metrics.replica_read_bytes.labels(identity.job, data.source).inc(data.total_bytes)
         log.info(
             "rank %d: step %d: tensors of rank %d (%d bytes) from %s",
             identity.rank,

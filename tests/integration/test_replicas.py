@@ -121,6 +121,9 @@ def test_two_pods_fetch_the_other_owners_share_from_its_sidecars_memory(two_pods
             assert torch.equal(flat(target)[name], tensor), (rank, name)
         # the other owner's snapshot lives in the other pod's sidecar: fetched from its memory
         assert client.last_restore["replica_sources"] == {1 - rank: "peer"}
+    for pod in pods:
+        assert pod.metrics.replica_reads.labels(job_name, "peer")._value.get() == 1
+        assert pod.metrics.replica_read_bytes.labels(job_name, "peer")._value.get() > 0
 
 
 def test_bytes_without_the_jobs_stream_mac_are_not_used(two_pods, make_client, job_name, monkeypatch):
