@@ -57,7 +57,9 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [STRATA, "launch", "--nproc", str(nproc), "--backoff-s", "0", "--keep", "0", *args],
-        env=dict(os.environ, STRATA_CHUNK_BYTES=str(64 * 1024), **env),
+        # Small chunks: with replica-aware saves a rank may stream only tens of KiB (its share of the
+        # replicated tensors), and a kill at its 3rd chunk must still find one.
+        env=dict(os.environ, STRATA_CHUNK_BYTES=str(4 * 1024), **env),
         capture_output=True,
         text=True,
         timeout=timeout,
