@@ -416,9 +416,9 @@ class CheckpointClient:
         parameters), or tensors. The optimizer state of replicated parameters is replicated too.
 
         DDP wrappers found in the saved state need no declaration. Declare the wrapper when the
-        state holds its inner module (``state = {"model": ddp.module}``), and declare the replicate
-        dimension of an HSDP mesh with its process group. Every rank of the group must declare the
-        same objects: a mismatch fails the step's commit, naming the tensor.
+        state holds its inner module (``state = {"model": ddp.module}``). Every rank of the group
+        must declare the same objects: a mismatch fails the step's commit, naming the tensor.
+        (DTensor state, and so an HSDP mesh's replicate dimension, cannot be saved yet.)
         """
         for obj in objects:
             ranks = _replicas.group_ranks(
