@@ -118,6 +118,28 @@ class SidecarSettings:
     hint_fallback_s: float = _opt(
         10.0, "seconds a commit waits for a peer's hint before it asks storage (then every as long)"
     )
+    redundancy: str = _opt(
+        "off",
+        "protect committed snapshots against a lost pod in the memory of other pods: off, buddy (a "
+        "full copy on the next member) or parity (XOR parity spread over groups of --parity-group "
+        "members; any one lost member per group is rebuilt). Needs --peer-port and --members",
+    )
+    parity_group: int = _opt(4, "members per parity group (>= 3; a smaller last group joins the one before)")
+    members: str = _opt(
+        "",
+        "every member's (sidecar's) peer address in order, this one included: host:port,... or a "
+        "template with {index} (e.g. train-{index}.train:9411) and --member-count",
+    )
+    member_count: int = _opt(0, "members of the job when --members is a template")
+    member_index: int = _opt(-1, "this sidecar's index in --members (-1: $STRATA_RANK, one rank per pod)")
+    redundancy_dir: str = _opt(
+        "",
+        "memory-backed directory for copies and parity held for other members, kept across a sidecar "
+        "restart (default: <shm-dir>/strata-redundancy); its pages count in --memory-budget",
+    )
+    redundancy_rate_mb_s: float = _opt(
+        200.0, "MB/s the redundancy pushes may send, so they never crowd training traffic (0: unthrottled)"
+    )
     drain_timeout_s: float = _opt(
         30.0,
         "on SIGTERM, keep serving attached trainers (their save on SIGTERM) until they exit or this "
@@ -187,6 +209,20 @@ class SidecarSettings:
             raise ValueError(f"--peer-fetch-timeout-s must be positive, got {self.peer_fetch_timeout_s}")
         if self.hint_fallback_s <= 0:
             raise ValueError(f"--hint-fallback-s must be positive, got {self.hint_fallback_s}")
+        if self.redundancy not in ("off", "buddy", "parity"):
+            raise ValueError(f"--redundancy must be off, buddy or parity, got {self.redundancy!r}")
+        if self.parity_group < 3:
+            raise ValueError(f"--parity-group must be >= 3 (2 members is buddy), got {self.parity_group}")
+        if not self.redundancy_rate_mb_s >= 0:
+            raise ValueError(
+                f"--redundancy-rate-mb-s must be >= 0 (0: unthrottled), got {self.redundancy_rate_mb_s}"
+            )
+        if self.member_count < 0:
+            raise ValueError(f"--member-count must be >= 0, got {self.member_count}")
+        if self.redundancy != "off" and not self.peer_port:
+            raise ValueError(f"--redundancy {self.redundancy} needs --peer-port (members push to each other)")
+        if self.redundancy != "off" and not self.members:
+            raise ValueError(f"--redundancy {self.redundancy} needs --members (every member's peer address)")
         if self.report_url:
             parts = urllib.parse.urlsplit(self.report_url)
             if parts.scheme not in ("http", "https") or not parts.hostname:

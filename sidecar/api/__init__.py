@@ -27,6 +27,9 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: containerName): a peer died, the gang restarts (Ignore); Strata's restart limit is spent (FailJob).
 EXIT_PEER_DIED = 75
 EXIT_LIMIT_SPENT = 76
+#: The trainer exits with this when its gang restarts in place (AttachEvent.restart_generation):
+#: a container restart rule restarts it, with its pod, sidecar and memory kept.
+EXIT_RESTART_IN_PLACE = 77
 #: The sidecar refuses a trainer with this text when the operator stopped the job (its restart limit
 #: is spent); the client then exits with EXIT_LIMIT_SPENT.
 LIMIT_SPENT_MARKER = "strata: the restart limit is spent"

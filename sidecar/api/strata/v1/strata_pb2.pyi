@@ -876,10 +876,16 @@ class AttachEvent(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     GONE_RANKS_FIELD_NUMBER: _builtins.int
     GONE_REASON_FIELD_NUMBER: _builtins.int
+    RESTART_GENERATION_FIELD_NUMBER: _builtins.int
     attempt: _builtins.int
     """The attempt (storage-allocated) this rank runs as, once known."""
     gone_reason: _builtins.str
     """Why, for the log: what the sidecar learned of the first gone rank."""
+    restart_generation: _builtins.str
+    """Set when the operator (or launcher) restarts the gang in place: the trainer exits with the
+    in-place exit code (sidecar.coordinator.INPLACE_EXIT_CODE) and its container is restarted
+    with this pod, sidecar and memory kept; the new generation comes with it.
+    """
     @_builtins.property
     def gone_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Other ranks of this attempt that are gone (their trainer exited or died, or their sidecar
@@ -893,10 +899,11 @@ class AttachEvent(_message.Message):
         attempt: _builtins.int = ...,
         gone_ranks: _abc.Iterable[_builtins.int] | None = ...,
         gone_reason: _builtins.str = ...,
+        restart_generation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "gone_ranks", b"gone_ranks", "gone_reason", b"gone_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "gone_ranks", b"gone_ranks", "gone_reason", b"gone_reason", "restart_generation", b"restart_generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1160,3 +1167,233 @@ class FetchRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchRequest: _TypeAlias = FetchRequest  # noqa: Y015
+
+@_typing.final
+class ShareRank(_message.Message):
+    """Redundancy (REFT): after a commit, each member (sidecar) pushes what protects its share (its
+    ranks' committed snapshots, concatenated in rank order) to other members: the whole share to
+    its buddy, or (parity) its blocks to the group's other members, each of which XORs them into
+    its parity. Signed with the job's peer key like FetchRequest; a stream MAC closes it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    nbytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        nbytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nbytes", b"nbytes", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShareRank: _TypeAlias = ShareRank  # noqa: Y015
+
+@_typing.final
+class ProtectHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    SHARE_BYTES_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    job: _builtins.str
+    attempt: _builtins.int
+    step: _builtins.int
+    world_size: _builtins.int
+    member: _builtins.int
+    """The sending member (its index in the job's member list) and what it sends: "replica" (its
+    whole share) or "parity" (the blocks this receiver XORs; see sidecar.redundancy).
+    """
+    kind: _builtins.str
+    group_size: _builtins.int
+    block_bytes: _builtins.int
+    share_bytes: _builtins.int
+    issued_at: _builtins.float
+    """Unix seconds when the push began; refused when more than a minute off."""
+    mac: _builtins.str
+    """Hex HMAC-SHA256 of the fields above (sidecar.redundancy.header_mac) with the job's peer key."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShareRank]: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        job: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        step: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        member: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        group_size: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
+        ranks: _abc.Iterable[Global___ShareRank] | None = ...,
+        share_bytes: _builtins.int = ...,
+        issued_at: _builtins.float = ...,
+        mac: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_bytes", b"block_bytes", "group_size", b"group_size", "issued_at", b"issued_at", "job", b"job", "kind", b"kind", "mac", b"mac", "member", b"member", "namespace", b"namespace", "ranks", b"ranks", "share_bytes", b"share_bytes", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProtectHeader: _TypeAlias = ProtectHeader  # noqa: Y015
+
+@_typing.final
+class ProtectRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    STREAM_MAC_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    stream_mac: _builtins.str
+    """Last: hex keyed BLAKE2b of the header's mac and every chunk (sidecar.gang.stream_mac)."""
+    @_builtins.property
+    def header(self) -> Global___ProtectHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___ProtectHeader | None = ...,
+        chunk: _builtins.bytes = ...,
+        stream_mac: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "msg", b"msg", "stream_mac", b"stream_mac"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "msg", b"msg", "stream_mac", b"stream_mac"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["header", "chunk", "stream_mac"]  # noqa: Y015
+    _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
+
+Global___ProtectRequest: _TypeAlias = ProtectRequest  # noqa: Y015
+
+@_typing.final
+class ProtectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_BYTES_FIELD_NUMBER: _builtins.int
+    stored_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        stored_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stored_bytes", b"stored_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProtectResponse: _TypeAlias = ProtectResponse  # noqa: Y015
+
+@_typing.final
+class ParityRequest(_message.Message):
+    """Asked of a parity holder by a member rebuilding a lost member's share: the holder's parity of
+    a commit, with every contributing member's header. Signed like FetchRequest (rank: the lost
+    member).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    job: _builtins.str
+    attempt: _builtins.int
+    step: _builtins.int
+    member: _builtins.int
+    issued_at: _builtins.float
+    mac: _builtins.str
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        job: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        step: _builtins.int = ...,
+        member: _builtins.int = ...,
+        issued_at: _builtins.float = ...,
+        mac: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "member", b"member", "namespace", b"namespace", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ParityRequest: _TypeAlias = ParityRequest  # noqa: Y015
+
+@_typing.final
+class ParityHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_FIELD_NUMBER: _builtins.int
+    PARITY_BYTES_FIELD_NUMBER: _builtins.int
+    CONTRIBUTORS_FIELD_NUMBER: _builtins.int
+    holder: _builtins.int
+    parity_bytes: _builtins.int
+    @_builtins.property
+    def contributors(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProtectHeader]: ...
+    def __init__(
+        self,
+        *,
+        holder: _builtins.int = ...,
+        parity_bytes: _builtins.int = ...,
+        contributors: _abc.Iterable[Global___ProtectHeader] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["contributors", b"contributors", "holder", b"holder", "parity_bytes", b"parity_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ParityHeader: _TypeAlias = ParityHeader  # noqa: Y015
+
+@_typing.final
+class ParityResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___ParityHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___ParityHeader | None = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "msg", b"msg"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "msg", b"msg"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
+
+Global___ParityResponse: _TypeAlias = ParityResponse  # noqa: Y015

@@ -507,6 +507,16 @@ class PeerStub:
                 request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.FetchRequest.SerializeToString,
                 response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.Protect = channel.stream_unary(
+                '/strata.v1.Peer/Protect',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ProtectRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ProtectResponse.FromString,
+                _registered_method=True)
+        self.Parity = channel.unary_stream(
+                '/strata.v1.Peer/Parity',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -520,6 +530,20 @@ class PeerServicer:
 
     def Fetch(self, request, context):
         """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+        Served from the rank's snapshot in memory, or a buddy's copy of it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Protect(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Parity(self, request, context):
+        """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -537,6 +561,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.FetchRequest.FromString,
                     response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.RestoreResponse.SerializeToString,
+            ),
+            'Protect': grpc.stream_unary_rpc_method_handler(
+                    servicer.Protect,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ProtectRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ProtectResponse.SerializeToString,
+            ),
+            'Parity': grpc.unary_stream_rpc_method_handler(
+                    servicer.Parity,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -593,6 +627,60 @@ class Peer:
             '/strata.v1.Peer/Fetch',
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.FetchRequest.SerializeToString,
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Protect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/strata.v1.Peer/Protect',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ProtectRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ProtectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Parity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.Peer/Parity',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -163,14 +163,24 @@ class PeerStub:
     def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
     Hint: _grpc.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]
     Fetch: _grpc.UnaryStreamMultiCallable[_strata_pb2.FetchRequest, _strata_pb2.RestoreResponse]
-    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them."""
+    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+    Served from the rank's snapshot in memory, or a buddy's copy of it.
+    """
+    Protect: _grpc.StreamUnaryMultiCallable[_strata_pb2.ProtectRequest, _strata_pb2.ProtectResponse]
+    Parity: _grpc.UnaryStreamMultiCallable[_strata_pb2.ParityRequest, _strata_pb2.ParityResponse]
+    """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Hint: _aio.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]  # type: ignore[assignment]
     Fetch: _aio.UnaryStreamMultiCallable[_strata_pb2.FetchRequest, _strata_pb2.RestoreResponse]  # type: ignore[assignment]
-    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them."""
+    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+    Served from the rank's snapshot in memory, or a buddy's copy of it.
+    """
+    Protect: _aio.StreamUnaryMultiCallable[_strata_pb2.ProtectRequest, _strata_pb2.ProtectResponse]  # type: ignore[assignment]
+    Parity: _aio.UnaryStreamMultiCallable[_strata_pb2.ParityRequest, _strata_pb2.ParityResponse]  # type: ignore[assignment]
+    """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -186,6 +196,23 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _strata_pb2.FetchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_strata_pb2.RestoreResponse], _abc.AsyncIterator[_strata_pb2.RestoreResponse]]:
-        """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them."""
+        """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+        Served from the rank's snapshot in memory, or a buddy's copy of it.
+        """
+
+    @_abc_1.abstractmethod
+    def Protect(
+        self,
+        request_iterator: _MaybeAsyncIterator[_strata_pb2.ProtectRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_strata_pb2.ProtectResponse, _abc.Awaitable[_strata_pb2.ProtectResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Parity(
+        self,
+        request: _strata_pb2.ParityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_strata_pb2.ParityResponse], _abc.AsyncIterator[_strata_pb2.ParityResponse]]:
+        """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
