@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 #: Share of the container's limit the budget may use by default; the rest is the process itself
 #: (interpreter, boto3, gRPC buffers, numpy temporaries outside the encoders' accounting).
 DEFAULT_FRACTION = 0.75
-KINDS = ("snapshot", "restore", "prefetch", "encode")
+KINDS = ("snapshot", "restore", "prefetch", "encode", "redundancy")
 
 
 def cgroup_memory_limit(root: str = "/sys/fs/cgroup", proc_self: str = "/proc/self/cgroup") -> int | None:

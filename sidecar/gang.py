@@ -173,13 +173,17 @@ class Peers:
     def __bool__(self) -> bool:
         return bool(self._stubs)
 
-    def fetch(self, req: pb.FetchRequest, timeout_s: float) -> Iterator[tuple[str, pb.RestoreHeader, Any]]:
-        """Each peer's answer that has the rank's tensors in memory, the last one to have had
-        them first: (address, header, the rest of its stream). Peers that do not hold them answer
-        NOT_FOUND at once; an unreachable one costs ``timeout_s`` at most."""
+    def fetch(
+        self, req: pb.FetchRequest, timeout_s: float, first: str | None = None, only: bool = False
+    ) -> Iterator[tuple[str, pb.RestoreHeader, Any]]:
+        """Each peer's answer that has the rank's tensors in memory, ``first`` or else the last
+        one to have had them first (``only``: ask ``first`` alone): (address, header, the rest of
+        its stream). Peers that do not hold them answer NOT_FOUND at once; an unreachable one
+        costs two seconds."""
         slot = (req.namespace, req.job, req.rank)
-        first = self._holder.get(slot)
-        for address, stub in sorted(self._stubs, key=lambda s: s[0] != first):
+        first = first or self._holder.get(slot)
+        stubs = [s for s in self._stubs if s[0] == first] if only else self._stubs
+        for address, stub in sorted(stubs, key=lambda s: s[0] != first):
             try:
                 # A peer that is gone (its pod lost) costs two seconds, not the whole fetch budget.
                 grpc.channel_ready_future(self._channels[address]).result(timeout=2.0)
@@ -230,13 +234,17 @@ class PeerServicer(pb_grpc.PeerServicer):
     def __init__(
         self,
         on_hint: object,
-        on_fetch: Callable[[pb.FetchRequest], tuple[pb.RestoreHeader, Iterator[memoryview], bytes]]
+        on_fetch: Callable[[pb.FetchRequest], tuple[pb.RestoreHeader, Iterator[memoryview | bytes], bytes]]
         | None = None,
         chunk_bytes: int = 4 << 20,
         max_fetches: int = 2,
+        on_protect: Callable[[Iterator[pb.ProtectRequest]], pb.ProtectResponse] | None = None,
+        on_parity: Callable[[pb.ParityRequest], tuple[pb.ParityHeader, Iterator[bytes], bytes]] | None = None,
     ) -> None:
         self._on_hint = on_hint
         self._on_fetch = on_fetch
+        self._on_protect = on_protect
+        self._on_parity = on_parity
         self._chunk = chunk_bytes
         # Fetches are big: a few at a time, so hints (commits) always find a thread; the others
         # are refused at once and read storage instead of queueing into their deadline.
@@ -263,6 +271,45 @@ class PeerServicer(pb_grpc.PeerServicer):
                     chunk = bytes(blob[start : start + self._chunk])
                     mac.update(chunk)
                     yield pb.RestoreResponse(chunk=chunk)
+            context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
+        finally:
+            self._fetching.release()
+
+    def Protect(
+        self, request_iterator: Iterator[pb.ProtectRequest], context: grpc.ServicerContext
+    ) -> pb.ProtectResponse:
+        if self._on_protect is None:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this sidecar holds no redundancy (--redundancy off)"
+            )
+        assert self._on_protect is not None
+        try:
+            return self._on_protect(request_iterator)
+        except StrataError as exc:
+            context.abort(exc.code, str(exc))
+            raise
+
+    def Parity(self, request: pb.ParityRequest, context: grpc.ServicerContext) -> Iterator[pb.ParityResponse]:
+        if self._on_parity is None:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this sidecar holds no redundancy (--redundancy off)"
+            )
+            return
+        if not self._fetching.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "serving other fetches; read storage")
+            return
+        try:
+            try:
+                header, chunks, key = self._on_parity(request)
+            except StrataError as exc:
+                context.abort(exc.code, str(exc))
+                return
+            mac = hashlib.blake2b(key=key, digest_size=32)
+            mac.update(request.mac.encode())
+            yield pb.ParityResponse(header=header)
+            for chunk in chunks:
+                mac.update(chunk)
+                yield pb.ParityResponse(chunk=chunk)
             context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
         finally:
             self._fetching.release()

@@ -76,7 +76,7 @@ class Metrics(Served):
         )
         self.restores = Counter(
             "strata_restores_total",
-            "Restores served, by source (memory, storage).",
+            "Restores served, by source (memory, peer, storage).",
             ["training_job", "source"],
             registry=r,
         )
@@ -151,6 +151,32 @@ class Metrics(Served):
             registry=r,
         )
         self.held_bytes = Gauge("strata_held_snapshot_bytes", "Snapshot bytes held in memory.", registry=r)
+        self.redundancy_pushes = Counter(
+            "strata_redundancy_pushes_total",
+            "Pushes of this member's committed share to other members, by kind (replica, parity) and "
+            "outcome (ok, failed, skipped).",
+            ["training_job", "kind", "outcome"],
+            registry=r,
+        )
+        self.redundancy_push_duration = Histogram(
+            "strata_redundancy_push_duration_seconds",
+            "From a commit to its redundancy pushed to every member that holds it.",
+            ["training_job"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.redundancy_held_bytes = Gauge(
+            "strata_redundancy_held_bytes",
+            "Bytes of copies and parity this member holds for others (in --redundancy-dir).",
+            registry=r,
+        )
+        self.peer_rebuilds = Counter(
+            "strata_peer_rebuilds_total",
+            "Restores of this member's share from other members, by how (replica, parity) and outcome "
+            "(ok, failed: storage was read instead).",
+            ["training_job", "how", "outcome"],
+            registry=r,
+        )
         self.memory_budget = Gauge(
             "strata_memory_budget_bytes",
             "The sidecar's own memory budget (shared-memory segments are the trainer's, not in it).",
@@ -158,7 +184,8 @@ class Metrics(Served):
         )
         self.memory_held = Gauge(
             "strata_memory_held_bytes",
-            "Bytes held against the memory budget, by kind (snapshot, restore, prefetch, encode).",
+            "Bytes held against the memory budget, by kind (snapshot, restore, prefetch, encode, "
+            "redundancy).",
             ["kind"],
             registry=r,
         )

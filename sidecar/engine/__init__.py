@@ -30,6 +30,6 @@ from __future__ import annotations
 
 from .attempts import check_protocol
 from .facade import Engine
-from .types import Identity, RestoreData, Snapshot, TensorSpec
+from .types import Identity, RestoreData, Snapshot, TensorSpec, restore_header
 
-__all__ = ["Engine", "Identity", "RestoreData", "Snapshot", "TensorSpec", "check_protocol"]
+__all__ = ["Engine", "Identity", "RestoreData", "Snapshot", "TensorSpec", "check_protocol", "restore_header"]

@@ -32,6 +32,7 @@ from sidecar.pipeline import upload_snapshot
 from sidecar.pipeline.plan import SnapshotEncoder
 
 from .held import Held
+from .redundancy import Redundancy
 from .reports import Reports
 from .state import Shared
 from .types import Identity, JobKey, Slot, Snapshot
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class Commits:
-    def __init__(self, shared: Shared, held: Held, reports: Reports) -> None:
+    def __init__(self, shared: Shared, held: Held, reports: Reports, redundancy: Redundancy) -> None:
         self.shared = shared
         self.settings = shared.settings
         self.store = shared.store
@@ -49,6 +50,7 @@ class Commits:
         self.stopping = shared.stopping
         self.held = held
         self.reports = reports
+        self.redundancy = redundancy
         # One committer thread per rank: a rank's snapshots persist in the order they arrived,
         # so a newer step never commits before an older one.
         self._committers: dict[Slot, ThreadPoolExecutor] = {}
@@ -199,6 +201,7 @@ class Commits:
             log.info("rank %d: step %d committed (%d bytes)", ident.rank, snap.step, snap.total_bytes)
             self.held.keep_newest_committed(snap)
             self.reports.note_step(ident.slot, snap.step)
+            self.redundancy.committed(snap)  # in the background: storage already has the step
         finally:
             if scratch is not None:
                 scratch.release()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 from sidecar import manifest as mf
 from sidecar.api import pb
@@ -18,6 +19,7 @@ from .admission import Admission
 from .attempts import Attempts
 from .commit import Commits
 from .held import Held
+from .redundancy import Redundancy
 from .reports import Reports
 from .restore import Restorer
 from .state import Shared
@@ -40,12 +42,18 @@ class Engine:
         self.held = Held(shared)
         self.reports = Reports(shared)
         self.reporter = self.reports.reporter
+        self.redundancy = Redundancy(shared, self.held)
         self.attempts = Attempts(shared, self.held, self.reports)
-        self.commits = Commits(shared, self.held, self.reports)
-        self.restorer = Restorer(shared, self.held, self.attempts)
+        self.commits = Commits(shared, self.held, self.reports, self.redundancy)
+        self.restorer = Restorer(shared, self.held, self.attempts, self.redundancy)
         self.admission = Admission(
             shared, self.held, self.attempts, self.commits, self.restorer, self.reports
         )
+
+    def set_peers(self, peers: Peers) -> None:
+        """The job's other sidecars (known once the members are parsed)."""
+        self.shared.peers.close()
+        self.shared.peers = self.peers = peers
 
     @property
     def stopping(self) -> bool:
@@ -76,6 +84,7 @@ class Engine:
         self.commits.shutdown()
         self.shared.uploads.shutdown(wait=True)
         self.segments.close()
+        self.redundancy.close()
         self.peers.close()
         self.reports.close()  # the commits just finished are reported too
 
@@ -167,8 +176,18 @@ class Engine:
     def open_replicas(self, identity: Identity, owner: int, position: Position) -> RestoreData:
         return self.restorer.open_replicas(identity, owner, position)
 
-    def serve_fetch(self, req: pb.FetchRequest) -> tuple[RestoreData, bytes]:
+    def serve_fetch(
+        self, req: pb.FetchRequest
+    ) -> tuple[pb.RestoreHeader, Iterator[memoryview | bytes], bytes]:
         return self.restorer.serve_fetch(req)
+
+    # --- redundancy between members (redundancy.py) -----------------------------------------
+
+    def on_protect(self, requests: Iterator[pb.ProtectRequest]) -> pb.ProtectResponse:
+        return self.redundancy.on_protect(requests)
+
+    def serve_parity(self, req: pb.ParityRequest) -> tuple[pb.ParityHeader, Iterator[bytes], bytes]:
+        return self.redundancy.serve_parity(req)
 
     def prefetch(self, identity: Identity) -> None:
         self.restorer.prefetch(identity)

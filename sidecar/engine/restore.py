@@ -11,6 +11,7 @@ import hmac
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -30,14 +31,17 @@ from sidecar.pipeline.plan import decode_held, read_snapshot
 
 from .attempts import Attempts
 from .held import Held
+from .redundancy import Redundancy
 from .state import Shared
-from .types import Identity, JobKey, RestoreData, Slot, Snapshot
+from .types import Identity, JobKey, RestoreData, Slot, Snapshot, restore_header
 
 log = logging.getLogger(__name__)
 
 
 class Restorer:
-    def __init__(self, shared: Shared, held: Held, attempts: Attempts) -> None:
+    def __init__(
+        self, shared: Shared, held: Held, attempts: Attempts, redundancy: Redundancy | None = None
+    ) -> None:
         self.shared = shared
         self.settings = shared.settings
         self.store = shared.store
@@ -45,6 +49,7 @@ class Restorer:
         self.memory = shared.memory
         self.held = held
         self.attempts = attempts
+        self.redundancy = redundancy if redundancy is not None else Redundancy(shared, held)
         # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
         self.prefetched: dict[Slot, tuple[Position | None, threading.Event, RestoreData | None]] = {}
 
@@ -122,6 +127,11 @@ class Restorer:
         memory = self._from_memory(identity, target)
         if memory is not None:
             return memory
+        # This member's memory does not have it (its pod was lost, or its sidecar restarted): the
+        # other members' memory (a buddy's copy, or parity rebuilt), then storage.
+        peer = self._from_peer(identity, target, own=True) or self._from_parity(identity, target)
+        if peer is not None:
+            return peer
         return self._from_storage(identity, target)
 
     def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
@@ -162,7 +172,9 @@ class Restorer:
         )
         return data
 
-    def serve_fetch(self, req: pb.FetchRequest) -> tuple[RestoreData, bytes]:
+    def serve_fetch(
+        self, req: pb.FetchRequest
+    ) -> tuple[pb.RestoreHeader, Iterator[memoryview | bytes], bytes]:
         """A peer sidecar asks for the tensors of a rank this sidecar serves, at a commit: from
         memory only (NotFound otherwise), lossless only (a lossy form is decoded from storage by
         whoever needs it), to holders of the job's peer key. Returns the data and the key (the
@@ -172,7 +184,9 @@ class Restorer:
         target = (int(req.attempt), int(req.step))
         with self.shared.lock:
             known = any(ns == req.namespace and jb == req.job for ns, jb, _ in self.held.slots)
-        if not known:  # an unknown job costs nothing: storage is not asked for its key
+        if not known and not self.redundancy.knows(
+            req.namespace, req.job
+        ):  # an unknown job costs nothing: storage is not asked for its key
             raise NotFound(f"{req.namespace}/{req.job} has no rank on this sidecar")
         if not abs(time.time() - req.issued_at) <= FETCH_WINDOW_S:  # NaN is refused too
             raise Unauthenticated(f"fetch request issued {time.time() - req.issued_at:.0f} s from now")
@@ -188,18 +202,18 @@ class Restorer:
         if data is None or data.memory is not None:  # not held, or lossy (decoded into a copy)
             if data is not None and data.memory is not None:
                 data.memory.release()
+            copy = self.redundancy.replica_fetch(req)  # a buddy's copy held here
+            if copy is not None:
+                return copy[0], copy[1], key
             raise NotFound(
                 f"rank {req.rank} step {req.step} (attempt {req.attempt}) is not held here losslessly"
             )
         data.source = "peer"
-        return data, key
+        return restore_header(data), data.chunks, key
 
-    def _from_peer(self, identity: Identity, target: Position) -> RestoreData | None:
-        """The rank's tensors from the peer sidecar that holds them in memory, checked against the
-        rank's MANIFEST (every tensor's digest), or None (no peers, none holds it, a lossy step, or
-        what came back does not match: storage then)."""
-        if not self.shared.peers:
-            return None
+    def _checkable(self, identity: Identity, target: Position) -> tuple[mf.Manifest, bytes] | None:
+        """The rank's MANIFEST of ``target`` and the job's peer key, when what a peer sends can be
+        checked against it: lossless, every tensor digested (else None: storage then)."""
         ns, job = identity.job_key
         try:
             key = mf.commit_key(ns, job, target[1], target[0])
@@ -212,6 +226,75 @@ class Restorer:
             return None
         if any(t.lossy or not (t.xxh3 or t.crc32) for t in manifest.tensors):
             return None  # lossy forms are decoded from storage; bytes without a digest stay unchecked
+        return manifest, secret
+
+    def _from_parity(self, identity: Identity, target: Position) -> RestoreData | None:
+        """This member's share rebuilt from its group's parity and survivors, checked against the
+        rank's MANIFEST, or None (storage then)."""
+        if self.redundancy.mode != "parity":
+            return None
+        checkable = self._checkable(identity, target)
+        if checkable is None:
+            return None
+        manifest, _ = checkable
+        budget = self.settings.peer_fetch_timeout_s + 4 * manifest.total_bytes / 50e6
+        view = self.redundancy.rebuild(identity.job_key, identity.rank, identity.world_size, target, budget)
+        if view is None:
+            return None
+        for t in manifest.tensors:
+            why = (
+                mf.check_digest(t, view[t.offset : t.offset + t.nbytes])
+                if len(view) == manifest.total_bytes
+                else "size"
+            )
+            if why is not None:
+                log.error(
+                    "rank %d: step %d rebuilt from parity differs from what was saved (%s: %s); "
+                    "reading storage",
+                    identity.rank,
+                    target[1],
+                    t.name,
+                    why,
+                )
+                self.metrics.peer_rebuilds.labels(identity.job, "parity", "failed").inc()
+                return None
+        log.info(
+            "rank %d: step %d rebuilt from the parity of its group (no storage read)",
+            identity.rank,
+            target[1],
+        )
+        return RestoreData(
+            target[1],
+            manifest.tensors,
+            manifest.tree,
+            manifest.total_bytes,
+            "peer",
+            "",
+            iter([view]),
+            manifest.restores,
+            None,
+            manifest.foreign(),
+            target[0],
+        )
+
+    def _from_peer(self, identity: Identity, target: Position, own: bool = False) -> RestoreData | None:
+        """The rank's tensors from the peer sidecar that holds them in memory (or, with ``own``,
+        a buddy's copy of this member's own rank), checked against the rank's MANIFEST (every
+        tensor's digest), or None (no peers, none holds it, a lossy step, or what came back does
+        not match: storage then)."""
+        if not self.shared.peers:
+            return None
+        members = self.redundancy.members
+        first = None
+        if own:
+            if self.redundancy.mode != "buddy" or members is None:
+                return None
+            first = members.addresses[members.buddy(members.index)]
+        checkable = self._checkable(identity, target)
+        if checkable is None:
+            return None
+        manifest, secret = checkable
+        ns, job = identity.job_key
         req = pb.FetchRequest(
             namespace=ns,
             job=job,
@@ -225,7 +308,7 @@ class Restorer:
         expected = {t.name: (t.offset, t.nbytes) for t in manifest.tensors}
         # the base budget, plus the transfer at a conservative 50 MB/s
         budget = self.settings.peer_fetch_timeout_s + manifest.total_bytes / 50e6
-        for address, header, stream in self.shared.peers.fetch(req, budget):
+        for address, header, stream in self.shared.peers.fetch(req, budget, first=first, only=own):
             if {m.name: (m.offset, m.nbytes) for m in header.tensors} != expected or (
                 header.total_bytes != manifest.total_bytes
             ):
@@ -269,6 +352,14 @@ class Restorer:
                     exc,
                 )
                 continue
+            if own:
+                self.metrics.peer_rebuilds.labels(identity.job, "replica", "ok").inc()
+                log.info(
+                    "rank %d: step %d from member %s's copy (no storage read)",
+                    identity.rank,
+                    target[1],
+                    address,
+                )
             return RestoreData(
                 target[1],
                 manifest.tensors,
@@ -300,9 +391,17 @@ class Restorer:
             try:
                 target = self.attempts.epoch_for(identity).restore
                 if target is not None and self._from_memory(identity, target) is None:
-                    data = self._from_storage(identity, target, "prefetch")
+                    data = (
+                        self._from_peer(identity, target, own=True)
+                        or self._from_parity(identity, target)
+                        or self._from_storage(identity, target, "prefetch")
+                    )
                     log.info(
-                        "rank %d: prefetched step %d (%d bytes)", identity.rank, target[1], data.total_bytes
+                        "rank %d: prefetched step %d (%d bytes) from %s",
+                        identity.rank,
+                        target[1],
+                        data.total_bytes,
+                        data.source,
                     )
             except (StrataError, OSError) as exc:
                 log.warning("rank %d: prefetch failed, restore will retry: %s", identity.rank, exc)

@@ -4,12 +4,14 @@ that allocate and drop a snapshot's buffer."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sidecar import manifest as mf
+from sidecar.api import pb
 from sidecar.budget import Reservation
 from sidecar.errors import InvalidArgument
 from sidecar.gang import Position
@@ -130,3 +132,36 @@ def zeroed(size: int) -> bytearray | memoryview:
     if size < 1 << 20:
         return bytearray(size)
     return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))  # private: the sidecar's own pages
+
+
+def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:
+    return [
+        pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, offset=t.offset)
+        for t in tensors
+    ]
+
+
+def _replica_ref(r: mf.ReplicaEntry) -> pb.ReplicaRef:
+    return pb.ReplicaRef(
+        name=r.name,
+        index=r.index,
+        owner=r.owner,
+        dtype=r.dtype,
+        shape=r.shape,
+        nbytes=r.nbytes,
+        sample=r.sample,
+    )
+
+
+def restore_header(data: RestoreData) -> pb.RestoreHeader:
+    """What a restore stream (or a peer's fetch) starts with."""
+    return pb.RestoreHeader(
+        step=data.step,
+        tensors=_metas(data.tensors),
+        tree=json.dumps(data.tree).encode(),
+        total_bytes=data.total_bytes,
+        source=data.source,
+        fallback_reason=data.fallback_reason,
+        replicas=[_replica_ref(r) for r in data.replicas],
+        attempt=data.attempt,
+    )

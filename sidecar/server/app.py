@@ -6,20 +6,19 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sidecar.api import DEFAULT_CHUNK_BYTES, channel_options, pb, pb_grpc
+from sidecar.api import DEFAULT_CHUNK_BYTES, channel_options, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
 from sidecar.gang import Peers, PeerServicer
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
-from sidecar.server.servicer import CheckpointerServicer, restore_header
+from sidecar.server.servicer import CheckpointerServicer
 from sidecar.server.unixsock import bind_private, prepare_directory
 from sidecar.store import open_store
 from sidecar.store.base import Store
@@ -38,8 +37,14 @@ class SidecarServer:
         self.store = store or open_settings_store(settings)
         self.metrics = metrics or Metrics()
         check_conditional_writes(self.store, settings, self.metrics)
-        peers = Peers([p.strip() for p in settings.peers.split(",") if p.strip()])
-        self.engine = Engine(settings, self.store, self.metrics, peers)
+        addresses = [p.strip() for p in settings.peers.split(",") if p.strip()]
+        self.engine = Engine(settings, self.store, self.metrics, None)
+        members = self.engine.redundancy.members
+        if members is not None:  # every other member is a peer (hints, fetches, redundancy)
+            addresses += [
+                a for i, a in enumerate(members.addresses) if i != members.index and a not in addresses
+            ]
+        self.engine.set_peers(Peers(addresses))
         self.health = health.HealthServicer()
         # Every trainer holds one Attach stream open (a thread each) besides its blocking calls;
         # those are capped below the pool, so saves and handshakes always find a thread.
@@ -66,8 +71,10 @@ class SidecarServer:
             pb_grpc.add_PeerServicer_to_server(
                 PeerServicer(
                     self.engine.on_hint,
-                    self._serve_fetch,
+                    self.engine.serve_fetch,
                     min(DEFAULT_CHUNK_BYTES, settings.max_message_bytes // 2),
+                    on_protect=self.engine.on_protect,
+                    on_parity=self.engine.serve_parity,
                 ),
                 self._peer_grpc,
             )
@@ -75,10 +82,6 @@ class SidecarServer:
         self.peer_port = 0
         self.tcp_port = 0
         self.metrics_port = 0
-
-    def _serve_fetch(self, req: pb.FetchRequest) -> tuple[pb.RestoreHeader, Iterator[memoryview], bytes]:
-        data, key = self.engine.serve_fetch(req)
-        return restore_header(data), data.chunks, key
 
     def start(self) -> SidecarServer:
         path = Path(self.socket_path)

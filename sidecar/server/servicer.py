@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -11,9 +10,9 @@ import grpc
 
 from sidecar import __version__
 from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, pb, pb_grpc
-from sidecar.engine import Engine, Identity, RestoreData, TensorSpec, check_protocol
+from sidecar.engine import Engine, Identity, TensorSpec, check_protocol, restore_header
 from sidecar.errors import Aborted, InvalidArgument, NotFound
-from sidecar.manifest import Commit, ReplicaEntry, TensorEntry
+from sidecar.manifest import Commit, ReplicaEntry
 
 CAPABILITIES = ["save.stream", "restore.stream", "restore.memory", "save.replicas"]
 _COMMIT_STATES = {
@@ -40,41 +39,8 @@ def _info(commit: Commit, in_memory: bool) -> pb.CheckpointInfo:
     )
 
 
-def _metas(tensors: list[TensorEntry]) -> list[pb.TensorMeta]:
-    return [
-        pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, offset=t.offset)
-        for t in tensors
-    ]
-
-
 def _replica(r: pb.ReplicaRef) -> ReplicaEntry:
     return ReplicaEntry(r.name, r.index, r.owner, r.dtype, list(r.shape), r.nbytes, r.sample)
-
-
-def _replica_ref(r: ReplicaEntry) -> pb.ReplicaRef:
-    return pb.ReplicaRef(
-        name=r.name,
-        index=r.index,
-        owner=r.owner,
-        dtype=r.dtype,
-        shape=r.shape,
-        nbytes=r.nbytes,
-        sample=r.sample,
-    )
-
-
-def restore_header(data: RestoreData) -> pb.RestoreHeader:
-    """What a restore stream (or a peer's fetch) starts with."""
-    return pb.RestoreHeader(
-        step=data.step,
-        tensors=_metas(data.tensors),
-        tree=json.dumps(data.tree).encode(),
-        total_bytes=data.total_bytes,
-        source=data.source,
-        fallback_reason=data.fallback_reason,
-        replicas=[_replica_ref(r) for r in data.replicas],
-        attempt=data.attempt,
-    )
 
 
 class CheckpointerServicer(pb_grpc.CheckpointerServicer):
@@ -176,6 +142,8 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         for blob in data.chunks:
             for start in range(0, len(blob), self.chunk_bytes):
                 yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))
+        if not request.HasField("of_rank"):  # served whole: the heartbeats say where it came from
+            self.engine.reports.note_restore(_identity(request.identity).slot, data.step, data.source)
 
     def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: grpc.ServicerContext
@@ -217,10 +185,17 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         try:
             yield pb.AttachEvent(attempt=epoch.attempt)
             known: tuple[int, ...] = ()
+            told = ""
             try:
                 while not ended.is_set() and context.is_active():
                     if self.engine.stopping:
                         return
+                    # The operator restarts the gang in place: the trainer exits (and its
+                    # container restarts) to run as the new generation.
+                    restart = self.engine.reports.restart_for(identity.job_key, epoch.generation)
+                    if restart and restart != told:
+                        told = restart
+                        yield pb.AttachEvent(attempt=epoch.attempt, restart_generation=restart)
                     # Tell the trainer at once when a peer of its attempt is gone: a save on
                     # SIGTERM then knows no step can commit and lets the gang restart at once.
                     gone = self.engine.peers_gone(identity, epoch.attempt, known, 1.0, until=ended)

@@ -1180,17 +1180,21 @@ class ShareRank(_message.Message):
 
     RANK_FIELD_NUMBER: _builtins.int
     NBYTES_FIELD_NUMBER: _builtins.int
+    RESTORE_HEADER_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     nbytes: _builtins.int
+    restore_header: _builtins.bytes
+    """Replicas only: the rank's RestoreHeader (serialized), so the holder can answer a Fetch."""
     def __init__(
         self,
         *,
         rank: _builtins.int = ...,
         nbytes: _builtins.int = ...,
+        restore_header: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nbytes", b"nbytes", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nbytes", b"nbytes", "rank", b"rank", "restore_header", b"restore_header"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,614 @@
+"""Redundancy between members (sidecar.redundancy has the layout and the files): this member's
+committed share pushed to the members that protect it after each commit (throttled, in the
+background, never on the commit path), what other members push held for them, and this member's
+share rebuilt from the others after its pod was lost (buddy copy, or parity + survivors)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from sidecar import manifest as mf
+from sidecar import redundancy as rd
+from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, channel_options, pb, pb_grpc
+from sidecar.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StrataError,
+    Unauthenticated,
+)
+from sidecar.gang import FETCH_WINDOW_S, STREAM_MAC_KEY, Position, fetch_mac
+
+from .held import Held
+from .state import Shared
+from .types import JobKey, RestoreData, Snapshot, restore_header
+
+log = logging.getLogger(__name__)
+
+#: how long a push waits for every rank this member serves to commit the step
+SHARE_WAIT_S = 10.0
+
+
+def _stream_mac(key: bytes, mac: str) -> Any:
+    """The running MAC of a push's or a parity answer's bytes."""
+    out = hashlib.blake2b(key=key, digest_size=32)
+    out.update(mac.encode())
+    return out
+
+
+class Share:
+    """A member's share: its ranks' snapshot bytes in rank order, read as one range."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views = views
+        self.starts = []
+        pos = 0
+        for v in views:
+            self.starts.append(pos)
+            pos += len(v)
+        self.nbytes = pos
+
+    def read(self, start: int, end: int) -> bytes:
+        out = bytearray()
+        for s, v in zip(self.starts, self.views, strict=True):
+            a, b = max(start, s), min(end, s + len(v))
+            if a < b:
+                out += v[a - s : b - s]
+        return bytes(out)
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        for start in range(0, self.nbytes, size):
+            yield self.read(start, min(self.nbytes, start + size))
+
+
+class Redundancy:
+    def __init__(self, shared: Shared, held: Held) -> None:
+        self.shared = shared
+        self.held = held
+        s = shared.settings
+        self.mode = s.redundancy
+        self.members: rd.Members | None = None
+        self.holdings: rd.Holdings | None = None
+        self.throttle = rd.Throttle(s.redundancy_rate_mb_s * 1e6)
+        self._channels: dict[str, pb_grpc.PeerStub] = {}
+        self._queue: queue.Queue[tuple[JobKey, Position] | None] = queue.Queue()
+        self._pending: set[tuple[JobKey, Position]] = set()
+        self._lock = threading.Lock()
+        #: the share rebuilt last (other ranks of this member restore from it too)
+        self._rebuilt: tuple[JobKey, Position, bytearray, dict[int, tuple[int, int]]] | None = None
+        self._rebuild_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if self.mode == "off":
+            return
+        self.members = rd.Members.parse(
+            s.members, s.member_count, s.member_index, os.environ.get("STRATA_RANK")
+        )
+        if self.mode == "parity":
+            rd.groups(self.members.n, s.parity_group)  # fewer than 3 members: refuse at start
+        elif self.members.n < 2:
+            raise ValueError("--redundancy buddy needs at least 2 members")
+        root = Path(s.redundancy_dir or os.path.join(s.shm_dir or tempfile.gettempdir(), "strata-redundancy"))
+        self.holdings = rd.Holdings(root, shared.memory, shared.metrics.redundancy_held_bytes.set)
+        self._thread = threading.Thread(target=self._run, name="strata-redundancy", daemon=True)
+        self._thread.start()
+        log.info(
+            "redundancy %s: member %d of %d, holding for others in %s, pushes at most %s MB/s",
+            self.mode,
+            self.members.index,
+            self.members.n,
+            root,
+            s.redundancy_rate_mb_s or "unlimited",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.members is not None
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+        if self.holdings is not None:
+            self.holdings.close()
+
+    def _stub(self, address: str) -> pb_grpc.PeerStub:
+        with self._lock:
+            stub = self._channels.get(address)
+            if stub is None:
+                channel = grpc.insecure_channel(address, options=channel_options(DEFAULT_MAX_MESSAGE_BYTES))
+                stub = self._channels[address] = pb_grpc.PeerStub(channel)
+            return stub
+
+    # --- pushing this member's share ---------------------------------------------------------
+
+    def committed(self, snap: Snapshot) -> None:
+        """A rank of this member committed ``snap``: protect the step once every rank did."""
+        if not self.enabled:
+            return
+        item = (snap.identity.job_key, snap.position)
+        with self._lock:
+            if item in self._pending:
+                return
+            self._pending.add(item)
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self.protect(*item)
+            except Exception:  # the thread must outlive any surprise; storage has the step anyway
+                log.exception("redundancy for step %d failed", item[1][1])
+            finally:
+                with self._lock:
+                    self._pending.discard(item)
+
+    def _share(self, job_key: JobKey, position: Position) -> list[Snapshot] | None:
+        """The committed snapshots of ``position`` of every rank this member serves, once all are
+        committed; None when a newer step superseded it or a rank does not commit it in time."""
+        deadline = time.monotonic() + SHARE_WAIT_S
+        while True:
+            with self.shared.lock:
+                slots = {slot: held for slot, held in self.held.slots.items() if slot[:2] == job_key}
+                found: list[Snapshot] = []
+                newer = False
+                for slot in sorted(slots):
+                    committed = [s for s in slots[slot] if s.state == "committed"]
+                    newer |= any(s.position > position for s in committed)
+                    found += [s for s in committed if s.position == position]
+            if newer:
+                return None
+            if len(found) == len(slots):
+                return found
+            if time.monotonic() > deadline or self.shared.stopping.is_set():
+                log.warning("step %d: not every rank here committed it; it is not protected", position[1])
+                return None
+            time.sleep(0.05)
+
+    def protect(self, job_key: JobKey, position: Position) -> None:
+        """Push this member's share of ``position`` to the members that protect it."""
+        assert self.members is not None
+        job = job_key[1]
+        snaps = self._share(job_key, position)
+        if not snaps:
+            return
+        kind = "replica" if self.mode == "buddy" else "parity"
+        for snap in snaps:
+            if any(t.lossy or not (t.xxh3 or t.crc32) for t in snap.stored):
+                # A lossy tensor's restored values come from its stored form: read storage.
+                log.info(
+                    "rank %d step %d: lossy or undigested tensors; not protected",
+                    snap.identity.rank,
+                    snap.step,
+                )
+                self.shared.metrics.redundancy_pushes.labels(job, kind, "skipped").inc()
+                return
+        views = [memoryview(s.buffer)[: s.total_bytes] for s in snaps]
+        share = Share(views)
+        ranks = []
+        for snap in snaps:
+            rank = snap.identity.rank
+            blob = b""
+            if kind == "replica":
+                data = RestoreData(
+                    snap.step,
+                    snap.tensors,
+                    snap.tree,
+                    snap.total_bytes,
+                    "peer",
+                    "",
+                    iter(()),
+                    snap.restores,
+                    None,
+                    [r for r in snap.replicas if r.owner != rank],
+                    snap.attempt,
+                )
+                blob = restore_header(data).SerializeToString()
+            ranks.append(pb.ShareRank(rank=rank, nbytes=snap.total_bytes, restore_header=blob))
+        started = time.monotonic()
+        try:
+            key = self.shared.peer_key(job_key)
+        except (StrataError, OSError) as exc:
+            log.warning("step %d not protected: no peer key (%s)", position[1], exc)
+            self.shared.metrics.redundancy_pushes.labels(job, kind, "failed").inc()
+            return
+        me = self.members.index
+        if kind == "replica":
+            targets: list[tuple[int, int | None]] = [(self.members.buddy(me), None)]
+            g = 0
+        else:
+            group = self.members.group(self.shared.settings.parity_group)
+            g = len(group)
+            p = group.index(me)
+            targets = [(m, group.index(m)) for m in group if m != me]
+        ok = True
+        for member, hpos in targets:
+            header = pb.ProtectHeader(
+                namespace=job_key[0],
+                job=job,
+                attempt=position[0],
+                step=position[1],
+                world_size=snaps[0].identity.world_size,
+                member=me,
+                kind=kind,
+                group_size=g,
+                block_bytes=rd.BLOCK_BYTES if kind == "parity" else 0,
+                ranks=ranks,
+                share_bytes=share.nbytes,
+                issued_at=time.time(),
+            )
+            header.mac = rd.header_mac(key, header)
+            if hpos is None:
+                chunks: Iterable[bytes] = share.chunks(DEFAULT_CHUNK_BYTES)
+            else:
+                blocks = rd.blocks_for(p, hpos, g, share.nbytes, rd.BLOCK_BYTES)
+                chunks = (
+                    share.read(t * rd.BLOCK_BYTES, min(share.nbytes, (t + 1) * rd.BLOCK_BYTES))
+                    for t in blocks
+                )
+            ok &= self._push(self.members.addresses[member], header, chunks, key, snaps)
+        self.shared.metrics.redundancy_pushes.labels(job, kind, "ok" if ok else "failed").inc()
+        if ok:
+            self.shared.metrics.redundancy_push_duration.labels(job).observe(time.monotonic() - started)
+            log.info(
+                "step %d: %s of this member's %d bytes pushed to member(s) %s in %.2f s",
+                position[1],
+                kind,
+                share.nbytes,
+                [m for m, _ in targets],
+                time.monotonic() - started,
+            )
+
+    def _push(
+        self,
+        address: str,
+        header: pb.ProtectHeader,
+        chunks: Iterable[bytes],
+        key: bytes,
+        snaps: list[Snapshot],
+    ) -> bool:
+        mac = _stream_mac(key, header.mac)
+        intact = True
+
+        def stream() -> Iterator[pb.ProtectRequest]:
+            nonlocal intact
+            yield pb.ProtectRequest(header=header)
+            for chunk in chunks:
+                self.throttle.take(len(chunk))
+                mac.update(chunk)
+                yield pb.ProtectRequest(chunk=chunk)
+            # A trainer may write a shared segment once a newer step committed: what was sent must
+            # still be what was saved, or the holder drops it (no trailer: the push fails).
+            intact = all(self._intact(s) for s in snaps)
+            if intact:
+                yield pb.ProtectRequest(stream_mac=mac.hexdigest())
+
+        budget = 60.0 + header.share_bytes / max(self.throttle.rate or 1e9, 1e6)
+        try:
+            self._stub(address).Protect(stream(), timeout=budget)
+        except grpc.RpcError as exc:
+            why = (
+                "the snapshot changed while it was sent"
+                if not intact
+                else f"{exc.code().name}: {exc.details()}"
+            )
+            log.warning("step %d: push to member %s failed: %s", header.step, address, why)
+            return False
+        return True
+
+    @staticmethod
+    def _intact(snap: Snapshot) -> bool:
+        view = memoryview(snap.buffer)
+        return all(mf.check_digest(t, view[t.offset : t.offset + t.nbytes]) is None for t in snap.stored)
+
+    # --- holding what others push ------------------------------------------------------------
+
+    def _authentic(self, job_key: JobKey, issued_at: float, sign: Any, mac: str) -> bytes:
+        """The job's peer key, when ``mac`` is ``sign(key)`` and the request is fresh."""
+        if not abs(time.time() - issued_at) <= FETCH_WINDOW_S:
+            raise Unauthenticated(f"request issued {time.time() - issued_at:.0f} s from now")
+        try:
+            key = self.shared.peer_key(job_key, create=False)
+            if not hmac.compare_digest(sign(key), mac):
+                key = self.shared.peer_key(job_key, create=False, fresh=True)
+        except NotFound:
+            raise Unauthenticated(f"{job_key[1]} has no peer key yet: nothing can be signed") from None
+        if not hmac.compare_digest(sign(key), mac):
+            raise Unauthenticated("request not signed with this job's peer key")
+        return key
+
+    def on_protect(self, requests: Iterator[pb.ProtectRequest]) -> pb.ProtectResponse:
+        """A member pushes what this member holds for it."""
+        if self.holdings is None or self.members is None:
+            raise FailedPrecondition("this sidecar holds no redundancy (--redundancy off)")
+        first = next(requests, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise InvalidArgument("a push starts with its header")
+        h = first.header
+        try:
+            mf.check_name("namespace", h.namespace)
+            mf.check_name("job", h.job)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        job_key = (h.namespace, h.job)
+        key = self._authentic(job_key, h.issued_at, lambda k: rd.header_mac(k, h), h.mac)
+        me = self.members.index
+        if h.kind == "replica":
+            if h.member >= self.members.n or self.members.buddy(h.member) != me:
+                raise InvalidArgument(f"member {me} is not member {h.member}'s buddy")
+            hkey: rd.Key = (h.namespace, h.job, "replica", h.member)
+            expected = 1
+            blocks: Iterator[int] | None = None
+        elif h.kind == "parity":
+            group = self.members.group(self.shared.settings.parity_group)
+            if h.member not in group or h.member == me or h.group_size != len(group):
+                raise InvalidArgument(f"member {h.member} does not send parity to member {me}")
+            if h.block_bytes < 1:
+                raise InvalidArgument("a parity push names its block size")
+            g = len(group)
+            hkey = (h.namespace, h.job, "parity", group[0])
+            expected = g - 1
+            blocks = iter(
+                rd.blocks_for(group.index(h.member), group.index(me), g, h.share_bytes, h.block_bytes)
+            )
+        else:
+            raise InvalidArgument(f"push kind must be replica or parity, got {h.kind!r}")
+        assert self.holdings is not None
+        entry = self.holdings.begin(hkey, (h.attempt, h.step), expected)
+        mac = _stream_mac(key, h.mac)
+        written = 0
+        what = f"member {h.member}'s {h.kind} of step {h.step}"
+        try:
+            if h.kind == "replica":
+                self.holdings.grow(entry, h.share_bytes, what)
+            fd = os.open(entry.data, os.O_RDWR)
+            try:
+                trailer = ""
+                for msg in requests:
+                    which = msg.WhichOneof("msg")
+                    if which == "stream_mac":
+                        trailer = msg.stream_mac
+                        break
+                    if which != "chunk":
+                        raise InvalidArgument("a push is its header, chunks, then the stream MAC")
+                    chunk = msg.chunk
+                    mac.update(chunk)
+                    if blocks is None:
+                        if written + len(chunk) > h.share_bytes:
+                            raise InvalidArgument("more bytes than the header declared")
+                        os.pwrite(fd, chunk, written)
+                    else:
+                        t = next(blocks, None)
+                        if t is None or len(chunk) > h.block_bytes:
+                            raise InvalidArgument("more blocks than the header declared")
+                        offset = rd.slot(t, h.group_size) * h.block_bytes
+                        self.holdings.grow(entry, offset + len(chunk), what)
+                        with entry.lock:
+                            current = bytearray(os.pread(fd, len(chunk), offset).ljust(len(chunk), b"\0"))
+                            rd.xor_into(memoryview(current), chunk)
+                            os.pwrite(fd, current, offset)
+                    written += len(chunk)
+                if not trailer or not hmac.compare_digest(trailer, mac.hexdigest()):
+                    raise InvalidArgument(
+                        "the push ended without the job's stream MAC (cut short or changed)"
+                    )
+                if blocks is None and written != h.share_bytes:
+                    raise InvalidArgument(f"the push carried {written} of {h.share_bytes} bytes")
+                if blocks is not None and next(blocks, None) is not None:
+                    raise InvalidArgument("the push ended before its last block")
+            finally:
+                os.close(fd)
+        except (StrataError, OSError) as exc:
+            self.holdings.abandon(hkey, entry)
+            if isinstance(exc, OSError):
+                raise ResourceExhausted(f"cannot hold {what}: {exc}") from None
+            raise
+        except BaseException:
+            self.holdings.abandon(hkey, entry)
+            raise
+        if self.holdings.contributed(hkey, entry, h):
+            log.info("holding %s of step %d for %s (%d bytes)", h.kind, h.step, h.job, entry.size)
+        return pb.ProtectResponse(stored_bytes=written)
+
+    def serve_parity(self, req: pb.ParityRequest) -> tuple[pb.ParityHeader, Iterator[bytes], bytes]:
+        if self.holdings is None or self.members is None:
+            raise NotFound("this sidecar holds no redundancy")
+        job_key = (req.namespace, req.job)
+        if not self.holdings.knows(*job_key):
+            raise NotFound(f"{req.namespace}/{req.job}: nothing held here")
+        key = self._authentic(job_key, req.issued_at, lambda k: rd.parity_mac(k, req), req.mac)
+        entry = self.holdings.parity(req.namespace, req.job, (req.attempt, req.step))
+        if entry is None:
+            raise NotFound(f"no complete parity of step {req.step} (attempt {req.attempt}) held here")
+        header = pb.ParityHeader(
+            holder=self.members.index, parity_bytes=entry.size, contributors=entry.headers
+        )
+        return header, rd.read_chunks(entry.data, 0, entry.size, DEFAULT_CHUNK_BYTES), key
+
+    def replica_fetch(self, req: pb.FetchRequest) -> tuple[pb.RestoreHeader, Iterator[bytes]] | None:
+        """A copy of the rank's snapshot this member holds for its buddy (auth checked already)."""
+        if self.holdings is None:
+            return None
+        found = self.holdings.replica(req.namespace, req.job, req.rank, (int(req.attempt), int(req.step)))
+        if found is None:
+            return None
+        entry, offset, rank = found
+        header = pb.RestoreHeader()
+        header.ParseFromString(rank.restore_header)
+        return header, rd.read_chunks(entry.data, offset, rank.nbytes, DEFAULT_CHUNK_BYTES)
+
+    def knows(self, namespace: str, job: str) -> bool:
+        return self.holdings is not None and self.holdings.knows(namespace, job)
+
+    # --- rebuilding this member's share ------------------------------------------------------
+
+    def rebuild(
+        self, job_key: JobKey, rank: int, world_size: int, position: Position, budget_s: float
+    ) -> memoryview | None:
+        """Rank ``rank``'s snapshot of ``position`` rebuilt from the parity the other members of
+        this member's group hold and their own snapshots; None when it cannot be (a second member
+        of the group is lost, a survivor no longer holds the step, no complete parity)."""
+        if self.mode != "parity" or self.members is None:
+            return None
+        with self._rebuild_lock:
+            done = self._rebuilt
+            if done is None or done[:2] != (job_key, position) or rank not in done[3]:
+                try:
+                    self._rebuilt = self._rebuild(job_key, world_size, position, budget_s)
+                except (grpc.RpcError, ValueError, StrataError, OSError) as exc:
+                    log.warning(
+                        "step %d: member %d's share cannot be rebuilt from parity: %s",
+                        position[1],
+                        self.members.index,
+                        exc,
+                    )
+                    self.shared.metrics.peer_rebuilds.labels(job_key[1], "parity", "failed").inc()
+                    return None
+                done = self._rebuilt
+            assert done is not None
+            if rank not in done[3]:
+                return None
+            offset, nbytes = done[3][rank]
+            return memoryview(done[2])[offset : offset + nbytes]
+
+    def _rebuild(
+        self, job_key: JobKey, world_size: int, position: Position, budget_s: float
+    ) -> tuple[JobKey, Position, bytearray, dict[int, tuple[int, int]]]:
+        assert self.members is not None
+        members = self.members
+        group = members.group(self.shared.settings.parity_group)
+        g = len(group)
+        me = members.index
+        p_me = group.index(me)
+        key = self.shared.peer_key(job_key)
+        started = time.monotonic()
+        parity: dict[int, bytes] = {}
+        contributors: dict[int, pb.ProtectHeader] = {}
+        for m in group:
+            if m == me:
+                continue
+            req = pb.ParityRequest(
+                namespace=job_key[0],
+                job=job_key[1],
+                attempt=position[0],
+                step=position[1],
+                member=me,
+                issued_at=time.time(),
+            )
+            req.mac = rd.parity_mac(key, req)
+            stream = self._stub(members.addresses[m]).Parity(req, timeout=budget_s)
+            head = next(stream)
+            if head.WhichOneof("msg") != "header":
+                raise ValueError(f"member {m} answered without a header")
+            mac = _stream_mac(key, req.mac)
+            body = bytearray()
+            for msg in stream:
+                mac.update(msg.chunk)
+                body += msg.chunk
+            trailer = dict(stream.trailing_metadata() or ())
+            if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
+                raise ValueError(f"member {m}'s parity does not carry the job's stream MAC")
+            parity[group.index(m)] = bytes(body)
+            for c in head.header.contributors:
+                contributors.setdefault(c.member, c)
+        mine = contributors.get(me)
+        if mine is None or any(m not in contributors for m in group if m != me and g > 2):
+            raise ValueError("the parity held does not cover every member of the group")
+        block = mine.block_bytes
+        size = mine.share_bytes
+        memory = self.shared.memory.reserve("restore", size, f"rebuilding step {position[1]} from parity")
+        out = bytearray(size)
+        view = memoryview(out)
+        for hpos, held in parity.items():
+            for t in rd.blocks_for(p_me, hpos, g, size, block):
+                q = rd.slot(t, g)
+                n = min(block, size - t * block)
+                stored = held[q * block : q * block + n]  # shorter: the rest XORed with zeros
+                rd.xor_into(view[t * block : t * block + len(stored)], stored)
+        for m in group:
+            if m == me:
+                continue
+            p = group.index(m)
+            head = contributors[m]
+            t_p = 0
+            pending = b""
+            for chunk in self._fetch_share(job_key, world_size, position, m, head, key, budget_s):
+                pending += chunk
+                while len(pending) >= block or (pending and t_p * block + len(pending) >= head.share_bytes):
+                    piece, pending = pending[:block], pending[block:]
+                    h = rd.holder(p, t_p, g)
+                    if h != p_me:
+                        t_me = rd.block_at(p_me, h, rd.slot(t_p, g), g)
+                        if t_me * block < size:
+                            n = min(block, size - t_me * block, len(piece))
+                            rd.xor_into(view[t_me * block : t_me * block + n], piece[:n])
+                    t_p += 1
+        offsets, pos = {}, 0
+        for r in mine.ranks:
+            offsets[r.rank] = (pos, r.nbytes)
+            pos += r.nbytes
+        memory.release()  # the rebuilt share is handed to the restores, which charge their copies
+        self.shared.metrics.peer_rebuilds.labels(job_key[1], "parity", "ok").inc()
+        log.info(
+            "step %d: member %d's share (%d bytes) rebuilt from parity and members %s in %.2f s",
+            position[1],
+            me,
+            size,
+            [m for m in group if m != me],
+            time.monotonic() - started,
+        )
+        return job_key, position, out, offsets
+
+    def _fetch_share(
+        self,
+        job_key: JobKey,
+        world_size: int,
+        position: Position,
+        member: int,
+        head: pb.ProtectHeader,
+        key: bytes,
+        budget_s: float,
+    ) -> Iterator[bytes]:
+        """A surviving member's share, rank by rank, from its memory."""
+        assert self.members is not None
+        for r in head.ranks:
+            req = pb.FetchRequest(
+                namespace=job_key[0],
+                job=job_key[1],
+                rank=r.rank,
+                world_size=world_size,
+                attempt=position[0],
+                step=position[1],
+                issued_at=time.time(),
+            )
+            req.mac = fetch_mac(key, req)
+            stream = self._stub(self.members.addresses[member]).Fetch(req, timeout=budget_s)
+            head_msg = next(stream)
+            if head_msg.WhichOneof("msg") != "header" or head_msg.header.total_bytes != r.nbytes:
+                raise ValueError(f"member {member} holds another rank {r.rank} for step {position[1]}")
+            mac = _stream_mac(key, req.mac)
+            got = 0
+            for msg in stream:
+                mac.update(msg.chunk)
+                got += len(msg.chunk)
+                yield msg.chunk
+            trailer = dict(stream.trailing_metadata() or ())
+            if got != r.nbytes or not hmac.compare_digest(
+                str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()
+            ):
+                raise ValueError(f"member {member}'s rank {r.rank} came back short or without the stream MAC")

@@ -1,0 +1,331 @@
+"""Redundancy between members over real gRPC: a lost member's share (its sidecar gone with its
+memory and its redundancy directory) comes back bit for bit from the other members' memory
+(buddy copy or parity rebuild) without reading its objects from storage; two lost members of a
+group read storage; a holder restarted mid-build keeps its complete parity, and no half-built
+one serves."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from conftest import free_port, settled
+
+from sidecar import redundancy as rd
+from sidecar.api import pb, pb_grpc
+from sidecar.config import SidecarSettings
+from sidecar.metrics import Metrics
+from sidecar.server import SidecarServer
+from sidecar.store import open_store
+from trainer_client import CheckpointClient
+
+MIB = 1 << 20
+
+
+class Pods:
+    """N simulated pods: one sidecar each (one rank each), members of one job."""
+
+    def __init__(self, root: Path, n: int, mode: str, **options: Any) -> None:
+        self.root, self.n, self.mode, self.options = root, n, mode, options
+        self.storage = f"file://{root}/store"
+        self.ports = [free_port() for _ in range(n)]
+        self.members = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.servers: list[SidecarServer | None] = [None] * n
+        self.gets: list[list[str]] = [[] for _ in range(n)]
+        self.clients: list[CheckpointClient] = []
+        for i in range(n):
+            self.start(i)
+
+    def start(self, i: int, **options: Any) -> SidecarServer:
+        (self.root / f"shm{i}").mkdir(exist_ok=True)
+        settings = SidecarSettings(
+            storage=self.storage,
+            socket=str(self.root / f"sc{i}.sock"),
+            shm_dir=str(self.root / f"shm{i}"),
+            metrics_port=0,
+            keep=0,
+            peer_port=self.ports[i],
+            redundancy=self.mode,
+            members=self.members,
+            member_index=i,
+            redundancy_dir=str(self.root / f"red{i}"),
+            redundancy_rate_mb_s=0.0,
+            **{**self.options, **options},
+        )
+        server = SidecarServer(settings, metrics=Metrics()).start()
+        gets = self.gets[i] = []
+        for name in ("get", "get_range"):
+            original = getattr(server.store, name)
+
+            def counted(key: str, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                gets.append(key)
+                return _original(key, *args, **kwargs)
+
+            setattr(server.store, name, counted)
+        self.servers[i] = server
+        return server
+
+    def stop(self, i: int, wipe: bool) -> None:
+        """Stop member ``i``'s sidecar; ``wipe``: its pod is gone (memory and emptyDir)."""
+        server = self.servers[i]
+        assert server is not None
+        server.stop(grace=0)
+        self.servers[i] = None
+        if wipe:
+            shutil.rmtree(self.root / f"red{i}", ignore_errors=True)
+
+    def client(self, i: int, job: str, generation: str) -> CheckpointClient:
+        server = self.servers[i]
+        assert server is not None
+        client = CheckpointClient(
+            job=job,
+            socket=server.socket_path,
+            rank=i,
+            world_size=self.n,
+            generation=generation,
+            capture_rng=False,
+            connect_timeout_s=10.0,
+            commit_timeout_s=60.0,
+        )
+        self.clients.append(client)
+        return client
+
+    def pushed(self, job: str, kind: str) -> list[float]:
+        return [
+            s.metrics.redundancy_pushes.labels(job, kind, "ok")._value.get() if s is not None else 0.0
+            for s in self.servers
+        ]
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close(wait=False)
+        for s in self.servers:
+            if s is not None:
+                s.stop(grace=0)
+
+
+@pytest.fixture
+def pods(short_tmp):
+    made: list[Pods] = []
+
+    def make(n: int, mode: str, **options: Any) -> Pods:
+        made.append(Pods(short_tmp, n, mode, **options))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    """Sizes differ by rank (parity pads shorter shares) and span several parity blocks."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {
+        "w": torch.randn((2 * MIB + rank * 300_000) // 4, generator=g),
+        "b": torch.randint(0, 1 << 30, (1000 + rank,), generator=g),
+        "step": step,
+    }
+
+
+def blank(rank: int) -> dict[str, Any]:
+    return {
+        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state_of(rank, 0).items()
+    }
+
+
+def save_all(pods: Pods, job: str, step: int, generation: str = "run/0") -> list[CheckpointClient]:
+    clients = [pods.client(i, job, generation) for i in range(pods.n)]
+    handles = [c.save(step, state_of(i, step)) for i, c in enumerate(clients)]
+    for h in handles:
+        h.durable.result(60)
+    return clients
+
+
+def restore_all(pods: Pods, job: str, generation: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A gang restart: every rank restores through its own sidecar at once."""
+    out: list[Any] = [None] * pods.n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            target = blank(i)
+            client = pods.client(i, job, generation)
+            client.restore(target)
+            out[i] = (target, dict(client.last_restore))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(pods.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return out
+
+
+def data_gets(pods: Pods, i: int, job: str) -> list[str]:
+    """Objects of rank ``i``'s snapshots read from storage by member ``i`` (MANIFEST and COMMIT,
+    a few hundred bytes that say what to expect, are not data)."""
+    return [
+        k for k in pods.gets[i] if f"/{job}/steps/" in k and f"rank-{i}/" in k and not k.endswith("MANIFEST")
+    ]
+
+
+def check_equal(target: dict[str, Any], rank: int, step: int) -> None:
+    want = state_of(rank, step)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(target[k], v), (rank, k)
+        else:
+            assert target[k] == v
+
+
+@pytest.mark.parametrize("mode,n", [("buddy", 3), ("parity", 4)])
+def test_a_lost_member_comes_back_bit_for_bit_from_the_others_without_storage(pods, job_name, mode, n):
+    p = pods(n, mode, parity_group=4)
+    kind = "replica" if mode == "buddy" else "parity"
+    first = save_all(p, job_name, 5)
+    assert settled(lambda: p.pushed(job_name, kind), [1.0] * n) == [1.0] * n
+    for c in first:
+        c.close()
+    lost = 1
+    p.stop(lost, wipe=True)
+    p.start(lost)  # the replacement pod: empty memory, empty emptyDir
+    results = restore_all(p, job_name, "run/1")
+    for i, (target, info) in enumerate(results):
+        check_equal(target, i, 5)
+        assert info["source"] == ("peer" if i == lost else "memory"), (i, info)
+    assert data_gets(p, lost, job_name) == []
+    server = p.servers[lost]
+    assert server is not None
+    assert server.metrics.restores.labels(job_name, "peer")._value.get() == 1
+    how = "replica" if mode == "buddy" else "parity"
+    assert server.metrics.peer_rebuilds.labels(job_name, how, "ok")._value.get() == 1
+
+
+def test_a_restarted_buddy_keeps_its_copies_and_serves_them(pods, job_name):
+    p = pods(2, "buddy")
+    for c in save_all(p, job_name, 3):
+        c.close()
+    assert settled(lambda: p.pushed(job_name, "replica"), [1.0, 1.0]) == [1.0, 1.0]
+    p.stop(1, wipe=False)  # member 1 holds member 0's copy: a container restart keeps the emptyDir
+    p.start(1)
+    holdings = p.servers[1].engine.redundancy.holdings  # type: ignore[union-attr]
+    assert holdings is not None and [k[2:] for k in holdings.complete] == [("replica", 0)]
+    p.stop(0, wipe=True)
+    p.start(0)
+    results = restore_all(p, job_name, "run/1")
+    check_equal(results[0][0], 0, 3)
+    assert results[0][1]["source"] == "peer"
+    assert data_gets(p, 0, job_name) == []
+    # member 1 restarted too: its own snapshot is gone from its memory, and member 0 held its copy
+    # in a directory that went with member 0's pod, so member 1 reads storage.
+    assert results[1][1]["source"] == "storage"
+
+
+def test_two_lost_members_of_a_group_read_storage_and_say_why(pods, job_name, caplog):
+    p = pods(4, "parity", parity_group=4)
+    for c in save_all(p, job_name, 2):
+        c.close()
+    assert settled(lambda: p.pushed(job_name, "parity"), [1.0] * 4) == [1.0] * 4
+    for lost in (1, 2):
+        p.stop(lost, wipe=True)
+        p.start(lost)
+    with caplog.at_level(logging.WARNING, logger="sidecar.engine.redundancy"):
+        results = restore_all(p, job_name, "run/1")
+    for i, (target, info) in enumerate(results):
+        check_equal(target, i, 2)
+        assert info["source"] == ("storage" if i in (1, 2) else "memory"), (i, info)
+    assert "share cannot be rebuilt" in caplog.text
+    assert data_gets(p, 1, job_name)  # it did read its objects
+
+
+def test_a_holder_restarted_mid_build_keeps_its_complete_parity_and_never_serves_a_half_built_one(
+    pods, job_name
+):
+    p = pods(3, "parity", parity_group=3)
+    for c in save_all(p, job_name, 1):
+        c.close()
+    assert settled(lambda: p.pushed(job_name, "parity"), [1.0] * 3) == [1.0] * 3
+    holder = 2
+    before = (p.root / f"red{holder}").rglob("data")
+    complete = {str(f): f.read_bytes() for f in before}
+    assert len(complete) == 1
+    # Step 2's pushes crawl (1 MB/s): member 2 is restarted while they build its parity.
+    for i in range(3):
+        if i != holder:
+            server = p.servers[i]
+            assert server is not None
+            server.engine.redundancy.throttle.rate = 1e6
+    clients = save_all(p, job_name, 2, generation="run/0")
+    deadline = time.monotonic() + 30
+    while not list((p.root / f"red{holder}").rglob(".b-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list((p.root / f"red{holder}").rglob(".b-*")), "no build seen"
+    for c in clients:
+        c.close(wait=False)
+    p.stop(holder, wipe=False)
+    restarted = p.start(holder)
+    holdings = restarted.engine.redundancy.holdings
+    assert holdings is not None
+    entries = list(holdings.complete.values())
+    assert [e.position[1] for e in entries] == [1]
+    assert {str(entries[0].data): entries[0].data.read_bytes()} == complete
+    assert not list((p.root / f"red{holder}").rglob(".b-*"))  # the half-built one is gone
+    # It answers for step 1 with the parity of members 0 and 1 as they were at step 1 ...
+    store = open_store(p.storage)
+    from sidecar import manifest as mf
+
+    key = mf.peer_key(store, "default", job_name, create=False)
+    stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[holder]}"))
+
+    def ask(step: int, mac_key: bytes = key) -> list[pb.ParityResponse]:
+        attempt = entries[0].position[0]
+        req = pb.ParityRequest(namespace="default", job=job_name, attempt=attempt, step=step, member=0)
+        req.issued_at = time.time()
+        req.mac = rd.parity_mac(mac_key, req)
+        return list(stub.Parity(req, timeout=10))
+
+    answer = ask(1)
+    assert answer[0].header.holder == holder
+    assert sorted(c.member for c in answer[0].header.contributors) == [0, 1]
+    assert b"".join(m.chunk for m in answer[1:]) == next(iter(complete.values()))
+    # ... and has none for step 2, rather than a torn one; a request not signed with the job's
+    # key gets nothing.
+    with pytest.raises(grpc.RpcError) as missing:
+        ask(2)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as forged:
+        ask(1, mac_key=b"x" * 32)
+    assert forged.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_push_not_signed_with_the_jobs_key_is_refused(pods, job_name):
+    p = pods(2, "buddy")
+    for c in save_all(p, job_name, 1):
+        c.close()
+    header = pb.ProtectHeader(
+        namespace="default",
+        job=job_name,
+        attempt=0,
+        step=9,
+        world_size=2,
+        member=0,
+        kind="replica",
+        share_bytes=4,
+        issued_at=time.time(),
+    )
+    header.mac = rd.header_mac(b"k" * 32, header)
+    stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[1]}"))
+    stream = iter([pb.ProtectRequest(header=header), pb.ProtectRequest(chunk=b"evil")])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Protect(stream, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
