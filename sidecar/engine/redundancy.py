@@ -49,6 +49,10 @@ def _stream_mac(key: bytes, mac: str) -> Any:
     return out
 
 
+def _rpc_error(exc: grpc.RpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"
+
+
 class Share:
     """A member's share: its ranks' snapshot bytes in rank order, read as one range."""
 
@@ -470,9 +474,9 @@ class Redundancy:
             if done is None or done[:2] != (job_key, position) or rank not in done[3]:
                 try:
                     self._rebuilt = self._rebuild(job_key, world_size, position, budget_s)
-                except (grpc.RpcError, ValueError, StrataError, OSError) as exc:
+                except (ValueError, StrataError, OSError) as exc:
                     log.warning(
-                        "step %d: member %d's share cannot be rebuilt from parity: %s",
+                        "step %d: member %d's share cannot be rebuilt from parity (storage then): %s",
                         position[1],
                         self.members.index,
                         exc,
@@ -511,20 +515,12 @@ class Redundancy:
                 issued_at=time.time(),
             )
             req.mac = rd.parity_mac(key, req)
-            stream = self._stub(members.addresses[m]).Parity(req, timeout=budget_s)
-            head = next(stream)
-            if head.WhichOneof("msg") != "header":
-                raise ValueError(f"member {m} answered without a header")
-            mac = _stream_mac(key, req.mac)
-            body = bytearray()
-            for msg in stream:
-                mac.update(msg.chunk)
-                body += msg.chunk
-            trailer = dict(stream.trailing_metadata() or ())
-            if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
-                raise ValueError(f"member {m}'s parity does not carry the job's stream MAC")
-            parity[group.index(m)] = bytes(body)
-            for c in head.header.contributors:
+            try:
+                head, body = self._parity_of(members.addresses[m], req, key, budget_s)
+            except grpc.RpcError as exc:
+                raise ValueError(f"member {m} has no parity for it ({_rpc_error(exc)})") from None
+            parity[group.index(m)] = body
+            for c in head.contributors:
                 contributors.setdefault(c.member, c)
         mine = contributors.get(me)
         if mine is None or any(m not in contributors for m in group if m != me and g > 2):
@@ -544,12 +540,12 @@ class Redundancy:
             if m == me:
                 continue
             p = group.index(m)
-            head = contributors[m]
+            share_bytes = contributors[m].share_bytes
             t_p = 0
             pending = b""
-            for chunk in self._fetch_share(job_key, world_size, position, m, head, key, budget_s):
+            for chunk in self._fetch_share(job_key, world_size, position, m, contributors[m], key, budget_s):
                 pending += chunk
-                while len(pending) >= block or (pending and t_p * block + len(pending) >= head.share_bytes):
+                while len(pending) >= block or (pending and t_p * block + len(pending) >= share_bytes):
                     piece, pending = pending[:block], pending[block:]
                     h = rd.holder(p, t_p, g)
                     if h != p_me:
@@ -574,6 +570,23 @@ class Redundancy:
         )
         return job_key, position, out, offsets
 
+    def _parity_of(
+        self, address: str, req: pb.ParityRequest, key: bytes, budget_s: float
+    ) -> tuple[pb.ParityHeader, bytes]:
+        stream = self._stub(address).Parity(req, timeout=budget_s)
+        head = next(stream)
+        if head.WhichOneof("msg") != "header":
+            raise ValueError(f"{address} answered without a header")
+        mac = _stream_mac(key, req.mac)
+        body = bytearray()
+        for msg in stream:
+            mac.update(msg.chunk)
+            body += msg.chunk
+        trailer = dict(stream.trailing_metadata() or ())
+        if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
+            raise ValueError(f"{address}'s parity does not carry the job's stream MAC")
+        return head.header, bytes(body)
+
     def _fetch_share(
         self,
         job_key: JobKey,
@@ -585,6 +598,21 @@ class Redundancy:
         budget_s: float,
     ) -> Iterator[bytes]:
         """A surviving member's share, rank by rank, from its memory."""
+        try:
+            yield from self._fetch_ranks(job_key, world_size, position, member, head, key, budget_s)
+        except grpc.RpcError as exc:
+            raise ValueError(f"member {member} no longer holds it ({_rpc_error(exc)})") from None
+
+    def _fetch_ranks(
+        self,
+        job_key: JobKey,
+        world_size: int,
+        position: Position,
+        member: int,
+        head: pb.ProtectHeader,
+        key: bytes,
+        budget_s: float,
+    ) -> Iterator[bytes]:
         assert self.members is not None
         for r in head.ranks:
             req = pb.FetchRequest(

@@ -11,6 +11,13 @@ other rank is killed at once (surviving gloo/NCCL ranks would otherwise block
 until their timeout), the decision core (sidecar.coordinator) decides, and
 all ranks start again with a fresh rendezvous port; they resume from the
 newest step every rank committed.
+
+Restarts are in place by default (``--restart inplace``): the sidecars and what they hold in
+memory are kept, as an in-place restart of the trainer containers keeps a pod's sidecar, so
+ranks restore from memory. ``--restart pod`` also kills and restarts every sidecar with its
+redundancy directory wiped, as recreating the pods would: ranks restore from peers or storage.
+``--redundancy buddy|parity`` protects each simulated pod's committed snapshots in the others'
+memory (sidecar.redundancy).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,6 +63,7 @@ examples:
   strata launch --nproc 2 --storage s3://ckpt/jobs --s3-endpoint http://minio:9000 \\
       --job exp7 -- python train.py
   strata launch --nproc 2 --max-restarts 5 --hang-timeout-s 600 -- python train.py
+  strata launch --nproc 4 --sidecars 4 --redundancy parity -- python deploy/examples/train_ddp.py
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
 STRATA_SOCKET (its pod's sidecar), STRATA_ATTEMPT, STRATA_GENERATION and STRATA_PG_TIMEOUT_S
@@ -83,6 +92,10 @@ class LaunchSettings:
     #: on SIGTERM/SIGINT of the launcher: how long ranks may take to exit (a pod's
     #: terminationGracePeriodSeconds) before they are killed
     grace_period_s: float = 30.0
+    #: "inplace": sidecars (and their memory) survive a gang restart; "pod": they are recreated
+    restart: str = "inplace"
+    redundancy: str = "off"
+    parity_group: int = 4
 
     def sidecar_of(self, rank: int) -> int:
         """Ranks fill pods in order, as a Job's completion index would."""
@@ -244,6 +257,9 @@ class Launcher:
         self.seaweed: SeaweedServer | None = None
         self.sidecars: list[subprocess.Popen[bytes] | None] = [None] * settings.sidecars
         self.sock_dir = Path(tempfile.mkdtemp(prefix="strata-launch-", dir="/tmp"))
+        # Each simulated pod's memory-backed emptyDir for redundancy (tmpfs when there is one).
+        shm = Path("/dev/shm")
+        self.red_root = Path(tempfile.mkdtemp(prefix="strata-launch-", dir=shm if shm.is_dir() else None))
         self.sockets = [str(self.sock_dir / f"sidecar-{i}.sock") for i in range(settings.sidecars)]
         self.peer_ports = [_free_port() for _ in range(settings.sidecars)]
         self.storage = settings.storage
@@ -332,6 +348,20 @@ class Launcher:
         assert self.storage is not None
         socket_path = self.sockets[index]
         peers = ",".join(f"127.0.0.1:{p}" for i, p in enumerate(self.peer_ports) if i != index)
+        redundancy = []
+        if self.s.redundancy != "off":
+            redundancy = [
+                "--redundancy",
+                self.s.redundancy,
+                "--parity-group",
+                str(self.s.parity_group),
+                "--members",
+                ",".join(f"127.0.0.1:{p}" for p in self.peer_ports),
+                "--member-index",
+                str(index),
+                "--redundancy-dir",
+                str(self.red_root / f"pod-{index}"),
+            ]
         name = "sidecar.log" if self.s.sidecars == 1 else f"sidecar-{index}.log"
         with (self.s.workdir / name).open("a") as out:
             proc = subprocess.Popen(
@@ -351,6 +381,7 @@ class Launcher:
                     "--generation-file",
                     str(self.generation_file.resolve()),
                     *(["--peer-port", str(self.peer_ports[index]), "--peers", peers] if peers else []),
+                    *redundancy,
                 ],
                 env=env,
                 stdout=out,
@@ -364,6 +395,16 @@ class Launcher:
                 raise RuntimeError(f"sidecar {index} did not start; see {self.s.workdir / name}")
             time.sleep(0.05)
         log.info("sidecar %d on unix:%s (pid %d), storage %s", index, socket_path, proc.pid, self.storage)
+
+    def recreate_pods(self) -> None:
+        """What recreating every pod does to its sidecar: killed, its memory and emptyDir gone."""
+        for index, proc in enumerate(self.sidecars):
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            shutil.rmtree(self.red_root / f"pod-{index}", ignore_errors=True)
+        log.info("pod-level restart: every sidecar recreated with empty memory")
 
     def dead_sidecar(self) -> Failure | None:
         for index, proc in enumerate(self.sidecars):
@@ -420,6 +461,8 @@ class Launcher:
             decision = self.tracker.decide(outcome)
             if not decision.restart:
                 return outcome.exit_code or 1
+            if self.s.restart == "pod":
+                self.recreate_pods()
             for index, proc in enumerate(self.sidecars):
                 if proc is not None and proc.poll() is not None:
                     self.start_sidecar(index)
@@ -443,6 +486,7 @@ class Launcher:
             self.seaweed.stop()
         for path in self.sockets:
             Path(path).unlink(missing_ok=True)
+        shutil.rmtree(self.red_root, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.sock_dir.rmdir()
 
@@ -477,6 +521,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT: SIGTERM every rank and sidecar, give ranks this long to exit "
         "(a pod's terminationGracePeriodSeconds; default 30), then kill them",
     )
+    p.add_argument(
+        "--restart",
+        choices=("inplace", "pod"),
+        default="inplace",
+        help="inplace (default): a gang restart restarts the ranks and keeps the sidecars and their "
+        "memory; pod: it also recreates every sidecar with empty memory, as recreating pods does",
+    )
+    p.add_argument(
+        "--redundancy",
+        choices=("off", "buddy", "parity"),
+        default="off",
+        help="protect each simulated pod's committed snapshots in the other pods' memory: buddy (a "
+        "copy on the next pod) or parity (XOR over groups of --parity-group pods); needs --sidecars >= 2",
+    )
+    p.add_argument("--parity-group", type=int, default=4, help="pods per parity group (default 4)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
 
 
@@ -491,6 +550,10 @@ def main(args: argparse.Namespace) -> int:
             f"strata launch: --sidecars must be between 1 and --nproc ({args.nproc}), got {args.sidecars}"
         )
     mf.check_name("job", args.job)
+    if args.redundancy == "buddy" and args.sidecars < 2:
+        raise SystemExit("strata launch: --redundancy buddy needs --sidecars >= 2 (a copy on another pod)")
+    if args.redundancy == "parity" and args.sidecars < 3:
+        raise SystemExit("strata launch: --redundancy parity needs --sidecars >= 3 (use buddy for 2)")
     settings = LaunchSettings(
         nproc=args.nproc,
         command=command,
@@ -506,6 +569,9 @@ def main(args: argparse.Namespace) -> int:
         keep=args.keep,
         sidecars=args.sidecars,
         grace_period_s=args.grace_period_s,
+        restart=args.restart,
+        redundancy=args.redundancy,
+        parity_group=args.parity_group,
     )
     launcher = Launcher(settings)
     previous = {}

@@ -7,7 +7,11 @@ one serves."""
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -329,3 +333,38 @@ def test_a_push_not_signed_with_the_jobs_key_is_refused(pods, job_name):
     with pytest.raises(grpc.RpcError) as refused:
         stub.Protect(stream, timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+ROOT = Path(__file__).resolve().parents[2]
+DDP = ROOT / "deploy" / "examples" / "train_ddp.py"
+STRATA = str(Path(sys.executable).parent / "strata")
+RESUMED = re.compile(r"RESUMED rank=(\d+) attempt=(\d+) step=(\S+) source=(\S+)")
+
+
+def test_launch_a_killed_sidecar_gets_its_ranks_back_from_its_buddy(tmp_path):
+    """`strata launch` with two simulated pods and buddy redundancy: pod 1's sidecar is SIGKILLed
+    while receiving step 19 (its memory is gone; a sidecar container restart keeps the emptyDir),
+    the gang restarts in place, and rank 1 resumes from pod 0's copy, rank 0 from its own memory."""
+    kill = {
+        "STRATA_TEST_FAULTS": "1",
+        "STRATA_SIDECAR_FAULTS": "sidecar.receive.chunk@19#1=kill",
+        "STRATA_SIDECAR_FAULTS_INDEX": "1",
+    }
+    run = subprocess.run(
+        [
+            *(STRATA, "launch", "--nproc", "2", "--sidecars", "2", "--redundancy", "buddy"),
+            *("--workdir", str(tmp_path / "w"), "--job", "bd", "--storage", f"file://{tmp_path}/store"),
+            *("--backoff-s", "0.1", "--", sys.executable, str(DDP), "--steps", "25", "--save-every", "5"),
+            *("--rows", "2000", "--batch", "128", "--tables", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **kill),
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "sidecar 1 died" in run.stderr
+    resumed = {(int(r), int(a)): (s, src) for r, a, s, src in RESUMED.findall(run.stdout)}
+    assert resumed[(0, 1)] == ("14", "memory"), resumed
+    assert resumed[(1, 1)] == ("14", "peer"), resumed
