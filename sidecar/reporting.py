@@ -5,8 +5,14 @@ Best effort and never on the commit path: :meth:`Reporter.report` only appends t
 POSTs batches as JSON to ``{report_url}/v1/reports``::
 
     request   {"reports": [item, ...]}            Authorization: Bearer <token>
-    response  200 {"accepted": n, "rejected": [{"index": i, "error": "..."}]}
+    response  200 {"accepted": n, "rejected": [{"index": i, "error": "..."}],
+                   "instructions": [{"namespace", "job", "restart": {"generation", "reason"}}, ...]}
               401 bad token, 403 pod not allowed to report on that job, 400 malformed body
+
+``instructions`` (optional) is how the operator tells this sidecar something without a listener or
+a credential of its own: the answer to the sidecar's own authenticated report. Each goes to
+``on_instruction`` in the reporting thread; today the only one is an in-place gang restart (the
+operator answers a heartbeat with the generation the gang runs next).
 
 The token is read from ``report_token_file`` at every send (projected service-account tokens
 rotate). While the operator is unreachable (connection errors, 5xx, 401, 408, 429) the batch is
@@ -85,7 +91,8 @@ class Reporter:
     """Sends reports to the operator from one background thread (none when ``url`` is empty).
 
     ``heartbeats``: called every ``heartbeat_s`` seconds in the reporting thread; returns the
-    heartbeat items to send (0 or no function: no periodic heartbeats).
+    heartbeat items to send (0 or no function: no periodic heartbeats). ``on_instruction``: called
+    with each instruction an answer carries (an exception it raises is logged, never fatal).
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class Reporter:
         ca_file: str = "",
         heartbeat_s: float = 0.0,
         heartbeats: Callable[[], list[Item]] | None = None,
+        on_instruction: Callable[[Item], None] | None = None,
         max_queue: int = MAX_QUEUE,
         max_batch: int = MAX_BATCH,
         backoff_initial_s: float | None = None,
@@ -106,6 +114,7 @@ class Reporter:
         self.token_file, self.ca_file = token_file, ca_file
         self.heartbeat_s = heartbeat_s if heartbeats is not None else 0.0
         self._heartbeats = heartbeats
+        self._on_instruction = on_instruction
         self.max_queue, self.max_batch = max(1, max_queue), max(1, max_batch)
         # Read at construction, not import: tests shorten them.
         self.backoff_initial_s = BACKOFF_INITIAL_S if backoff_initial_s is None else backoff_initial_s
@@ -310,12 +319,21 @@ class Reporter:
 
     def _accepted(self, items: list[Item], answer: bytes) -> None:
         rejected: dict[int, str] = {}
+        instructions: list[Item] = []
         try:
             raw = json.loads(answer)
             for entry in raw.get("rejected") or []:
                 rejected[int(entry["index"])] = str(entry.get("error", ""))
+            instructions = [i for i in raw.get("instructions") or [] if isinstance(i, dict)]
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             self._say_once("answer", "operator's answer is not the expected JSON (%s); counted as sent", exc)
+        for instruction in instructions:
+            if self._on_instruction is None:
+                break
+            try:
+                self._on_instruction(instruction)
+            except Exception:  # an instruction never stops the reports
+                log.exception("could not follow the operator's instruction %s", sorted(instruction))
         for index, item in enumerate(items):
             if index in rejected:
                 self.metrics.dropped.labels("rejected").inc()

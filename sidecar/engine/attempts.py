@@ -76,7 +76,7 @@ class Attempts:
             if declared.startswith("solo-"):
                 declared = ""
             try:
-                fixed = mf.Generation.parse(self.settings.generation)
+                fixed = self._in_place(identity, mf.Generation.parse(self.settings.generation))
             except ValueError as exc:
                 raise FailedPrecondition(f"--generation: {exc}") from None
             if declared and declared != str(fixed):
@@ -94,7 +94,7 @@ class Attempts:
             except OSError as exc:
                 raise FailedPrecondition(f"cannot read the generation file {path}: {exc}") from None
             try:
-                generation = mf.Generation.parse(text)
+                generation = self._in_place(identity, mf.Generation.parse(text))
             except ValueError as exc:
                 raise FailedPrecondition(f"generation file {path}: {exc}") from None
             if declared and declared != str(generation):
@@ -116,6 +116,15 @@ class Attempts:
             return mf.Generation.parse(declared)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+
+    def _in_place(self, identity: Identity, generation: mf.Generation) -> mf.Generation:
+        """An in-place gang restart the operator asked for (Reports.restart_generation) wins over
+        the pod's generation until the pod's own (its file follows the annotation the operator
+        writes) is as new."""
+        wanted = self.reports.restart_generation(identity.job_key)
+        if wanted is not None and wanted.run == generation.run and wanted.restart > generation.restart:
+            return wanted
+        return generation
 
     def greet(self, identity: Identity, protocol_version: int, handshake: bool = False) -> None:
         """Check the client's protocol. A protocol-1 client declares no generation: without a
@@ -264,7 +273,11 @@ class Attempts:
         operator's one-shot restore request when this pod has one, else the newest usable commit."""
         ns, job = identity.job_key
         unusable = mf.unusable_commits(self.store, ns, job) | self._unusable.get(identity.job_key, set())
-        request = self.restore_request()
+        # After an in-place restart the pod's request file may still hold the previous release's
+        # one-shot request (its annotation is cleared, the file follows late): the newest usable
+        # commit it is (the operator never restarts in place with a rollback pending).
+        in_place = self.reports.restart_generation(identity.job_key) is not None
+        request = None if in_place else self.restore_request()
         if request is None:
             return mf.newest_valid(self.store, ns, job, fences, exclude=unusable), ""
         if request == "none":

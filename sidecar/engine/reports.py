@@ -1,6 +1,12 @@
 """Reports to the operator (sidecar.reporting; off without --report-url): each rank's heartbeat
-(generation, attempt, saves, step), every commit, the retained steps a new attempt re-reports,
-and retention's deletes. Best effort, and never on the commit path."""
+(generation, attempt, saves, step, where its last restore came from, the generation of an in-place
+restart it adopted), every commit, the retained steps a new attempt re-reports, and retention's
+deletes. Best effort, and never on the commit path.
+
+The operator's answers may carry instructions (sidecar.reporting): an in-place gang restart names
+the generation the gang runs next. :meth:`Reports.restart_generation` is what the attempts and the
+Attach streams read: that generation wins over the pod's generation file until the file (the
+operator writes the pod annotation too) catches up."""
 
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ class Reports:
         # (for delete reports).
         self._beats: dict[Slot, dict[str, Any]] = {}
         self._reported: dict[JobKey, dict[int, int]] = {}
+        # In-place restarts the operator asked for: per job, the generation to run next.
+        self._restarts: dict[JobKey, mf.Generation] = {}
         self.reporter = reporting.Reporter(
             settings.report_url,
             shared.metrics.registry,
@@ -34,6 +42,7 @@ class Reports:
             ca_file=settings.report_ca_file,
             heartbeat_s=settings.heartbeat_s,
             heartbeats=self._heartbeat_items,
+            on_instruction=self.on_instruction,
         )
 
     @property
@@ -55,6 +64,9 @@ class Reports:
                     "step": None,
                     "saves": 0,
                 }
+                known = self._restarts.get(identity.job_key)
+                if known is not None:
+                    beat["restart_generation"] = str(known)
             beat.update(generation=epoch.generation, attempt=epoch.attempt, restore_step=epoch.restore_step)
 
     def count_save_locked(self, slot: Slot) -> None:
@@ -69,6 +81,84 @@ class Reports:
             beat = self._beats.get(slot)
             if beat is not None:
                 beat["step"] = step
+
+    def note_restore(self, slot: Slot, step: int, source: str) -> None:
+        """``slot`` restored ``step`` from ``source`` (memory, peer or storage): its heartbeats say
+        so, and the operator writes it on that step's Checkpoint. Called once a restore was served
+        whole (a replica fetch for another rank does not count)."""
+        with self.shared.lock:
+            beat = self._beats.get(slot)
+            if beat is not None:
+                beat["restore_source"] = source
+                beat["restored_step"] = step
+
+    # --- in-place restarts ------------------------------------------------------------------
+
+    def on_instruction(self, instruction: dict[str, Any]) -> None:
+        """An instruction from the operator's answer (the reporting thread calls it). Only
+        ``{"namespace", "job", "restart": {"generation": "RUN/RESTART", "reason": "..."}}`` is
+        known; anything else is logged and ignored (a newer operator may send more)."""
+        restart = instruction.get("restart")
+        if not isinstance(restart, dict):
+            log.info("ignored an instruction from the operator: %s", sorted(instruction))
+            return
+        key = (str(instruction.get("namespace", "")), str(instruction.get("job", "")))
+        self.adopt_restart(key, str(restart.get("generation", "")), str(restart.get("reason", "")))
+
+    def adopt_restart(self, job_key: JobKey, generation: str, reason: str = "") -> bool:
+        """Run ``job_key``'s next trainers as ``generation`` (an in-place gang restart): attached
+        trainers of an older generation are told to exit (servicer.Attach). Only a newer
+        generation of the same run is taken; True when it was."""
+        try:
+            wanted = mf.Generation.parse(generation)
+        except ValueError as exc:
+            log.warning("%s/%s: in-place restart instruction ignored: %s", *job_key, exc)
+            return False
+        with self.shared.lock:
+            known = self._restarts.get(job_key)
+            if known is not None and (known.run, known.restart) >= (wanted.run, wanted.restart):
+                return False
+            self._restarts[job_key] = wanted
+            for slot, beat in self._beats.items():
+                if slot[:2] == job_key:
+                    beat["restart_generation"] = str(wanted)
+        log.warning(
+            "%s/%s: the operator restarts the gang in place as generation %s%s: attached trainers "
+            "exit and restart, and restore from this sidecar's memory",
+            *job_key,
+            wanted,
+            f" ({reason})" if reason else "",
+        )
+        gang = self.shared.gang(job_key)
+        with gang.cond:
+            gang.cond.notify_all()
+        self.beat_now(job_key)  # the operator counts the acknowledgements
+        return True
+
+    def restart_generation(self, job_key: JobKey) -> mf.Generation | None:
+        """The generation an in-place restart asked ``job_key`` to run next, or None."""
+        with self.shared.lock:
+            return self._restarts.get(job_key)
+
+    def restart_for(self, job_key: JobKey, generation: str) -> str:
+        """The generation a trainer running as ``generation`` must restart as (an in-place restart
+        named a newer one of the same run), else ""."""
+        wanted = self.restart_generation(job_key)
+        try:
+            running = mf.Generation.parse(generation)
+        except ValueError:
+            return ""
+        if wanted is None or wanted.run != running.run or wanted.restart <= running.restart:
+            return ""
+        return str(wanted)
+
+    def beat_now(self, job_key: JobKey) -> None:
+        """Queue every rank's heartbeat of ``job_key`` now, not at the next period."""
+        now = time.time()
+        with self.shared.lock:
+            items = [{**b, "time": now} for slot, b in self._beats.items() if slot[:2] == job_key]
+        for item in items:
+            self.reporter.report(item)
 
     def _heartbeat_items(self) -> list[dict[str, Any]]:
         now = time.time()
