@@ -11,6 +11,7 @@ from trainer_client.dist import init_process_group
 from trainer_client.errors import (
     CheckpointError,
     Preempted,
+    RestartInPlace,
     RestartLimitSpent,
     RestoreError,
     SaveFailed,
@@ -24,6 +25,7 @@ __all__ = [
     "ClientSettings",
     "Committed",
     "Preempted",
+    "RestartInPlace",
     "RestartLimitSpent",
     "RestoreError",
     "SaveFailed",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -32,7 +33,15 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from sidecar.api import LIMIT_SPENT_MARKER, PROTOCOL_VERSION, TOKEN_METADATA_KEY, channel_options, pb, pb_grpc
+from sidecar.api import (
+    EXIT_RESTART_IN_PLACE,
+    LIMIT_SPENT_MARKER,
+    PROTOCOL_VERSION,
+    TOKEN_METADATA_KEY,
+    channel_options,
+    pb,
+    pb_grpc,
+)
 from sidecar.faults import fault_point
 from trainer_client import _loaders, _replicas, _rng, _tree
 from trainer_client._preempt import SigtermWatch
@@ -49,6 +58,7 @@ from trainer_client._tracking import RowTracker
 from trainer_client.config import ClientSettings
 from trainer_client.errors import (
     Preempted,
+    RestartInPlace,
     RestartLimitSpent,
     RestoreError,
     SaveFailed,
@@ -62,6 +72,10 @@ _DDP = torch.nn.parallel.DistributedDataParallel
 log = logging.getLogger("strata.client")
 _RNG_KEY = "__strata_rng__"
 CLIENT_VERSION = "0.1.0"
+#: Seconds between the in-place restart instruction and the client ending the process itself
+#: (STRATA_RESTART_GRACE_S): a training thread that reaches save() meanwhile exits through
+#: RestartInPlace instead.
+RESTART_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,8 @@ class CheckpointClient:
         self._durable_step: int | None = None
         self._peers_gone: tuple[int, ...] = ()
         self._gone_reason = ""
+        #: the generation an in-place gang restart runs next ("" while none was asked for)
+        self._restart_generation = ""
         self._sigterm = SigtermWatch(self.settings.save_on_sigterm)
         beat = os.environ.get("STRATA_HEARTBEAT_FILE")
         self._heartbeat = Path(beat) if beat else None
@@ -239,6 +255,9 @@ class CheckpointClient:
             try:
                 for event in self._attach:
                     log.debug("running as attempt %d", event.attempt)
+                    if event.restart_generation:
+                        self._restart_in_place(event.restart_generation)
+                        return
                     gone = tuple(event.gone_ranks)
                     if gone != self._peers_gone:
                         self._gone_reason = event.gone_reason or f"rank(s) {list(gone)} are gone"
@@ -257,6 +276,40 @@ class CheckpointClient:
                 )
             except ValueError:
                 return
+
+    def _restart_in_place(self, generation: str) -> None:
+        """The operator restarts the gang in place as ``generation``: this process ends with
+        EXIT_RESTART_IN_PLACE (77), its container's restart rule restarts it, and the pod, the
+        sidecar and the sidecar's memory stay; the new process handshakes as ``generation`` and
+        restores from that memory.
+
+        Why ``os._exit`` from this thread after a short grace, and not only an exception at the
+        next ``save()``: the gang restarts because a rank crashed or hung, so the training thread
+        is often blocked in a collective waiting for that rank (NCCL, gloo) and would never reach
+        ``save()``; and an exception raised in the training thread may be caught by the script.
+        During the grace a training thread that does call ``save()`` leaves through
+        :class:`RestartInPlace` (a SystemExit with 77: its ``finally`` blocks run); then the
+        process ends whatever the training thread does. Nothing is lost: this generation can
+        commit nothing more (the sidecar serves the new one), and the committed snapshot stays
+        in the sidecar. Logs are flushed first; atexit handlers do not run."""
+        self._restart_generation = generation
+        grace = float(os.environ.get("STRATA_RESTART_GRACE_S") or RESTART_GRACE_S)
+        log.warning(
+            "the gang restarts in place as generation %s: this trainer exits %d within %.1f s and "
+            "its container restarts",
+            generation,
+            EXIT_RESTART_IN_PLACE,
+            grace,
+        )
+        time.sleep(max(0.0, grace))
+        log.warning("exiting %d for the in-place restart", EXIT_RESTART_IN_PLACE)
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_RESTART_IN_PLACE)
 
     def _shared_memory(self) -> SegmentFactory | None:
         """Shared-memory saves when the policy allows and the sidecar offers them on this host."""
@@ -515,6 +568,8 @@ class CheckpointClient:
     def save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` at ``step``; returns once the synchronous copy is done. After
         SIGTERM (``save_on_sigterm``) it saves, waits for durable and raises :class:`Preempted`."""
+        if self._restart_generation:
+            raise RestartInPlace(self._restart_generation)
         if self._sigterm.fired:
             self._save_on_sigterm(step, state)
         return self._save(step, state)

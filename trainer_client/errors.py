@@ -1,7 +1,7 @@
 """Errors the trainer client raises. A failed save never raises in the
 training thread: it surfaces through the handle's ``durable`` future."""
 
-from sidecar.api import EXIT_LIMIT_SPENT
+from sidecar.api import EXIT_LIMIT_SPENT, EXIT_RESTART_IN_PLACE
 
 
 class CheckpointError(RuntimeError):
@@ -50,3 +50,19 @@ class RestartLimitSpent(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class RestartInPlace(SystemExit):
+    """Raised by ``save()`` once the operator restarts the gang in place (the sidecar's Attach
+    stream names the new generation): the process exits with status 77, which the trainer
+    container's restart rule turns into a container restart; the pod, its sidecar and the sidecar's
+    memory stay, and the restarted trainer restores from that memory. The client also ends the
+    process itself shortly after (see ``CheckpointClient._restart_in_place``): a training thread
+    blocked in a collective with a dead rank never reaches ``save()``."""
+
+    def __init__(self, generation: str) -> None:
+        super().__init__(EXIT_RESTART_IN_PLACE)
+        self.generation = generation
+
+    def __str__(self) -> str:
+        return f"the gang restarts in place as generation {self.generation}: exiting {EXIT_RESTART_IN_PLACE}"
