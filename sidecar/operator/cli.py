@@ -59,6 +59,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="force-delete a pod still Terminating this long past its grace period (default: 30)",
     )
     parser.add_argument(
+        "--in-place-restart",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("STRATA_IN_PLACE_RESTART", "").lower() in ("1", "true", "yes", "on"),
+        help="answer a trainer's crash, error exit or hang by restarting the trainer containers in place "
+        "(pods, sidecars and their memory stay): the webhook adds a container restart rule to the "
+        "trainers of Job pods (Kubernetes 1.34+ with the ContainerRestartRules feature gate), the "
+        "sidecars learn the new generation in the answer to their heartbeat. Falls back to new pods "
+        "where it cannot (default: $STRATA_IN_PLACE_RESTART, else off)",
+    )
+    parser.add_argument(
+        "--in-place-timeout-seconds",
+        type=float,
+        default=60.0,
+        help="fall back to new pods when not every rank's sidecar acknowledged an in-place restart "
+        "within this many seconds (default: 60, six heartbeats)",
+    )
+    parser.add_argument(
         "--namespace",
         dest="namespaces",
         action="append",
@@ -197,6 +214,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--tls-check-seconds must be > 0, got {args.tls_check_seconds:g}")
     if args.tls_ca_file and not args.tls_cert_file:
         raise ValueError("--tls-ca-file goes with --tls-cert-file")
+    if not args.in_place_timeout_seconds > 0:
+        raise ValueError(f"--in-place-timeout-seconds must be > 0, got {args.in_place_timeout_seconds:g}")
     if args.fence_margin_seconds < 0:
         raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
     if args.lift_gates:
@@ -210,6 +229,8 @@ def main(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         trainer_container=args.trainer_container,
         fence_margin_s=args.fence_margin_seconds,
+        in_place_restart=args.in_place_restart,
+        in_place_timeout_s=args.in_place_timeout_seconds,
         peering=args.peering,
         namespaces=tuple(args.namespaces),
         report_host=args.report_host,
@@ -276,6 +297,8 @@ def _inject_config(args: argparse.Namespace) -> Any:
         own_namespace=args.own_namespace,
         run_as_user=args.sidecar_user,
         image_pull_policy=args.sidecar_pull_policy,
+        in_place_restart=args.in_place_restart,
+        trainer_container=args.trainer_container or None,
         **extra,
     )
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sidecar.api import EXIT_RESTART_IN_PLACE
 from sidecar.coordinator import PERMANENT, Failure, FailureKind, RestartPolicy, RestartTracker
 from sidecar.operator import annotations as table
 from sidecar.operator import names, objects
@@ -57,6 +58,12 @@ REASONS = {
 }
 #: How long past its grace period a Terminating pod may hang before it is fenced (force-deleted).
 DEFAULT_FENCE_MARGIN_S = 30.0
+#: How long an in-place restart waits for every rank's sidecar to acknowledge the instruction (at
+#: its next heartbeat, 10 s apart by default) before the pod-level restart takes over.
+DEFAULT_IN_PLACE_TIMEOUT_S = 60.0
+#: Failure kinds an in-place restart may answer: the trainer crashed, raised or hung, and its pod,
+#: sidecar and memory are intact. A pod or node lost, an eviction or a deletion need new pods.
+IN_PLACE_KINDS = frozenset({FailureKind.EXIT_ERROR, FailureKind.SIGNAL, FailureKind.OOM, FailureKind.HANG})
 
 
 def _now() -> str:
@@ -83,6 +90,43 @@ def _gated(pod: Mapping[str, Any]) -> bool:
 def _stopping(pod: Mapping[str, Any]) -> bool:
     """Released with the restore request "stop" (the restart limit is spent)."""
     return (_meta(pod).get("annotations") or {}).get(names.RESTORE_REQUEST_ANNOTATION) == names.STOP_REQUEST
+
+
+def _since(pod: Mapping[str, Any], since: float | None) -> dict[str, Any]:
+    """``pod`` without the container terminations that are no failure of the gang that runs now:
+    exits with EXIT_RESTART_IN_PLACE (the operator asked for them), and, after an in-place restart
+    (``since``: when it was released), terminations that finished before it (the failure it
+    answered, and old trainers ending meanwhile: the pod keeps showing that as the last state)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+
+    def stale(state: Mapping[str, Any] | None) -> bool:
+        if not state:
+            return False
+        if state.get("exitCode") == EXIT_RESTART_IN_PLACE:
+            return True
+        finished = _parse_time(state.get("finishedAt"))
+        # <=: both are whole seconds, and the trainers restarted after the release take longer
+        return since is not None and finished is not None and finished <= since
+
+    kept = []
+    changed = False
+    for status in statuses:
+        status = dict(status)
+        for key in ("state", "lastState"):
+            state = dict(status.get(key) or {})
+            if stale(state.get("terminated")):
+                state.pop("terminated")
+                status[key] = state
+                changed = True
+        kept.append(status)
+    if not changed:
+        return dict(pod)
+    return {**pod, "status": {**(pod.get("status") or {}), "containerStatuses": kept}}
+
+
+def _next_generation(generation: str) -> str:
+    run, _, restart = generation.rpartition("/")
+    return f"{run}/{int(restart) + 1}" if restart.isdigit() else generation
 
 
 def _index(pod: Mapping[str, Any]) -> int | None:
@@ -141,6 +185,8 @@ class _Job:
     warned_earlier_run: bool = False
     #: Warned about a pod stuck Terminating (one Event per pod).
     fenced: set[str] = dataclasses.field(default_factory=set)
+    #: In-place restart: rank -> the generation its sidecar acknowledged (heartbeats).
+    acks: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -184,11 +230,17 @@ class Controller:
         fence_margin_s: float = DEFAULT_FENCE_MARGIN_S,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        in_place_restart: bool = False,
+        in_place_timeout_s: float = DEFAULT_IN_PLACE_TIMEOUT_S,
     ) -> None:
         self.api = api
         self.metrics = metrics
         self.trainer_container = trainer_container
         self.fence_margin_s = fence_margin_s
+        #: --in-place-restart: answer a trainer's crash or hang by restarting the trainer containers
+        #: in place (container restart rules), keeping pods, sidecars and their memory.
+        self.in_place_restart = in_place_restart
+        self.in_place_timeout_s = in_place_timeout_s
         self.clock = clock
         self.rng = rng or random.Random()
         self.jobs: dict[tuple[str, str], _Job] = {}
@@ -291,13 +343,15 @@ class Controller:
         if self.metrics is not None:
             self.metrics.watched_jobs.set(sum(1 for j in self.jobs.values() if j.workload is not None))
 
-    async def on_heartbeat(self, item: Mapping[str, Any], pod: str | None = None) -> None:
-        """A sidecar heartbeat: save progress (for hang detection) and the attempt it runs."""
+    async def on_heartbeat(self, item: Mapping[str, Any], pod: str | None = None) -> dict[str, Any] | None:
+        """A sidecar heartbeat: save progress (for hang detection) and the attempt it runs. Returns
+        the instruction the answer to it carries (an in-place restart), or None."""
         job = self.jobs.get((str(item.get("namespace")), str(item.get("job"))))
         if job is None or job.status is None:
-            return
+            return None
+        instruction = self._in_place_answer(job, item, pod)
         if item.get("generation") != job.status.get("generation"):
-            return  # a sidecar of an earlier generation, still stopping: not this gang's progress
+            return instruction  # a sidecar of an earlier generation, still stopping: not this gang's progress
         rank = int(item.get("rank", 0))
         seen = (item.get("step"), item.get("saves"))
         if job.progress.get(rank) != seen:
@@ -318,6 +372,32 @@ class Controller:
             await self._patch_status(job, changes)
         else:
             job.status.update(changes)  # written with the next status change, or within a minute
+        return instruction
+
+    def _in_place_answer(self, job: _Job, item: Mapping[str, Any], pod: str | None) -> dict[str, Any] | None:
+        """While an in-place restart waits for its acknowledgements: note this rank's (its sidecar
+        reports the generation it adopted), else the instruction for its sidecar."""
+        assert job.status is not None
+        pending = job.status.get("pendingRestart") or {}
+        if pending.get("mode") != "in-place" or not pending.get("instructedAt"):
+            return None
+        target = str(pending.get("generation"))
+        rank = item.get("rank")
+        if not isinstance(rank, int):
+            return None
+        if target in (item.get("restart_generation"), item.get("generation")):
+            if job.acks.get(rank) != target:
+                job.acks[rank] = target
+                if set(range(job.world)) <= {r for r, g in job.acks.items() if g == target}:
+                    self._wake(job, self.clock())  # every rank acknowledged: finish the restart now
+            return None
+        if pod is not None and pod not in job.pods:
+            return None  # not a pod of this gang the watch knows
+        return {
+            "namespace": job.namespace,
+            "job": job.name,
+            "restart": {"generation": target, "reason": str(pending.get("reason") or "")},
+        }
 
     def workload_uid(self, namespace: str, job_name: str) -> str | None:
         """The uid of the watched Job of that name (report checks compare pods' ownerReferences)."""
@@ -661,10 +741,16 @@ class Controller:
         """The failure to act on, and its pod: the first cause wins (a pod the node lost or evicted
         beats the peers that died after it)."""
         found: list[tuple[Failure, str]] = []
+        status = job.status or {}
+        since = (
+            _parse_time(status.get("generationStartedAt"))
+            if status.get("restartMode") == "in-place"
+            else None
+        )
         for pod in running:
             if (pod.get("status") or {}).get("phase") == "Succeeded":
                 continue
-            failure = classify_pod(pod, container=self.trainer_container)
+            failure = classify_pod(_since(pod, since), container=self.trainer_container)
             if failure is not None:
                 found.append((failure, str(_meta(pod).get("name", ""))))
         order = [FailureKind.LOST, FailureKind.EVICTED, FailureKind.OOM, FailureKind.DELETED]
@@ -735,6 +821,7 @@ class Controller:
                 "%Y-%m-%dT%H:%M:%S.%fZ"
             ),
             "reason": decision.reason,
+            "mode": "in-place" if self._in_place_kind(job, failure) else "pod",
         }
         await self._patch_status(
             job,
@@ -813,6 +900,9 @@ class Controller:
 
     async def _restart(self, job: _Job, pods: list[dict[str, Any]], pending: Mapping[str, Any]) -> None:
         """Drive a decided gang restart: stop the old gang, fence what hangs, release the new one."""
+        if pending.get("mode") == "in-place":
+            await self._restart_in_place(job, pods, pending)
+            return
         target = str(pending["generation"])
         old = [
             p
@@ -828,6 +918,158 @@ class Controller:
             self._wake(job, not_before)
             return
         await self._release(job, pods, target, first=False)
+
+    # -- in-place restarts ---------------------------------------------------------------------------
+
+    def _in_place_kind(self, job: _Job, failure: Failure) -> bool:
+        """Whether a restart for ``failure`` may try in place (the pods are checked when it starts)."""
+        return (
+            self.in_place_restart
+            and job.kind == "Job"
+            and failure.kind in IN_PLACE_KINDS
+            and self._restore_request(job, first=False) is None  # a rollback needs a fresh release
+        )
+
+    def _in_place_problem(self, job: _Job, gang: list[dict[str, Any]]) -> str | None:
+        """Why the gang cannot restart in place, or None: every index has its pod of the current
+        generation, running, not deleted, and its trainer container(s) carry the restart rule (the
+        API server drops it where the ContainerRestartRules feature gate is off)."""
+        indexes = {_index(p) for p in gang}
+        if len(gang) < job.world or (None not in indexes and not indexes >= set(range(job.world))):
+            return f"{len(gang)} of {job.world} pods of the gang are left"
+        for pod in gang:
+            name = _meta(pod).get("name")
+            if is_terminal(pod) or _meta(pod).get("deletionTimestamp"):
+                return f"pod {name} ended or is being deleted"
+            if (pod.get("status") or {}).get("phase") != "Running":
+                return f"pod {name} is {(pod.get('status') or {}).get('phase') or 'not running'}"
+            failure = classify_pod(pod, container=self.trainer_container)
+            if failure is not None and failure.kind not in IN_PLACE_KINDS:
+                return f"pod {name}: {failure.describe()}"
+            trainers = [
+                c
+                for c in (pod.get("spec") or {}).get("containers") or []
+                if self.trainer_container is None or c.get("name") == self.trainer_container
+            ]
+            if not trainers or not all(c.get("restartPolicyRules") for c in trainers):
+                return (
+                    f"pod {name} has no container restart rule on its trainer (the ContainerRestartRules "
+                    "feature gate is off, or it was admitted without --in-place-restart)"
+                )
+        return None
+
+    async def _restart_in_place(
+        self, job: _Job, pods: list[dict[str, Any]], pending: Mapping[str, Any]
+    ) -> None:
+        """Restart the trainer containers and keep the pods: every sidecar is told the new
+        generation in the answer to its next heartbeat, adopts it, and makes its trainers exit
+        EXIT_RESTART_IN_PLACE (their restart rule restarts them); once every rank's sidecar
+        acknowledged, the pods' generation annotation follows and the generation runs. Falls back
+        to the pod-level restart when the gang cannot (a pod gone or not running, no restart rule)
+        or the acknowledgements do not come within ``in_place_timeout_s``."""
+        assert job.status is not None
+        target = str(pending["generation"])
+        current = job.status.get("generation")
+        gang = [
+            p
+            for p in pods
+            if not _gated(p)
+            and (_meta(p).get("annotations") or {}).get(names.GENERATION_ANNOTATION) == current
+        ]
+        problem = self._in_place_problem(job, gang)
+        if problem is not None:
+            await self._fall_back(job, pending, problem)
+            return
+        not_before = _parse_time(str(pending.get("notBefore"))) or 0.0
+        if self.clock() < not_before:
+            self._wake(job, not_before)
+            return
+        instructed = _parse_time(str(pending.get("instructedAt") or ""))
+        if instructed is None:
+            instructed = self.clock()
+            at = datetime.datetime.fromtimestamp(instructed, tz=datetime.UTC).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ"
+            )
+            job.acks.clear()
+            await self._patch_status(job, {"pendingRestart": {**pending, "instructedAt": at}})
+            await self._event(
+                job,
+                "InPlaceRestart",
+                f"restarting the trainers of {len(gang)} pods in place as generation {target}: their "
+                "sidecars are told at their next heartbeat; pods, sidecars and memory stay",
+            )
+        acked = {r for r, g in job.acks.items() if g == target}
+        if acked >= set(range(job.world)):
+            await self._finish_in_place(job, gang, target)
+            return
+        deadline = instructed + self.in_place_timeout_s
+        if self.clock() >= deadline:
+            await self._fall_back(
+                job,
+                pending,
+                f"{len(acked)} of {job.world} ranks' sidecars acknowledged within "
+                f"{self.in_place_timeout_s:g} s",
+            )
+            return
+        self._wake(job, deadline)
+
+    async def _finish_in_place(self, job: _Job, gang: list[dict[str, Any]], target: str) -> None:
+        started = _now()
+        for pod in gang:
+            meta = _meta(pod)
+            # The generation file follows (a sidecar restarted later reads it); the one-shot restore
+            # request of the previous release is spent.
+            updated = await self.api.merge_patch(
+                path("", "v1", "pods", job.namespace, str(meta["name"])),
+                {
+                    "metadata": {
+                        "annotations": {
+                            names.GENERATION_ANNOTATION: target,
+                            names.RESTORE_REQUEST_ANNOTATION: None,
+                        }
+                    }
+                },
+            )
+            if isinstance(updated, dict) and str(meta["name"]) in job.pods:
+                job.pods[str(meta["name"])] = updated
+        job.progress_at = self.clock()
+        job.progress.clear()
+        job.vanished.clear()
+        job.stopped.clear()
+        job.acks.clear()
+        message = f"restarted the trainers of {len(gang)} pods in place as generation {target}"
+        await self._patch_status(
+            job,
+            {
+                "phase": "Running",
+                "generation": target,
+                "pendingRestart": None,
+                "generationStartedAt": started,
+                "restartMode": "in-place",
+            },
+            condition=("Restarting", "False", "RestartedInPlace", message),
+        )
+        await self._event(job, "GangRestartedInPlace", message)
+
+    async def _fall_back(self, job: _Job, pending: Mapping[str, Any], why: str) -> None:
+        """The pod-level restart instead, as the next generation: sidecars that adopted the in-place
+        one are fenced off like any earlier gang's. The restart is counted once."""
+        fallback = {
+            **{k: v for k, v in pending.items() if k != "instructedAt"},
+            "mode": "pod",
+            "generation": _next_generation(str(pending["generation"])),
+            "fallback": why,
+        }
+        job.acks.clear()
+        await self._patch_status(job, {"pendingRestart": fallback})
+        await self._event(
+            job,
+            "InPlaceRestartFallback",
+            f"not restarting in place ({why}): restarting the gang's pods as generation "
+            f"{fallback['generation']}",
+            warning=True,
+        )
+        await self._restart(job, self._own_pods(job), fallback)
 
     async def _wait_gone(self, job: _Job, pods: list[dict[str, Any]]) -> bool:
         """True once every pod in ``pods`` is terminal or gone. A pod still Terminating
@@ -983,6 +1225,7 @@ class Controller:
             "generation": generation,
             "pendingRestart": None,
             "generationStartedAt": started,
+            "restartMode": "pod",
         }
         resume_from = job.settings.resume_from if job.settings.resume_from_set else None
         if request is not None and job.settings.resume_from_set:

@@ -19,7 +19,13 @@ Wire (HTTPS)::
 Items: ``{"kind": "commit", ...}`` (what :func:`objects.checkpoint_body` accepts), ``{"kind":
 "delete", "namespace", "job", "step", "attempt"}`` (storage retention deleted that step), and
 ``{"kind": "heartbeat", "namespace", "job", "rank", "generation", "attempt", "restore_step", "step",
-"saves", "time"}``.
+"saves", "time"}``, optionally with ``"restore_source"`` (memory, peer or storage) and ``"restored_step"``
+(the rank's last restore, written on that step's Checkpoint as ``status.lastRestore``) and
+``"restart_generation"`` (the in-place restart the sidecar adopted: its acknowledgement).
+
+The answer may carry ``"instructions"``: the controller's answers to heartbeats (an in-place restart,
+``{"namespace", "job", "restart": {"generation", "reason"}}``). The sidecars' own authenticated
+reports are the channel: no listener in the pod, no credential for the operator to hold.
 
 Public surface: :class:`Authenticator` (TokenReview and pod checks, cached), :class:`Identity`,
 :class:`CheckpointWriter` (items to Checkpoints), :class:`Rejected`, :func:`make_app`,
@@ -94,11 +100,12 @@ _CHECKPOINT = "Checkpoint"
 #: ``attempt_of(namespace, job)``: the newest attempt the controller knows and that attempt's restore
 #: step (None: it restored nothing), or None when it knows no attempt of the job.
 AttemptOf = Callable[[str, str], "tuple[int, int | None] | None"]
-#: ``on_heartbeat(item, pod_name)``: the controller's hang detection; may be a coroutine function.
+#: ``on_heartbeat(item, pod_name)``: the controller's hang detection and in-place restarts; may be a
+#: coroutine function; what it returns (a dict) is an instruction the answer carries to the sidecar.
 #: Told (namespace, job, step, Checkpoint name) of a job's newest Checkpoint whenever it changes: a
 #: newer one was written, or a sweep removed the newest (then possibly (None, None)).
 OnCommit = Callable[[str, str, "int | None", "str | None"], Awaitable[None]]
-OnHeartbeat = Callable[[Mapping[str, Any], str], "Awaitable[None] | None"]
+OnHeartbeat = Callable[[Mapping[str, Any], str], "Awaitable[dict[str, Any] | None] | dict[str, Any] | None"]
 
 
 # ---- errors ------------------------------------------------------------------------------------------
@@ -365,7 +372,21 @@ def _heartbeat(item: Mapping[str, Any]) -> dict[str, Any]:
         ("time", (int, float), False),
     ):
         _field(item, key, kind, nullable=nullable)
+    for key, kind in (("restore_source", str), ("restored_step", int), ("restart_generation", str)):
+        if key in item:
+            _field(item, key, kind, nullable=True)
+    if item.get("restore_source") not in (None, *RESTORE_SOURCES):
+        raise ValueError(
+            f"heartbeat key 'restore_source' must be one of {', '.join(RESTORE_SOURCES)}, "
+            f"got {item['restore_source']!r}"
+        )
     return dict(item)
+
+
+#: Where a rank's restore may come from (the sidecar's RestoreData.source).
+RESTORE_SOURCES = ("memory", "peer", "storage")
+#: A Checkpoint's lastRestore is written at most this often while ranks keep reporting.
+RESTORE_WRITE_S = 5.0
 
 
 def _delete_target(item: Mapping[str, Any]) -> tuple[str, str, int, int]:
@@ -376,6 +397,16 @@ def _delete_target(item: Mapping[str, Any]) -> tuple[str, str, int, int]:
     attempt = _field(item, "attempt", int)
     objects.checkpoint_name(job, step)
     return namespace, job, step, attempt
+
+
+@dataclasses.dataclass
+class _Restores:
+    """Where the ranks of ``attempt`` restored one step from, and what was written of it."""
+
+    attempt: int
+    sources: dict[int, str] = dataclasses.field(default_factory=dict)
+    written: dict[int, str] = dataclasses.field(default_factory=dict)
+    at: float = 0.0
 
 
 @dataclasses.dataclass
@@ -418,6 +449,9 @@ class CheckpointWriter:
         self._loading: dict[tuple[str, str], asyncio.Lock] = {}
         # Newest attempt (and its restore step) seen in heartbeats, per (namespace, job).
         self._heard: dict[tuple[str, str], tuple[int, int | None]] = {}
+        # Restores reported in heartbeats: (namespace, job, step) -> the attempt, rank -> source, what
+        # was written, and when.
+        self._restores: dict[tuple[str, str, int], _Restores] = {}
 
     # -- knowledge ----------------------------------------------------------------------------------------
 
@@ -547,9 +581,10 @@ class CheckpointWriter:
 
     # -- items --------------------------------------------------------------------------------------------
 
-    async def write(self, item: Any, pod_name: str, received: float | None = None) -> None:
+    async def write(self, item: Any, pod_name: str, received: float | None = None) -> dict[str, Any] | None:
         """Apply one report item. Rejected for an invalid or superseded item; ApiError when the API
-        fails (the item can be sent again). ``received`` is the ``time.monotonic()`` it arrived."""
+        fails (the item can be sent again). ``received`` is the ``time.monotonic()`` it arrived.
+        Returns the instruction for the sidecar that the answer carries, if any."""
         received = time.monotonic() if received is None else received
         if not isinstance(item, Mapping):
             raise Rejected("invalid", f"a report item must be an object, got {type(item).__name__}")
@@ -571,9 +606,50 @@ class CheckpointWriter:
         elif kind == "delete":
             await self._delete(*target)
         else:
-            await self._beat(beat, pod_name)
+            return await self._beat(beat, pod_name)
+        return None
 
-    async def _beat(self, beat: dict[str, Any], pod_name: str) -> None:
+    async def _restored(self, beat: Mapping[str, Any]) -> None:
+        """Write where the ranks restored a step from on its Checkpoint (``status.lastRestore``):
+        per source, the ranks that reported it for the newest attempt that restored the step."""
+        source, step, attempt = beat.get("restore_source"), beat.get("restored_step"), beat.get("attempt")
+        if source is None or not isinstance(step, int) or not isinstance(attempt, int):
+            return
+        key = (beat["namespace"], beat["job"], step)
+        state = self._restores.get(key)
+        if state is None or attempt > state.attempt:
+            state = self._restores[key] = _Restores(attempt)
+            while len(self._restores) > 10_000:  # bounded: the oldest entries go
+                self._restores.pop(next(iter(self._restores)))
+        elif attempt < state.attempt:
+            return
+        state.sources[int(beat["rank"])] = str(source)
+        if state.sources == state.written:
+            return
+        now = time.monotonic()
+        if state.written and now - state.at < RESTORE_WRITE_S:
+            return  # the next heartbeat writes the rest
+        counts = collections.Counter(state.sources.values())
+        body = {
+            "attempt": attempt,
+            "source": next(iter(counts)) if len(counts) == 1 else "mixed",
+            "ranks": len(state.sources),
+            **{s: counts.get(s, 0) for s in RESTORE_SOURCES},
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        name = objects.checkpoint_name(beat["job"], step)
+        try:
+            await self.api.merge_patch(
+                _checkpoints(beat["namespace"], name, "status"), {"status": {"lastRestore": body}}
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            log.debug("Checkpoint %s/%s not found: its restore is not recorded", beat["namespace"], name)
+        state.written = dict(state.sources)
+        state.at = now
+
+    async def _beat(self, beat: dict[str, Any], pod_name: str) -> dict[str, Any] | None:
         known = (
             self.current_generation(beat["namespace"], beat["job"])
             if self.current_generation is not None
@@ -594,16 +670,20 @@ class CheckpointWriter:
                 else:
                     self._heard[key] = before
                 raise
+        if current:
+            await self._restored(beat)
         if self.on_heartbeat is None:
-            return
+            return None
         try:
             done = self.on_heartbeat(beat, pod_name)
             if inspect.isawaitable(done):
-                await done
+                done = await done
         except Exception:
             # The controller's trouble, not the sidecar's: the heartbeat is taken, the error counted.
             self.metrics.reconcile_errors.inc()
             log.exception("hang detection failed on a heartbeat from pod %s", pod_name)
+            return None
+        return done if isinstance(done, dict) else None
 
     def _superseded(self, namespace: str, job: str, step: int, attempt: int) -> str | None:
         known = self.attempt(namespace, job)
@@ -638,6 +718,8 @@ class CheckpointWriter:
             wanted = objects.checkpoint_status(
                 spec, (stored.get("status") or {}).get("conditions"), stored["metadata"].get("generation")
             )
+            if (stored.get("status") or {}).get("lastRestore"):
+                wanted["lastRestore"] = stored["status"]["lastRestore"]
             if _status_differs(stored.get("status"), wanted):
                 stored = await self.api.merge_patch(
                     _checkpoints(namespace, name, "status"), {"status": wanted}
@@ -857,10 +939,11 @@ def make_app(
             return _error(503, f"could not look up pod {identity}: {exc}")
         accepted = 0
         rejected: list[dict[str, Any]] = []
+        instructions: list[dict[str, Any]] = []
         for index, item in enumerate(items):
             kind = item.get("kind") if isinstance(item, Mapping) else None
             try:
-                await writer.write(item, identity.pod_name, received)
+                instruction = await writer.write(item, identity.pod_name, received)
             except Rejected as exc:
                 counted.reject(exc.reason)
                 counted.report(kind, "rejected")
@@ -875,7 +958,12 @@ def make_app(
             else:
                 counted.report(kind, "accepted")
                 accepted += 1
-        return web.json_response({"accepted": accepted, "rejected": rejected})
+                if instruction is not None and instruction not in instructions:
+                    instructions.append(instruction)
+        answer: dict[str, Any] = {"accepted": accepted, "rejected": rejected}
+        if instructions:
+            answer["instructions"] = instructions
+        return web.json_response(answer)
 
     app = web.Application(client_max_size=max_body_bytes)
     app.router.add_post("/v1/reports", reports)

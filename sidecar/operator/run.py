@@ -39,6 +39,10 @@ class OperatorConfig:
     #: Name of the trainer container: only its exit counts as a training failure (None: any).
     trainer_container: str | None = None
     fence_margin_s: float = 30.0
+    #: --in-place-restart: a trainer's crash or hang restarts the trainer containers in place (the
+    #: webhook adds the container restart rule; see docs/operator.md); else new pods.
+    in_place_restart: bool = False
+    in_place_timeout_s: float = 60.0
     #: kopf peering name for more than one replica (None: standalone, one replica).
     peering: str | None = None
     #: Watch only these namespaces (the chart's namespaced mode, with Roles only); empty: all.
@@ -208,7 +212,12 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
     api = Api.from_config(config.kubeconfig)
     metrics.track_api(api)
     controller = Controller(
-        api, metrics=metrics, trainer_container=config.trainer_container, fence_margin_s=config.fence_margin_s
+        api,
+        metrics=metrics,
+        trainer_container=config.trainer_container,
+        fence_margin_s=config.fence_margin_s,
+        in_place_restart=config.in_place_restart,
+        in_place_timeout_s=config.in_place_timeout_s,
     )
     writer = reports.CheckpointWriter(
         api,

@@ -141,6 +141,7 @@ def test_crd_names_and_printer_columns() -> None:
         "Bytes",
         "Bits",
         "Ready",
+        "Restored",
         "Age",
     ]
     stratajobs = load_crd("stratajobs.strata.dev")["spec"]
@@ -399,7 +400,19 @@ def rows(listing: str) -> list[list[str]]:
 async def test_kubectl_get_checkpoints_prints_columns(k8s: K8s) -> None:
     await make_checkpoints(k8s)
     listing = rows(await kubectl(k8s, "get", "checkpoints"))
-    assert listing[0] == ["NAME", "JOB", "STEP", "TYPE", "BASE", "RANKS", "BYTES", "BITS", "READY", "AGE"]
+    assert listing[0] == [
+        "NAME",
+        "JOB",
+        "STEP",
+        "TYPE",
+        "BASE",
+        "RANKS",
+        "BYTES",
+        "BITS",
+        "READY",
+        "RESTORED",
+        "AGE",
+    ]
     by_name = {row[0]: row for row in listing[1:]}
     assert set(by_name) == {"recsys-000000001000", "recsys-000000001200", "recsys-000000001400"}
     assert by_name["recsys-000000001000"][1:9] == [

@@ -276,7 +276,19 @@ async def test_commit_report_creates_ready_checkpoint_shown_by_kubectl(
     assert ready["type"] == "Ready" and ready["status"] == "True"
 
     listing = rows(await kubectl(k8s, "get", "checkpoints"))
-    assert listing[0] == ["NAME", "JOB", "STEP", "TYPE", "BASE", "RANKS", "BYTES", "BITS", "READY", "AGE"]
+    assert listing[0] == [
+        "NAME",
+        "JOB",
+        "STEP",
+        "TYPE",
+        "BASE",
+        "RANKS",
+        "BYTES",
+        "BITS",
+        "READY",
+        "RESTORED",
+        "AGE",
+    ]
     assert listing[1][:9] == [
         "recsys-000000001200",
         "recsys",
