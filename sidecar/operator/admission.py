@@ -166,6 +166,38 @@ def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: tab
     return warnings
 
 
+def _redundancy_warnings(
+    obj: Mapping[str, Any], where: str, template: Mapping[str, Any], env: Mapping[str, str]
+) -> list[str]:
+    """Peer redundancy needs stable pod DNS names: an Indexed Job's pods get them from the pod
+    template's subdomain (a headless Service of that name); a JobSet's from its network settings."""
+    mode = env.get("STRATA_REDUNDANCY", "off")
+    if mode == "off":
+        return []
+    if obj.get("kind") == "JobSet":
+        network = (obj.get("spec") or {}).get("network") or {}
+        if network.get("enableDNSHostnames") is False:
+            return [
+                f"{where}: strata.dev/redundancy={mode} needs the pods' DNS names, but "
+                "spec.network.enableDNSHostnames is false; the injected sidecars are refused"
+            ]
+        return []
+    spec = obj.get("spec") or {}
+    problems = []
+    if not (template.get("spec") or {}).get("subdomain"):
+        problems.append(
+            f"{where}: strata.dev/redundancy={mode} needs stable pod DNS names: set "
+            "spec.template.spec.subdomain and create a headless Service of that name selecting the "
+            "Job's pods; without it the injected sidecars are refused"
+        )
+    if spec.get("completionMode") != "Indexed":
+        problems.append(
+            f"{where}: strata.dev/redundancy={mode} needs completionMode: Indexed (one stable "
+            "hostname per index)"
+        )
+    return problems
+
+
 def validate_workload(obj: Mapping[str, Any]) -> Verdict:
     """Deny malformed Strata annotations (naming each); warn about settings that would let retries
     multiply or be miscounted. Workloads that do not opt in are always allowed, silently."""
@@ -182,6 +214,7 @@ def validate_workload(obj: Mapping[str, Any]) -> Verdict:
         parsed = table.parse(annotations)
         problems += [f"{where}.metadata.annotations: {p}" for p in parsed.problems]
         problems += [f"{where}.metadata.annotations: {p}" for p in table.injection_problems(annotations)]
+        warnings += _redundancy_warnings(obj, where, template, parsed.sidecar_env)
         if kind == "Job":
             warnings += _job_warnings(obj.get("spec") or {}, template, parsed.job)
         elif "strata.dev/max-restarts" in ((template.get("metadata") or {}).get("annotations") or {}):

@@ -31,9 +31,17 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "metrics_host": "the injected container's ports are fixed by the chart",
     "generation_file": "the operator owns the generation (a downward-API file)",
     "generation": "the operator owns the generation (a JobSet pod's, composed from its labels)",
-    "peer_host": "commit hints between pods are not wired by the injection yet (storage decides commits)",
-    "peers": "commit hints between pods are not wired by the injection yet (storage decides commits)",
-    "peer_fetch_timeout_s": "fetches between pods' sidecars are not wired by the injection yet",
+    "peer_port": f"the injection sets it ({names.PEER_PORT}, container port {names.PEER_PORT_NAME}, "
+    "opened by the chart's peer NetworkPolicy) when strata.dev/redundancy is on",
+    "peer_host": "the injection sets it (0.0.0.0) when strata.dev/redundancy is on",
+    "peers": "commit hints between pods are not wired by the injection (storage decides commits)",
+    "peer_fetch_timeout_s": "fetches of replicas between pods' sidecars are not wired by the injection yet",
+    "members": "the injection computes every member's stable DNS name from the Job (its pod template's "
+    "subdomain) or the JobSet when strata.dev/redundancy is on",
+    "member_count": "the injection sets it from the workload's world size",
+    "member_index": "the injection leaves it to the pod's rank ($STRATA_RANK): one member per pod",
+    "redundancy_dir": "the injected layout keeps it in the shared-memory volume "
+    "(<shm-dir>/strata-redundancy), which a sidecar restart keeps",
     "report_url": "the injection points every sidecar at the operator's report endpoint",
     "report_token_file": "the injection mounts the projected service-account token there",
     "report_ca_file": "the injection writes the operator's CA into the pod (strata.dev/report-ca)",
@@ -295,6 +303,8 @@ def _sidecar_problems(values: Mapping[tuple[str, str], Any]) -> list[str]:
         fields = {
             key.removeprefix(names.ANNOTATION_PREFIX).replace("-", "_"): v for (key, _), v in chosen.items()
         }
+        if fields.get("redundancy", "off") != "off":  # the injection sets what redundancy needs
+            fields.update(peer_port=names.PEER_PORT, members="checked-at-injection:1")
         try:
             config.SidecarSettings(storage="s3://admission/check", **fields).validate()
         except (ValueError, TypeError) as exc:
@@ -353,7 +363,9 @@ POD_ANNOTATION_DOCS: dict[str, str] = {
     "`sidecar.resources`. Encoding (`strata.dev/encode-workers`) is what uses CPU",
     "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
     "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "
-    "to the trainer: its memory limit must cover two segments per rank",
+    "to the trainer: its memory limit must cover two segments per rank. With `strata.dev/redundancy` add "
+    "what the sidecar holds for other pods there (buddy: one snapshot; parity: snapshot / (group - 1)), "
+    "which counts in the sidecar's memory (`strata.dev/sidecar-memory`)",
 }
 
 

@@ -22,6 +22,22 @@ For each opted-in pod outside the operator's own namespace it adds, as one JSON 
   settings table, storage from :class:`InjectConfig`, and ``envFrom`` the Secret named by
   ``strata.dev/storage-secret``, into the sidecar only).
 
+With ``strata.dev/redundancy`` (buddy or parity) the sidecar also gets its peer port
+(:data:`names.PEER_PORT`, container port ``strata-peer``, on 0.0.0.0) and every member's stable DNS
+name: for an Indexed Job the template ``<job>-{index}.<subdomain>:<port>`` (the pod template's
+``subdomain``: a Job's pods are named ``<job>-<index>`` as hostnames), for a JobSet the list of its
+pods' hostnames ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>`` in rank order. A pod
+without a subdomain is denied (the validating webhook says so at the Job already).
+
+With :attr:`InjectConfig.in_place_restart` (the operator's ``--in-place-restart``) the trainer
+containers of Job pods with ``restartPolicy: Never`` get a container restart rule (Kubernetes 1.34+,
+feature gate ContainerRestartRules): ``restartPolicy: Never`` plus ``restartPolicyRules: [{action:
+Restart, exitCodes: {operator: NotIn, values: [0, 75, 76]}}]``. NotIn rather than In [77]: the trainer
+that crashed (any code) must restart in place too, or its pod fails and the gang loses that pod's
+memory; a launcher in the container (torchrun) exits with its own code when its workers exit 77.
+0 is success, 75 and 76 keep their podFailurePolicy meaning (Ignore, FailJob). Where the API server
+drops the fields (feature gate off) the pod runs as before and the operator falls back to new pods.
+
 World size and rank: a pod carries no field with its workload's size, so the caller passes the
 :class:`Shape` that :func:`workload_shape` reads from the Job or JobSet (the operator's watch cache,
 else one GET). ``STRATA_WORLD_SIZE`` is the Job's completions, or the sum over a JobSet's replicated
@@ -40,6 +56,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.api import EXIT_LIMIT_SPENT, EXIT_PEER_DIED
 from sidecar.operator import admission, names
 from sidecar.operator import annotations as table
 
@@ -75,6 +92,10 @@ PODINFO_VOLUME, PODINFO_DIR = "strata-podinfo", "/etc/strata/podinfo"
 TOKEN_VOLUME, TOKEN_DIR = "strata-report-token", "/var/run/secrets/strata.dev/report"
 TMP_VOLUME = "strata-tmp"
 TOKEN_SECONDS = 3600
+PEER_PORT, PEER_PORT_NAME = names.PEER_PORT, names.PEER_PORT_NAME
+#: Trainer exits the in-place restart rule leaves alone: success, and the reserved "peer died" (75)
+#: and "restart limit spent" (76), which keep their podFailurePolicy meaning.
+NO_RESTART_EXIT_CODES = (0, EXIT_PEER_DIED, EXIT_LIMIT_SPENT)
 
 
 def _default_resources() -> dict[str, Any]:
@@ -106,6 +127,10 @@ class InjectConfig:
     #: The sidecar's user (the image's non-root user).
     run_as_user: int = 65532
     image_pull_policy: str = "IfNotPresent"
+    #: Add the in-place container restart rule to the trainer containers of Job pods.
+    in_place_restart: bool = False
+    #: The trainer container (None: every regular container is a trainer).
+    trainer_container: str | None = None
 
 
 class Denied(ValueError):
@@ -136,6 +161,9 @@ class Shape:
 
     world_size: int | None = None
     rank: int | None = None
+    #: A JobSet's pod hostnames in rank order (for peer redundancy); empty for a Job. Derived from
+    #: the workload's shape, so not compared.
+    hosts: tuple[str, ...] = field(default=(), compare=False)
 
 
 def _count(spec: Mapping[str, Any]) -> int:
@@ -156,8 +184,15 @@ def workload_shape(workload: Mapping[str, Any] | None, pod: Mapping[str, Any]) -
         return Shape(world_size=_count(spec))
     labels = (pod.get("metadata") or {}).get("labels") or {}
     total, offset, rank = 0, None, None
+    name = str((workload.get("metadata") or {}).get("name", ""))
+    hosts: list[str] = []
     for rj in spec.get("replicatedJobs") or []:
         per_job = _count(((rj.get("template") or {}).get("spec")) or {})
+        hosts += [
+            f"{name}-{rj.get('name')}-{j}-{c}"
+            for j in range(int(rj.get("replicas", 1)))
+            for c in range(per_job)
+        ]
         if rj.get("name") == labels.get(names.JOBSET_REPLICATED_JOB_LABEL):
             offset = total
             job_index = _label_int(labels, names.JOBSET_JOB_INDEX_LABEL)
@@ -165,7 +200,7 @@ def workload_shape(workload: Mapping[str, Any] | None, pod: Mapping[str, Any]) -
             if job_index is not None and completion is not None:
                 rank = offset + job_index * per_job + completion
         total += int(rj.get("replicas", 1)) * per_job
-    return Shape(world_size=total or None, rank=rank)
+    return Shape(world_size=total or None, rank=rank, hosts=tuple(hosts))
 
 
 def _common_env(pod: Mapping[str, Any], shape: Shape) -> list[dict[str, Any]]:
@@ -217,8 +252,31 @@ def _check(parsed: table.Parsed, raw: Mapping[str, str]) -> int:
     return port
 
 
+def _members(pod: Mapping[str, Any], shape: Shape) -> tuple[str, int] | None:
+    """STRATA_MEMBERS and STRATA_MEMBER_COUNT from the pods' stable DNS names, or None when the pod
+    has none (no subdomain) or its workload is unknown."""
+    subdomain = (pod.get("spec") or {}).get("subdomain")
+    if not subdomain:
+        return None
+    if shape.hosts:
+        return ",".join(f"{h}.{subdomain}:{PEER_PORT}" for h in shape.hosts), len(shape.hosts)
+    job = ((pod.get("metadata") or {}).get("labels") or {}).get(names.JOB_NAME_LABEL)
+    if not job or shape.world_size is None:
+        return None
+    return f"{job}-{{index}}.{subdomain}:{PEER_PORT}", shape.world_size
+
+
+def _redundancy(parsed: table.Parsed) -> str:
+    return parsed.sidecar_env.get("STRATA_REDUNDANCY", "off")
+
+
 def _sidecar(
-    pod: Mapping[str, Any], config: InjectConfig, parsed: table.Parsed, port: int, shape: Shape
+    pod: Mapping[str, Any],
+    config: InjectConfig,
+    parsed: table.Parsed,
+    port: int,
+    shape: Shape,
+    members: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     env = _common_env(pod, shape)
     env.append({"name": "STRATA_STORAGE", "value": config.storage_uri})
@@ -238,6 +296,13 @@ def _sidecar(
         env.append({"name": "STRATA_REPORT_URL", "value": config.report_url})
     if config.report_ca:
         env.append({"name": "STRATA_REPORT_CA_FILE", "value": f"{PODINFO_DIR}/report-ca"})
+    if members is not None:
+        env += [
+            {"name": "STRATA_PEER_PORT", "value": str(PEER_PORT)},
+            {"name": "STRATA_PEER_HOST", "value": "0.0.0.0"},
+            {"name": "STRATA_MEMBERS", "value": members[0]},
+            {"name": "STRATA_MEMBER_COUNT", "value": str(members[1])},
+        ]
     fixed = {e["name"] for e in env}
     env += [{"name": k, "value": v} for k, v in sorted(parsed.sidecar_env.items()) if k not in fixed]
     if parsed.sidecar_env.get("STRATA_SHM_DIR") == "":
@@ -256,7 +321,8 @@ def _sidecar(
         "restartPolicy": "Always",
         "command": ["strata", "sidecar"],
         "env": env,
-        "ports": [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}]
+        + ([{"name": PEER_PORT_NAME, "containerPort": PEER_PORT, "protocol": "TCP"}] if members else []),
         "startupProbe": {
             "httpGet": {"path": "/metrics", "port": port},
             "periodSeconds": 1,
@@ -350,6 +416,14 @@ def _volumes(config: InjectConfig, shm_size: str) -> list[dict[str, Any]]:
     return volumes
 
 
+def restart_rule() -> dict[str, Any]:
+    """The trainer's container restart rule for in-place gang restarts (see the module docstring)."""
+    return {
+        "action": "Restart",
+        "exitCodes": {"operator": "NotIn", "values": list(NO_RESTART_EXIT_CODES)},
+    }
+
+
 quantity = table.quantity
 
 
@@ -363,7 +437,7 @@ def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) ->
         shm = quantity(size)
     except ValueError:
         return []
-    out = []
+    out = _redundancy_warnings(pod, config, shm, size)
     for container in (pod.get("spec") or {}).get("containers") or []:
         limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
         try:
@@ -378,6 +452,44 @@ def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) ->
                 "working set"
             )
     return out
+
+
+def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: float, size: str) -> list[str]:
+    """The copy (buddy) or parity (parity) a sidecar holds for other pods lives in the
+    shared-memory volume, and the sidecar creates its pages: it counts in the volume's sizeLimit
+    and in the sidecar's memory. The sizing rule: volume = 2 x snapshot x ranks of the pod + held,
+    held = 1 snapshot (buddy) or snapshot / (parity group - 1) (parity); the sidecar's budget (0.75
+    of its memory limit unless strata.dev/memory-budget says) must cover held plus its own work."""
+    raw = ((pod.get("metadata") or {}).get("annotations")) or {}
+    parsed = table.parse(raw)
+    mode = _redundancy(parsed)
+    if mode == "off":
+        return []
+    try:
+        group = int(parsed.sidecar_env.get("STRATA_PARITY_GROUP", "4"), 0)
+    except ValueError:
+        return []
+    share = 1.0 if mode == "buddy" else 1.0 / max(1, group - 1)
+    held = shm * share / (2 + share)  # a volume sized by the rule, one rank per pod
+    limit = ((_resources(config, raw).get("limits") or {}).get("memory")) or ""
+    try:
+        budget = quantity(limit) * 0.75 if limit else 0.0
+        if parsed.sidecar_env.get("STRATA_MEMORY_BUDGET"):
+            budget = float(int(parsed.sidecar_env["STRATA_MEMORY_BUDGET"], 0))
+    except ValueError:
+        return []
+    if limit and budget > held:
+        return []
+    what = (
+        "a full copy of a member's snapshot" if mode == "buddy" else f"1/{group - 1} of a snapshot of parity"
+    )
+    return [
+        f"strata.dev/redundancy={mode}: the sidecar holds {what} for another pod in the shared-memory "
+        f"volume, and those pages count in the sidecar's memory; with the volume's {size} sized as "
+        f"2 x snapshot + that, it is about {held / 2**30:.2f} GiB, more than the sidecar's budget "
+        f"({'no memory limit' if not limit else f'0.75 x its limit {limit}'}): raise "
+        f"{names.SIDECAR_MEMORY_ANNOTATION} (docs/operator.md, memory sizing)"
+    ]
 
 
 class _Patch:
@@ -419,6 +531,15 @@ def inject(
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
     parsed = table.parse(raw)
     port = _check(parsed, raw)
+    members = None
+    if _redundancy(parsed) != "off":
+        members = _members(pod, shape)
+        if members is None:
+            raise Denied(
+                f"Strata: strata.dev/redundancy={_redundancy(parsed)} needs the pods' stable DNS names: an "
+                "Indexed Job's pod template needs spec.subdomain (and a headless Service of that name), a "
+                "JobSet spec.network.enableDNSHostnames (its default)"
+            )
     ops = admission.mutate_pod(pod)
     spec = _lists(pod.get("spec") or {}, "initContainers", "volumes")
     patch = _Patch()
@@ -426,7 +547,7 @@ def inject(
     if SIDECAR_CONTAINER not in have:
         # First among the init containers: the kubelet starts them in order, so any later init
         # container (and every regular one) can use the sidecar.
-        sidecar = _sidecar(pod, config, parsed, port, shape)
+        sidecar = _sidecar(pod, config, parsed, port, shape, members)
         if spec["initContainers"]:
             patch.ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
             spec["initContainers"].insert(0, sidecar)
@@ -440,9 +561,20 @@ def inject(
         {"name": SHM_VOLUME, "mountPath": SHM_DIR},
         {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
     ]
+    in_place = (
+        config.in_place_restart
+        and _is_job_owned(pod)
+        and (pod.get("spec") or {}).get("restartPolicy") == "Never"
+    )
     for i, original in enumerate((pod.get("spec") or {}).get("containers") or []):
         container = _lists(original, "env", "volumeMounts")
         path = f"/spec/containers/{i}"
+        trainer = config.trainer_container is None or original.get("name") == config.trainer_container
+        if in_place and trainer and "restartPolicy" not in original and "restartPolicyRules" not in original:
+            patch.ops += [
+                {"op": "add", "path": f"{path}/restartPolicy", "value": "Never"},
+                {"op": "add", "path": f"{path}/restartPolicyRules", "value": [restart_rule()]},
+            ]
         set_env = {e.get("name") for e in container["env"] or []}
         for var in _common_env(pod, shape):
             if var["name"] not in set_env:

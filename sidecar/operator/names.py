@@ -49,6 +49,11 @@ LATEST_LABEL = "strata.dev/latest"
 #: The restore request that tells a released pod's sidecar to refuse its trainer: the limit is spent.
 STOP_REQUEST = "stop"
 
+#: The sidecars' peer port when strata.dev/redundancy is on (container port PEER_PORT_NAME; the chart's
+#: peer NetworkPolicy opens it between opted-in pods of a namespace).
+PEER_PORT = 9411
+PEER_PORT_NAME = "strata-peer"
+
 #: Audience of the projected service-account token a sidecar sends with its reports.
 REPORT_AUDIENCE = "strata.dev/report"
 
