@@ -57,6 +57,10 @@ MATRIX: dict[str, dict[str, Any]] = {
     "replicas-peering": {"operator": {"replicas": 2, "peering": "strata"}},
     "namespaced-peering": {"watchNamespaces": ["team-a"], "operator": {"replicas": 2, "peering": "strata"}},
     "no-networkpolicy": {"networkPolicy": {"enabled": False}},
+    "in-place-and-peers": {
+        "operator": {"inPlaceRestart": True, "inPlaceTimeoutSeconds": 90},
+        "networkPolicy": {"peers": {"namespaces": ["ml"], "otherPorts": False}},
+    },
     "restricted-metrics": {
         "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
         "storage": {"uri": "s3://ckpt/jobs", "endpoint": "http://seaweedfs.storage:8333"},
@@ -910,3 +914,36 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
     spec.write_text(yaml.safe_dump(tests))
     out = subprocess.run([_promtool(), "test", "rules", str(spec)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_in_place_restart_switch_and_the_peer_network_policy(chart: Any) -> None:
+    from sidecar.operator import names
+
+    args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--in-place") for a in args)
+    objects = render(chart, MATRIX["in-place-and-peers"])
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--in-place-restart" in args and "--in-place-timeout-seconds=90" in args
+    [peers] = [p for p in by_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith("-peers")]
+    assert peers["metadata"]["namespace"] == "ml"
+    opted_in = {"matchLabels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}}
+    assert peers["spec"]["podSelector"] == opted_in
+    [rule] = peers["spec"]["ingress"]  # otherPorts false: the peer port only
+    assert rule == {
+        "from": [{"podSelector": opted_in}],
+        "ports": [{"port": names.PEER_PORT, "protocol": "TCP"}],
+    }
+    # watchNamespaces by default; every other port stays open unless told otherwise
+    namespaced = [
+        p
+        for p in by_kind(render(chart, MATRIX["namespaced"]), "NetworkPolicy")
+        if "-peers" in p["metadata"]["name"]
+    ]
+    assert sorted(p["metadata"]["namespace"] for p in namespaced) == ["team-a", "team-b"]
+    other = namespaced[0]["spec"]["ingress"][1]["ports"]
+    assert {"port": 9412, "endPort": 65535, "protocol": "TCP"} in other
+    assert not any(
+        p.get("port", 0) <= names.PEER_PORT <= p.get("endPort", 0) and p["protocol"] == "TCP" for p in other
+    )
+    # cluster-wide with no namespaces listed: no peer policy
+    assert [p["metadata"]["name"] for p in by_kind(render(chart), "NetworkPolicy")] == ["strata"]
