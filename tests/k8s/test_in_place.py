@@ -1,0 +1,322 @@
+"""In-place gang restart and peer redundancy on Kubernetes: what the webhook injects (the trainer's
+container restart rule with --in-place-restart, the sidecar's peer port and members with
+strata.dev/redundancy), and the controller's in-place restart through heartbeat answers, its
+acknowledgements and its fallbacks to new pods."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+
+from sidecar.api import EXIT_RESTART_IN_PLACE
+from sidecar.operator import admission, names
+from sidecar.operator import inject as injection
+from sidecar.operator.kube import Api
+from sidecar.operator.reports import CheckpointWriter
+from sidecar.reporting import Reporter
+from tests.k8s.cluster import Cluster, indexed_job
+from tests.k8s.conftest import K8s, call
+from tests.k8s.test_operator import (
+    assert_valid,
+    cluster,  # noqa: F401  (fixture)
+    heartbeat,
+    operator,
+    running,
+    start_job,
+    status_of,
+    until,
+)
+from tests.k8s.test_webhook import CONFIG, job_pod, jobset_pod
+
+IN_PLACE = injection.InjectConfig(**{**CONFIG.__dict__, "in_place_restart": True})
+
+
+def patched(pod: dict[str, Any], config: injection.InjectConfig, shape: injection.Shape | None = None) -> Any:
+    ops = injection.inject(pod, namespace="ml", config=config, shape=shape)
+    return jsonpatch.apply_patch(pod, ops), ops
+
+
+# ---- the webhook ---------------------------------------------------------------------------------
+
+
+def test_the_restart_rule_is_injected_only_with_the_switch_on() -> None:
+    plain, _ = patched(job_pod(), CONFIG)
+    assert "restartPolicyRules" not in plain["spec"]["containers"][0]
+    pod, _ = patched(job_pod(), IN_PLACE)
+    trainer = pod["spec"]["containers"][0]
+    assert trainer["restartPolicy"] == "Never"
+    assert trainer["restartPolicyRules"] == [
+        {"action": "Restart", "exitCodes": {"operator": "NotIn", "values": [0, 75, 76]}}
+    ]
+    assert EXIT_RESTART_IN_PLACE not in trainer["restartPolicyRules"][0]["exitCodes"]["values"]
+    for version in ("1.34", "1.35"):  # the fields exist from 1.34 (alpha, ContainerRestartRules)
+        kubernetes_validate.validate(pod, version, strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, "1.33", strict=True)
+    assert injection.inject(pod, namespace="ml", config=IN_PLACE) == []  # idempotent
+
+
+def test_the_restart_rule_skips_jobset_pods_other_containers_and_user_rules() -> None:
+    pod, _ = patched(jobset_pod(), IN_PLACE)  # JobSet restarts its gang itself
+    assert "restartPolicyRules" not in pod["spec"]["containers"][0]
+    two = job_pod()
+    two["spec"]["containers"].append({"name": "logs", "image": "fluent:1"})
+    only = injection.InjectConfig(**{**IN_PLACE.__dict__, "trainer_container": "trainer"})
+    pod, _ = patched(two, only)
+    assert "restartPolicyRules" in pod["spec"]["containers"][0]
+    assert "restartPolicyRules" not in pod["spec"]["containers"][1]
+    own = job_pod()
+    own["spec"]["containers"][0]["restartPolicy"] = "Never"
+    own["spec"]["containers"][0]["restartPolicyRules"] = [
+        {"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}
+    ]
+    pod, _ = patched(own, IN_PLACE)
+    assert pod["spec"]["containers"][0]["restartPolicyRules"][0]["exitCodes"]["values"] == [42]
+
+
+def test_redundancy_wires_the_peer_port_and_the_members_of_an_indexed_job() -> None:
+    pod = job_pod({"strata.dev/redundancy": "buddy"})
+    pod["spec"]["subdomain"] = "recsys-peers"
+    out, _ = patched(pod, CONFIG, injection.Shape(world_size=4))
+    sidecar = out["spec"]["initContainers"][0]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["STRATA_PEER_PORT"] == "9411" and env["STRATA_PEER_HOST"] == "0.0.0.0"
+    assert env["STRATA_MEMBERS"] == "recsys-{index}.recsys-peers:9411"
+    assert env["STRATA_MEMBER_COUNT"] == "4" and env["STRATA_REDUNDANCY"] == "buddy"
+    assert {"name": "strata-peer", "containerPort": 9411, "protocol": "TCP"} in sidecar["ports"]
+    kubernetes_validate.validate(out, "1.33", strict=True)
+    without = job_pod({"strata.dev/redundancy": "parity"})
+    with pytest.raises(injection.Denied, match="subdomain"):
+        injection.inject(without, namespace="ml", config=CONFIG, shape=injection.Shape(world_size=4))
+    plain, _ = patched(job_pod(), CONFIG, injection.Shape(world_size=4))
+    assert "STRATA_PEER_PORT" not in {e["name"] for e in plain["spec"]["initContainers"][0]["env"]}
+
+
+def test_redundancy_members_of_a_jobset_are_its_pods_hostnames_in_rank_order() -> None:
+    workload = {
+        "kind": "JobSet",
+        "metadata": {"name": "ranker"},
+        "spec": {
+            "replicatedJobs": [
+                {"name": "driver", "replicas": 1, "template": {"spec": {"completions": 1}}},
+                {"name": "workers", "replicas": 2, "template": {"spec": {"completions": 2}}},
+            ]
+        },
+    }
+    pod = jobset_pod()
+    pod["metadata"]["labels"]["jobset.sigs.k8s.io/job-index"] = "1"
+    pod["metadata"]["annotations"]["strata.dev/redundancy"] = "buddy"
+    pod["spec"]["subdomain"] = "ranker"  # JobSet's default with DNS hostnames enabled
+    shape = injection.workload_shape(workload, pod)
+    assert shape.rank == 4
+    out, _ = patched(pod, CONFIG, shape)
+    env = {e["name"]: e.get("value") for e in out["spec"]["initContainers"][0]["env"]}
+    members = env["STRATA_MEMBERS"].split(",")
+    assert members == [
+        "ranker-driver-0-0.ranker:9411",
+        "ranker-workers-0-0.ranker:9411",
+        "ranker-workers-0-1.ranker:9411",
+        "ranker-workers-1-0.ranker:9411",
+        "ranker-workers-1-1.ranker:9411",
+    ]
+    assert members[shape.rank] == "ranker-workers-1-1.ranker:9411" and env["STRATA_MEMBER_COUNT"] == "5"
+
+
+def test_the_validating_webhook_warns_without_a_subdomain_and_the_memory_warning_counts_the_copy() -> None:
+    job = indexed_job("recsys", 2, annotations={"strata.dev/redundancy": "buddy"})
+    verdict = admission.validate_workload(job)
+    assert verdict.allowed and any("subdomain" in w for w in verdict.warnings)
+    job["spec"]["template"]["spec"]["subdomain"] = "recsys"
+    assert not any("subdomain" in w for w in admission.validate_workload(job).warnings)
+    pod = job_pod({"strata.dev/redundancy": "buddy", names.SIDECAR_MEMORY_ANNOTATION: "512Mi"})
+    pod["spec"]["subdomain"] = "recsys"
+    said = injection.warnings(pod, namespace="ml", config=CONFIG)
+    assert any("redundancy=buddy" in w and names.SIDECAR_MEMORY_ANNOTATION in w for w in said)
+    pod["metadata"]["annotations"][names.SIDECAR_MEMORY_ANNOTATION] = "8Gi"
+    assert not any("redundancy" in w for w in injection.warnings(pod, namespace="ml", config=CONFIG))
+
+
+# ---- the controller -----------------------------------------------------------------------------
+
+
+def in_place_job(name: str, world: int) -> dict[str, Any]:
+    """A Job whose pods carry the restart rule, as the webhook injects it with --in-place-restart."""
+    job = indexed_job(name, world, annotations={"strata.dev/backoff-seconds": "0"})
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    trainer.update(restartPolicy="Never", restartPolicyRules=[injection.restart_rule()])
+    return job
+
+
+async def crash_in_place(k8s: K8s, pod: dict[str, Any], code: int = 1) -> None:
+    """The trainer exits ``code`` and its restart rule restarts it: the pod stays Running."""
+    meta = pod["metadata"]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    statuses = [
+        {
+            "name": "trainer",
+            "ready": True,
+            "restartCount": 1,
+            "state": {"running": {"startedAt": now}},
+            "lastState": {"terminated": {"exitCode": code, "reason": "Error", "finishedAt": now}},
+        }
+    ]
+    status, body = await call(
+        k8s,
+        "PATCH",
+        f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+        {"status": {"phase": "Running", "containerStatuses": statuses}},
+    )
+    assert status == 200, body
+
+
+def beat(job: str, generation: str, rank: int, restart: str | None = None) -> dict[str, Any]:
+    item = heartbeat(job, generation, rank, 100, 1)
+    if restart is not None:
+        item["restart_generation"] = restart
+    return item
+
+
+async def instructed(k8s: K8s, name: str) -> dict[str, Any] | None:
+    pending = (await status_of(k8s, name)).get("pendingRestart") or {}
+    return pending if pending.get("instructedAt") else None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_trainer_crash_restarts_the_gang_in_place_through_heartbeat_answers(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    async with operator(k8s, in_place_restart=True, in_place_timeout_s=30.0) as op:
+        run, pods = await start_job(k8s, cluster, in_place_job("inplace", 2))
+        names_before = sorted(p["metadata"]["name"] for p in pods)
+        await crash_in_place(k8s, pods[1])
+        pending = await until(lambda: instructed(k8s, "inplace"), message="the in-place instruction")
+        assert pending["mode"] == "in-place" and pending["generation"] == f"{run}/1"
+        answer = await op.controller.on_heartbeat(beat("inplace", f"{run}/0", 0), pods[0]["metadata"]["name"])
+        assert answer == {
+            "namespace": "default",
+            "job": "inplace",
+            "restart": {"generation": f"{run}/1", "reason": "exit-error"},
+        }
+        for rank in (0, 1):  # the sidecars adopted it: their heartbeats say so
+            got = await op.controller.on_heartbeat(
+                beat("inplace", f"{run}/0", rank, f"{run}/1"), pods[rank]["metadata"]["name"]
+            )
+            assert got is None
+        status = await until(
+            lambda: _generation(k8s, "inplace", f"{run}/1"), message="the in-place generation"
+        )
+        assert status["restartMode"] == "in-place" and status["restarts"] == 1
+        assert status["phase"] == "Running"
+        assert status["lastFailure"]["reason"] == "ExitError" and status.get("pendingRestart") is None
+        assert k8s.api.evictions == []  # no pod was stopped
+        now = await until(lambda: running(cluster, "inplace", f"{run}/1", 2), message="annotations follow")
+        assert sorted(p["metadata"]["name"] for p in now) == names_before
+        assert all(names.RESTORE_REQUEST_ANNOTATION not in p["metadata"]["annotations"] for p in now)
+        await assert_valid(k8s, "inplace")
+        # The crash it answered (still the trainer's lastState) and the exits with 77 are no new failure.
+        await crash_in_place(k8s, pods[0], EXIT_RESTART_IN_PLACE)
+        await op.controller.on_heartbeat(beat("inplace", f"{run}/1", 0), pods[0]["metadata"]["name"])
+        await _settle()
+        assert (await status_of(k8s, "inplace"))["generation"] == f"{run}/1"
+
+
+async def _generation(k8s: K8s, name: str, generation: str) -> dict[str, Any] | None:
+    status = await status_of(k8s, name)
+    return status if status.get("generation") == generation else None
+
+
+async def _settle() -> None:
+    import asyncio
+
+    await asyncio.sleep(1.0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_an_evicted_pod_restarts_the_gang_with_new_pods_and_no_instruction(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    async with operator(k8s, in_place_restart=True) as op:
+        run, pods = await start_job(k8s, cluster, in_place_job("evicted", 2))
+        await cluster.kubelet_evict(pods[1])
+        await until(lambda: running(cluster, "evicted", f"{run}/1", 2), message="generation 1 with new pods")
+        status = await status_of(k8s, "evicted")
+        assert status["restartMode"] == "pod" and status["lastFailure"]["reason"] == "Evicted"
+        answer = await op.controller.on_heartbeat(beat("evicted", f"{run}/0", 0), pods[0]["metadata"]["name"])
+        assert answer is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_without_acknowledgements_the_in_place_restart_falls_back_to_new_pods(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    async with operator(k8s, in_place_restart=True, in_place_timeout_s=1.5):
+        run, pods = await start_job(k8s, cluster, in_place_job("silent", 2))
+        await crash_in_place(k8s, pods[1])
+        await until(lambda: instructed(k8s, "silent"), message="the in-place instruction")
+        # No sidecar answers: the next generation number, as new pods (the in-place one is fenced off).
+        await until(lambda: running(cluster, "silent", f"{run}/2", 2), message="the fallback generation")
+        status = await status_of(k8s, "silent")
+        assert status["restartMode"] == "pod" and status["restarts"] == 1
+        assert set(k8s.api.evictions) == {p["metadata"]["name"] for p in pods}
+        await assert_valid(k8s, "silent")
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_the_switch_off_or_no_restart_rule_means_new_pods(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    async with operator(k8s, in_place_restart=True):
+        job = indexed_job("norule", 2, annotations={"strata.dev/backoff-seconds": "0"})  # gate off: no rule
+        run, pods = await start_job(k8s, cluster, job)
+        await crash_in_place(k8s, pods[1])
+        await until(lambda: running(cluster, "norule", f"{run}/2", 2), message="new pods")
+        status = await status_of(k8s, "norule")
+        assert status["restartMode"] == "pod" and status["restarts"] == 1
+
+
+# ---- the report endpoint and the sidecar's reporter ----------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_writer_returns_the_heartbeats_instruction_and_records_the_restore_source(k8s: K8s) -> None:
+    from tests.k8s.test_crds import install_crds
+
+    await install_crds(k8s)
+    api = Api.from_config(str(k8s.kubeconfig))
+    told = {"namespace": "default", "job": "j", "restart": {"generation": "r/1", "reason": "hang"}}
+    try:
+        writer = CheckpointWriter(api, on_heartbeat=lambda item, pod: copy.deepcopy(told))
+        item = {**heartbeat("j", "r/0", 0, 5, 1), "restore_source": "peer", "restored_step": 5}
+        assert await writer.write(item, "j-0") == told
+        bad = {**item, "restore_source": "tape"}
+        with pytest.raises(Exception, match="restore_source"):
+            await writer.write(bad, "j-0")
+    finally:
+        await api.close()
+
+
+def test_the_reporter_hands_the_answers_instructions_to_its_callback() -> None:
+    from prometheus_client import CollectorRegistry
+
+    got: list[dict[str, Any]] = []
+    reporter = Reporter("", CollectorRegistry(), on_instruction=got.append)
+    told = {"namespace": "default", "job": "j", "restart": {"generation": "r/1", "reason": "hang"}}
+    answer = {"accepted": 1, "rejected": [], "instructions": [told, "junk"]}
+    reporter._accepted([{"kind": "heartbeat"}], json.dumps(answer).encode())
+    assert got == [told]
+    reporter._accepted([{"kind": "heartbeat"}], json.dumps({"accepted": 1, "rejected": []}).encode())
+    assert got == [told]
