@@ -71,7 +71,7 @@ class SidecarServer:
             pb_grpc.add_PeerServicer_to_server(
                 PeerServicer(
                     self.engine.on_hint,
-                    self.engine.serve_fetch,
+                    lambda req: self.engine.serve_fetch(req),  # looked up per call (tests wrap it)
                     min(DEFAULT_CHUNK_BYTES, settings.max_message_bytes // 2),
                     on_protect=self.engine.on_protect,
                     on_parity=self.engine.serve_parity,

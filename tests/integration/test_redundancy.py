@@ -9,110 +9,26 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import torch
-from conftest import free_port, settled
 
 from sidecar import redundancy as rd
 from sidecar.api import pb, pb_grpc
-from sidecar.config import SidecarSettings
-from sidecar.metrics import Metrics
-from sidecar.server import SidecarServer
 from sidecar.store import open_store
-from trainer_client import CheckpointClient
-
-MIB = 1 << 20
-
-
-class Pods:
-    """N simulated pods: one sidecar each (one rank each), members of one job."""
-
-    def __init__(self, root: Path, n: int, mode: str, **options: Any) -> None:
-        self.root, self.n, self.mode, self.options = root, n, mode, options
-        self.storage = f"file://{root}/store"
-        self.ports = [free_port() for _ in range(n)]
-        self.members = ",".join(f"127.0.0.1:{p}" for p in self.ports)
-        self.servers: list[SidecarServer | None] = [None] * n
-        self.gets: list[list[str]] = [[] for _ in range(n)]
-        self.clients: list[CheckpointClient] = []
-        for i in range(n):
-            self.start(i)
-
-    def start(self, i: int, **options: Any) -> SidecarServer:
-        (self.root / f"shm{i}").mkdir(exist_ok=True)
-        settings = SidecarSettings(
-            storage=self.storage,
-            socket=str(self.root / f"sc{i}.sock"),
-            shm_dir=str(self.root / f"shm{i}"),
-            metrics_port=0,
-            keep=0,
-            peer_port=self.ports[i],
-            redundancy=self.mode,
-            members=self.members,
-            member_index=i,
-            redundancy_dir=str(self.root / f"red{i}"),
-            redundancy_rate_mb_s=0.0,
-            **{**self.options, **options},
-        )
-        server = SidecarServer(settings, metrics=Metrics()).start()
-        gets = self.gets[i] = []
-        for name in ("get", "get_range"):
-            original = getattr(server.store, name)
-
-            def counted(key: str, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-                gets.append(key)
-                return _original(key, *args, **kwargs)
-
-            setattr(server.store, name, counted)
-        self.servers[i] = server
-        return server
-
-    def stop(self, i: int, wipe: bool) -> None:
-        """Stop member ``i``'s sidecar; ``wipe``: its pod is gone (memory and emptyDir)."""
-        server = self.servers[i]
-        assert server is not None
-        server.stop(grace=0)
-        self.servers[i] = None
-        if wipe:
-            shutil.rmtree(self.root / f"red{i}", ignore_errors=True)
-
-    def client(self, i: int, job: str, generation: str) -> CheckpointClient:
-        server = self.servers[i]
-        assert server is not None
-        client = CheckpointClient(
-            job=job,
-            socket=server.socket_path,
-            rank=i,
-            world_size=self.n,
-            generation=generation,
-            capture_rng=False,
-            connect_timeout_s=10.0,
-            commit_timeout_s=60.0,
-        )
-        self.clients.append(client)
-        return client
-
-    def pushed(self, job: str, kind: str) -> list[float]:
-        return [
-            s.metrics.redundancy_pushes.labels(job, kind, "ok")._value.get() if s is not None else 0.0
-            for s in self.servers
-        ]
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close(wait=False)
-        for s in self.servers:
-            if s is not None:
-                s.stop(grace=0)
+from tests.fixtures.member_pods import (
+    Pods,
+    check_equal,
+    data_gets,
+    restore_all,
+    save_all,
+    settled,
+)
 
 
 @pytest.fixture
@@ -126,70 +42,6 @@ def pods(short_tmp):
     yield make
     for p in made:
         p.close()
-
-
-def state_of(rank: int, step: int) -> dict[str, Any]:
-    """Sizes differ by rank (parity pads shorter shares) and span several parity blocks."""
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return {
-        "w": torch.randn((2 * MIB + rank * 300_000) // 4, generator=g),
-        "b": torch.randint(0, 1 << 30, (1000 + rank,), generator=g),
-        "step": step,
-    }
-
-
-def blank(rank: int) -> dict[str, Any]:
-    return {
-        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in state_of(rank, 0).items()
-    }
-
-
-def save_all(pods: Pods, job: str, step: int, generation: str = "run/0") -> list[CheckpointClient]:
-    clients = [pods.client(i, job, generation) for i in range(pods.n)]
-    handles = [c.save(step, state_of(i, step)) for i, c in enumerate(clients)]
-    for h in handles:
-        h.durable.result(60)
-    return clients
-
-
-def restore_all(pods: Pods, job: str, generation: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """A gang restart: every rank restores through its own sidecar at once."""
-    out: list[Any] = [None] * pods.n
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            target = blank(i)
-            client = pods.client(i, job, generation)
-            client.restore(target)
-            out[i] = (target, dict(client.last_restore))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(pods.n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return out
-
-
-def data_gets(pods: Pods, i: int, job: str) -> list[str]:
-    """Objects of rank ``i``'s snapshots read from storage by member ``i`` (MANIFEST and COMMIT,
-    a few hundred bytes that say what to expect, are not data)."""
-    return [
-        k for k in pods.gets[i] if f"/{job}/steps/" in k and f"rank-{i}/" in k and not k.endswith("MANIFEST")
-    ]
-
-
-def check_equal(target: dict[str, Any], rank: int, step: int) -> None:
-    want = state_of(rank, step)
-    for k, v in want.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(target[k], v), (rank, k)
-        else:
-            assert target[k] == v
 
 
 @pytest.mark.parametrize("mode,n", [("buddy", 3), ("parity", 4)])

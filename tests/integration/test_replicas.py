@@ -135,7 +135,7 @@ def test_bytes_without_the_jobs_stream_mac_are_not_used(two_pods, make_client, j
     for h in [c.save(5, s) for c, s in zip(clients, states, strict=True)]:
         h.durable.result(60)
     serve = pods[1].engine.serve_fetch
-    monkeypatch.setattr(pods[1].engine, "serve_fetch", lambda req: (serve(req)[0], b"\x00" * 32))
+    monkeypatch.setattr(pods[1].engine, "serve_fetch", lambda req: (*serve(req)[:2], b"\x00" * 32))
     target = fresh(0)
     assert clients[0].restore(target) == 5
     assert clients[0].last_restore["replica_sources"] == {1: "storage"}
