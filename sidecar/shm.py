@@ -2,10 +2,14 @@
 
 The client creates ``<shm_dir>/strata-<instance>-<n>``, copies its tensors
 into it and sends only a header naming it. The sidecar maps the file read-only
-and unlinks it at once: from then on the memory lives exactly as long as one of
-the two processes maps it, so a crashed trainer leaves nothing behind in the
-tmpfs, and the sidecar's mapping keeps the committed snapshot readable after
-the trainer is gone (REFT's process that outlives the trainer).
+and renames it to a name of its own (``strata-held-p<pid>-<instance>-<n>``):
+the trainer's name is free again, the sidecar's mapping keeps the committed
+snapshot readable after the trainer is gone (REFT's process that outlives the
+trainer), and the restarted trainer reads that snapshot straight from the held
+name (a restore from memory at memory speed, not through gRPC). The sidecar
+unlinks the held name when it forgets the mapping: when the trainer's successor
+saves, or when the sidecar stops; a sidecar that crashed leaves them, and the
+next one to start removes held names of sidecars that are gone.
 
 The mapping is cached by name, because the client reuses its segments for
 every save: mapping a GiB again would fault every page in once more.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import logging
 import mmap
 import os
@@ -56,6 +61,17 @@ class Segments:
         self._per_owner = per_owner
         self._lock = threading.Lock()
         self._maps: dict[object, OrderedDict[str, mmap.mmap]] = {}
+        with _LIVE_LOCK:
+            self._id = f"{os.getpid()}.{next(_IDS)}"
+            _LIVE.add(self._id)
+        self._prefix = f"strata-held-p{self._id}-"
+        if directory:
+            _remove_stale_held(directory)
+
+    def held_name(self, name: str) -> str | None:
+        """The name the segment ``name`` is held under in the directory, while it is there."""
+        held = self._prefix + name.removeprefix("strata-")
+        return held if os.path.exists(os.path.join(self.directory, held)) else None
 
     def view(self, name: str, size: int, owner: object) -> memoryview:
         """A read-only view of the first ``size`` bytes of segment ``name`` of ``owner`` (a rank)."""
@@ -73,7 +89,7 @@ class Segments:
                     self._sweep(maps, old)  # a restarted trainer: its predecessor's segments are done
                 maps[name] = mapped
                 while len(maps) > self._per_owner:
-                    maps.popitem(last=False)
+                    self._forget(maps.popitem(last=False)[0])
             maps.move_to_end(name)
         if size > len(mapped):
             raise InvalidArgument(
@@ -99,17 +115,24 @@ class Segments:
             mapped = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
-        try:
-            os.unlink(path)  # ours now: the memory goes when the last mapping does
+        try:  # ours now, under our name: a restarted trainer restores from it
+            os.rename(path, os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
         except OSError as exc:
-            log.warning("could not unlink shared segment %s: %s", path, exc)
+            log.warning("could not take over shared segment %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         return mapped
+
+    def _forget(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
 
     def _sweep(self, maps: OrderedDict[str, mmap.mmap], instance: str) -> None:
         """Forget an instance's mappings and unlink any segment of it never mapped (the spare
         a crashed trainer had warmed up)."""
         for name in [n for n in maps if n.rsplit("-", 1)[0] == instance]:
             del maps[name]
+            self._forget(name)
         for path in Path(self.directory).glob(f"{glob.escape(instance)}-*"):
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -120,3 +143,34 @@ class Segments:
                 for instance in {n.rsplit("-", 1)[0] for n in maps}:
                     self._sweep(maps, instance)
             self._maps.clear()
+        with _LIVE_LOCK:
+            _LIVE.discard(self._id)
+
+
+#: the Segments of this process (several sidecars run in one process in tests)
+_LIVE: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+_IDS = itertools.count()
+
+
+def _remove_stale_held(directory: str) -> None:
+    """Held segments of sidecars that are gone (a crash, or this process's predecessor in a
+    restarted container, which may have had the same PID)."""
+    for path in Path(directory).glob("strata-held-p*-*"):
+        owner = path.name.removeprefix("strata-held-p").split("-", 1)[0]
+        pid_text = owner.split(".", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        with _LIVE_LOCK:
+            alive = owner in _LIVE if pid == os.getpid() else True
+        if alive and pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                pass
+        if not alive:
+            with contextlib.suppress(OSError):
+                path.unlink()

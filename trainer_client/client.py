@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
+import re
 import sys
 import threading
 import time
@@ -37,6 +39,7 @@ from sidecar.api import (
     EXIT_RESTART_IN_PLACE,
     LIMIT_SPENT_MARKER,
     PROTOCOL_VERSION,
+    SHM_NAME_PATTERN,
     TOKEN_METADATA_KEY,
     channel_options,
     pb,
@@ -1025,6 +1028,8 @@ class CheckpointClient:
             "source": header.source,
             "fallback_reason": header.fallback_reason,
             "bytes": int(header.total_bytes),
+            # read straight from the shared segment the sidecar holds the snapshot in (no gRPC)
+            "shared_memory": header.HasField("shm"),
             # replicated tensors other ranks saved: owner rank -> where they came from
             "replica_sources": replica_sources,
         }
@@ -1090,10 +1095,15 @@ class CheckpointClient:
         """One Restore call, asked again while the sidecar refuses it for lack of a free slot
         (its blocking calls or memory are momentarily taken by other ranks)."""
         deadline, delay = time.monotonic() + self.settings.rpc_timeout_s, 0.1
+        shm_dir = self._segments.directory if self._segments is not None else ""
+        req.shm_ok = bool(shm_dir)
         while True:
             try:
                 stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
-                return _receive(stream)
+                return _receive(stream, shm_dir)
+            except _SegmentGone as exc:  # the sidecar forgot it meanwhile: the bytes come over gRPC
+                log.info("%s; restoring over gRPC", exc)
+                req.shm_ok = False
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + delay >= deadline:
                     raise
@@ -1106,11 +1116,42 @@ class _NothingToRestore(Exception):
     pass
 
 
-def _receive(stream: Iterator[pb.RestoreResponse]) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
+class _SegmentGone(Exception):
+    pass
+
+
+def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[int, Any]]) -> None:
+    """Copy the tensors from the shared segment the sidecar holds the snapshot in."""
+    name = header.shm.name
+    if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
+        raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
+    try:
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _SegmentGone(f"shared segment {name}: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < header.total_bytes:
+            raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
+        with mmap.mmap(fd, header.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                for start, dst in targets:
+                    dst[:] = view[start : start + dst.size]
+            finally:
+                view.release()
+    finally:
+        os.close(fd)
+
+
+def _receive(
+    stream: Iterator[pb.RestoreResponse], shm_dir: str = ""
+) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
     """Read a restore stream straight into freshly allocated tensors.
 
     The stream is the snapshot buffer, ``total_bytes`` long; tensor i occupies
-    ``[offset, offset + nbytes)`` of it (gaps are alignment padding).
+    ``[offset, offset + nbytes)`` of it (gaps are alignment padding). A header naming a shared
+    segment (``shm``) means the buffer is that segment instead: no chunks follow.
     """
     first = next(stream, None)
     if first is None or first.WhichOneof("msg") != "header":
@@ -1120,6 +1161,11 @@ def _receive(stream: Iterator[pb.RestoreResponse]) -> tuple[pb.RestoreHeader, li
     targets = [
         (m.offset, as_numpy_bytes(t)) for m, t in zip(header.tensors, tensors, strict=True) if t.numel()
     ]
+    if header.HasField("shm"):
+        for _ in stream:  # nothing more comes; let the call end
+            raise RestoreError("the sidecar sent chunks after naming a shared segment")
+        _from_segment(header, shm_dir, targets)
+        return header, tensors
     index, pos = 0, 0
     for msg in stream:
         data = memoryview(msg.chunk)

@@ -444,8 +444,11 @@ class Restorer:
                 log.error("rank %d: held stored forms unusable (%s); reading storage", identity.rank, exc)
                 return None
             buf = memoryview(out)
+            segment = None
         else:
             memory = None
+            held = self.shared.segments.held_name(found.segment) if found.segment else None
+            segment = (held, len(buf)) if held else None
         return RestoreData(
             target[1],
             found.tensors,
@@ -458,6 +461,7 @@ class Restorer:
             memory,
             [r for r in found.replicas if r.owner != identity.rank],
             target[0],
+            segment,
         )
 
     def _intact(self, snap: Snapshot, buf: memoryview) -> bool:

@@ -118,6 +118,8 @@ class RestoreData:
     #: replicated tensors other ranks saved, and the attempt of the COMMIT served (with ``step``)
     replicas: list[mf.ReplicaEntry] = field(default_factory=list)
     attempt: int = 0
+    #: the shared segment (name in --shm-dir, bytes) holding exactly these bytes, when there is one
+    segment: tuple[str, int] | None = None
 
 
 def drop_buffer(snap: Snapshot) -> None:

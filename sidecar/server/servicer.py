@@ -138,10 +138,16 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             )
         else:
             data = self.engine.open_restore(_identity(request.identity), step)
-        yield pb.RestoreResponse(header=restore_header(data))
-        for blob in data.chunks:
-            for start in range(0, len(blob), self.chunk_bytes):
-                yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))
+        header = restore_header(data)
+        if request.shm_ok and data.segment is not None:
+            # Held in a shared segment: the client copies from it directly (no bytes on the wire).
+            header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
+            yield pb.RestoreResponse(header=header)
+        else:
+            yield pb.RestoreResponse(header=header)
+            for blob in data.chunks:
+                for start in range(0, len(blob), self.chunk_bytes):
+                    yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))
         if not request.HasField("of_rank"):  # served whole: the heartbeats say where it came from
             self.engine.reports.note_restore(_identity(request.identity).slot, data.step, data.source)
 

@@ -25,7 +25,12 @@ def state(value: float) -> dict[str, torch.Tensor]:
 
 
 def shm_files(server: Any) -> list[str]:
-    return sorted(os.listdir(server.settings.shm_dir))
+    """Segments under the trainers' names (the sidecar's held ones are apart)."""
+    return sorted(f for f in os.listdir(server.settings.shm_dir) if not f.startswith("strata-held-"))
+
+
+def held_files(server: Any) -> list[str]:
+    return sorted(f for f in os.listdir(server.settings.shm_dir) if f.startswith("strata-held-"))
 
 
 def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
@@ -36,14 +41,38 @@ def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
     assert client._segments is not None and all(b.shared for b in client._buffers)
     for step in range(4):
         client.save(step, state(float(step))).durable.result(30)
-        # The sidecar unlinks what it maps; only the spare the client warmed up may still be there.
+        # The sidecar takes what it maps under its own name; only the spare the client warmed up
+        # may still be there under the client's, and the sidecar holds at most two per rank.
         spare = client._buffers[1 - client._held].segment
         assert shm_files(server) == ([spare.name] if step == 0 else [])
+        assert 1 <= len(held_files(server)) <= 2
     received = server.metrics.received_bytes.labels(job_name)._value.get()
     assert received == 4 * client._buffers[0].span_bytes
     out = state(-1.0)
     assert client.restore(out) == 3 and client.last_restore["source"] == "memory"
+    assert client.last_restore["shared_memory"] is True
     assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+
+
+def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory_or_else_over_grpc(
+    make_sidecar, make_client, job_name
+):
+    server = make_sidecar()
+    first = make_client(server, job_name, capture_rng=False, generation="r/0")
+    first.save(7, state(7.0)).durable.result(30)
+    first._buffers = []  # killed: the sidecar keeps the committed snapshot in its segment
+    second = make_client(server, job_name, capture_rng=False, generation="r/1")
+    out = state(-1.0)
+    assert second.restore(out) == 7
+    assert second.last_restore["source"] == "memory" and second.last_restore["shared_memory"] is True
+    assert torch.equal(out["w"], state(7.0)["w"]) and torch.equal(out["b"], state(7.0)["b"])
+    for name in held_files(server):  # gone from the tmpfs (the sidecar's mapping still has it)
+        os.unlink(os.path.join(server.settings.shm_dir, name))
+    third = make_client(server, job_name, capture_rng=False, generation="r/2")
+    out = state(-1.0)
+    assert third.restore(out) == 7
+    assert third.last_restore["source"] == "memory" and third.last_restore["shared_memory"] is False
+    assert torch.equal(out["w"], state(7.0)["w"])
 
 
 def test_a_crashed_trainers_spare_segment_is_removed_when_its_successor_saves(
@@ -58,8 +87,10 @@ def test_a_crashed_trainers_spare_segment_is_removed_when_its_successor_saves(
     successor.save(2, state(2.0)).durable.result(30)
     spare = successor._buffers[1 - successor._held].segment
     assert shm_files(server) == [spare.name]
+    # the crashed trainer's segment the sidecar held is released with it: only the successor's
+    assert len(held_files(server)) == 1
     server.stop(grace=1)  # a stopping sidecar sweeps what it knows
-    assert shm_files(server) == []
+    assert shm_files(server) == [] and held_files(server) == []
 
 
 def test_the_committed_segment_is_never_staged_into(make_sidecar, make_client, job_name, monkeypatch):
@@ -219,3 +250,28 @@ def test_a_shared_memory_save_with_chunks_is_refused(make_sidecar, job_name):
     # A well-formed one through the same kind of segment commits.
     make_segment(server, "strata-raw-1", 64)
     assert shm_save(server, job_name, "strata-raw-1", 64).bytes_received == 64
+
+
+def test_held_segments_of_a_sidecar_that_is_gone_are_removed_at_start(make_sidecar, short_tmp):
+    shm = short_tmp / "shm"
+    shm.mkdir(exist_ok=True)
+    dead = subprocess_pid_that_exited()
+    stale = [shm / f"strata-held-p{dead}.0-abc-0", shm / f"strata-held-p{os.getpid()}.999999-abc-1"]
+    for path in stale:
+        path.write_bytes(b"x" * 10)
+    live = make_sidecar()  # same process: its held names survive another sidecar's start
+    live_name = shm / f"strata-held-p{live.engine.segments._id}-keep-0"
+    live_name.write_bytes(b"y")
+    make_sidecar(socket=str(short_tmp / "other.sock"))
+    assert [p.exists() for p in stale] == [False, False]
+    assert live_name.exists()
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(proc.stdout)

@@ -486,6 +486,7 @@ class RestoreRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     OF_RANK_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    SHM_OK_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     step: _builtins.int
     """Restore this step; unset means the newest committed step."""
@@ -495,6 +496,10 @@ class RestoreRequest(_message.Message):
     sidecar holds them, else storage.
     """
     attempt: _builtins.int
+    shm_ok: _builtins.bool
+    """The client can read a shared segment in the sidecar's --shm-dir (same host, shm on): a step
+    held in memory may then come as RestoreHeader.shm instead of chunks.
+    """
     @_builtins.property
     def identity(self) -> Global___Identity: ...
     def __init__(
@@ -505,10 +510,11 @@ class RestoreRequest(_message.Message):
         step: _builtins.int | None = ...,
         of_rank: _builtins.int | None = ...,
         attempt: _builtins.int | None = ...,
+        shm_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "shm_ok", b"shm_ok", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attempt: _TypeAlias = _typing.Literal["attempt"]  # noqa: Y015
     _WhichOneofArgType__attempt: _TypeAlias = _typing.Literal["_attempt", b"_attempt"]  # noqa: Y015
@@ -537,6 +543,7 @@ class RestoreHeader(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     tree: _builtins.bytes
     total_bytes: _builtins.int
@@ -552,6 +559,13 @@ class RestoreHeader(_message.Message):
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaRef]:
         """Replicated tensors saved by other ranks: fetch them with RestoreRequest.of_rank."""
 
+    @_builtins.property
+    def shm(self) -> Global___SharedSegment:
+        """Set (only when the request said shm_ok): no chunks follow; the bytes lie in this segment of
+        the sidecar's --shm-dir, as they were saved (already checked against their digests). It stays
+        there until the rank's trainer saves again; one that is gone means: ask again without shm_ok.
+        """
+
     def __init__(
         self,
         *,
@@ -563,10 +577,11 @@ class RestoreHeader(_message.Message):
         fallback_reason: _builtins.str = ...,
         replicas: _abc.Iterable[Global___ReplicaRef] | None = ...,
         attempt: _builtins.int = ...,
+        shm: Global___SharedSegment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "shm", b"shm", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
