@@ -22,7 +22,7 @@ from typing import Any
 
 from tests.bench.common import DEFAULT_RESULTS, Phases, print_table, update_results
 
-SECTIONS = ("foundation", "recovery", "checknrun", "protocol", "memory", "replicas", "operator")
+SECTIONS = ("foundation", "recovery", "checknrun", "protocol", "memory", "replicas", "peer", "operator")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
