@@ -26,6 +26,7 @@ import os
 import re
 import stat
 import threading
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 
@@ -122,6 +123,57 @@ class Segments:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         return mapped
+
+    def handoff(self, blobs: list[memoryview], size: int) -> str:
+        """A new segment holding ``blobs`` (``size`` bytes), for a restoring trainer to copy from
+        and remove; its name. OSError (a full tmpfs) leaves nothing behind."""
+        name = f"{self._prefix}r{uuid.uuid4().hex[:16]}"
+        path = os.path.join(self.directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(1, size))  # ENOSPC now, not as a SIGBUS later
+            pos = 0
+            for blob in blobs:
+                while len(blob):
+                    n = os.pwrite(fd, blob, pos)
+                    pos, blob = pos + n, blob[n:]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return name
+
+    def scratch(self, size: int) -> tuple[str, memoryview] | None:
+        """A new writable segment of ``size`` bytes to assemble a restore in (then handed to the
+        trainer as it is), or None without a shm dir or room in it."""
+        if not self.directory or size <= 0:
+            return None
+        name = f"{self._prefix}r{uuid.uuid4().hex[:16]}"
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            log.info("no room in %s for a %d-byte restore segment: %s", self.directory, size, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        finally:
+            os.close(fd)
+        return name, memoryview(mapped)
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.directory, name))
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(os.path.join(self.directory, name))
 
     def _forget(self, name: str) -> None:
         with contextlib.suppress(OSError):

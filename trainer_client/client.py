@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -1134,12 +1136,14 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[in
         if size < header.total_bytes:
             raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
         with mmap.mmap(fd, header.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
-            view = memoryview(mapped)
+            source = np.frombuffer(mapped, np.uint8)
             try:
-                for start, dst in targets:
-                    dst[:] = view[start : start + dst.size]
+                with warnings.catch_warnings():  # read-only source: torch only reads it here
+                    warnings.simplefilter("ignore", UserWarning)
+                    for start, dst in targets:  # torch's copy uses every intra-op thread
+                        torch.from_numpy(dst).copy_(torch.from_numpy(source[start : start + dst.size]))
             finally:
-                view.release()
+                del source
     finally:
         os.close(fd)
 
@@ -1162,9 +1166,17 @@ def _receive(
         (m.offset, as_numpy_bytes(t)) for m, t in zip(header.tensors, tensors, strict=True) if t.numel()
     ]
     if header.HasField("shm"):
+        try:
+            _from_segment(header, shm_dir, targets)
+        except _SegmentGone:
+            stream.cancel()  # type: ignore[attr-defined]  # a grpc call: the sidecar stops waiting
+            raise
+        finally:
+            if header.shm_handoff:  # a copy made for this restore: ours to remove (ends the call)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shm_dir, header.shm.name))
         for _ in stream:  # nothing more comes; let the call end
             raise RestoreError("the sidecar sent chunks after naming a shared segment")
-        _from_segment(header, shm_dir, targets)
         return header, tensors
     index, pos = 0, 0
     for msg in stream:

@@ -5,7 +5,6 @@ share rebuilt from the others after its pod was lost (buddy copy, or parity + su
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -30,7 +29,7 @@ from sidecar.errors import (
     StrataError,
     Unauthenticated,
 )
-from sidecar.gang import FETCH_WINDOW_S, STREAM_MAC_KEY, Position, fetch_mac
+from sidecar.gang import FETCH_WINDOW_S, STREAM_MAC_KEY, Position, fetch_mac, stream_mac
 
 from .held import Held
 from .state import Shared
@@ -40,13 +39,6 @@ log = logging.getLogger(__name__)
 
 #: how long a push waits for every rank this member serves to commit the step
 SHARE_WAIT_S = 10.0
-
-
-def _stream_mac(key: bytes, mac: str) -> Any:
-    """The running MAC of a push's or a parity answer's bytes."""
-    out = hashlib.blake2b(key=key, digest_size=32)
-    out.update(mac.encode())
-    return out
 
 
 def _rpc_error(exc: grpc.RpcError) -> str:
@@ -286,7 +278,7 @@ class Redundancy:
         key: bytes,
         snaps: list[Snapshot],
     ) -> bool:
-        mac = _stream_mac(key, header.mac)
+        mac = stream_mac(key, header.mac)
         intact = True
 
         def stream() -> Iterator[pb.ProtectRequest]:
@@ -374,7 +366,7 @@ class Redundancy:
             raise InvalidArgument(f"push kind must be replica or parity, got {h.kind!r}")
         assert self.holdings is not None
         entry = self.holdings.begin(hkey, (h.attempt, h.step), expected)
-        mac = _stream_mac(key, h.mac)
+        mac = stream_mac(key, h.mac)
         written = 0
         what = f"member {h.member}'s {h.kind} of step {h.step}"
         try:
@@ -577,7 +569,7 @@ class Redundancy:
         head = next(stream)
         if head.WhichOneof("msg") != "header":
             raise ValueError(f"{address} answered without a header")
-        mac = _stream_mac(key, req.mac)
+        mac = stream_mac(key, req.mac)
         body = bytearray()
         for msg in stream:
             mac.update(msg.chunk)
@@ -629,7 +621,7 @@ class Redundancy:
             head_msg = next(stream)
             if head_msg.WhichOneof("msg") != "header" or head_msg.header.total_bytes != r.nbytes:
                 raise ValueError(f"member {member} holds another rank {r.rank} for step {position[1]}")
-            mac = _stream_mac(key, req.mac)
+            mac = stream_mac(key, req.mac)
             got = 0
             for msg in stream:
                 mac.update(msg.chunk)

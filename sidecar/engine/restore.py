@@ -11,6 +11,7 @@ import hmac
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import grpc
@@ -320,9 +321,11 @@ class Restorer:
             memory = self.memory.reserve(
                 "restore", manifest.total_bytes, f"fetching step {target[1]} from a peer"
             )
-            buf = bytearray(manifest.total_bytes)
+            # Assembled straight in a segment the trainer can read (no copy to hand it over).
+            scratch = self.shared.segments.scratch(manifest.total_bytes)
+            buf = scratch[1] if scratch is not None else memoryview(bytearray(manifest.total_bytes))
             pos = 0
-            mac = stream_mac(secret, req)
+            mac = stream_mac(secret, req.mac)
             try:
                 for msg in stream:
                     end = pos + len(msg.chunk)
@@ -344,6 +347,8 @@ class Restorer:
             except (grpc.RpcError, ValueError) as exc:
                 stream.cancel()
                 memory.release()
+                if scratch is not None:
+                    self.shared.segments.remove(scratch[0])
                 log.warning(
                     "fetch of rank %d step %d from peer %s unusable: %s",
                     identity.rank,
@@ -360,7 +365,7 @@ class Restorer:
                     target[1],
                     address,
                 )
-            return RestoreData(
+            data = RestoreData(
                 target[1],
                 manifest.tensors,
                 manifest.tree,
@@ -373,6 +378,10 @@ class Restorer:
                 manifest.foreign(),
                 target[0],
             )
+            if scratch is not None:
+                data.segment, data.handoff = (scratch[0], manifest.total_bytes), True
+                weakref.finalize(data, self.shared.segments.remove, scratch[0])  # never served: gone
+            return data
         return None
 
     def prefetch(self, identity: Identity) -> None:

@@ -120,6 +120,8 @@ class RestoreData:
     attempt: int = 0
     #: the shared segment (name in --shm-dir, bytes) holding exactly these bytes, when there is one
     segment: tuple[str, int] | None = None
+    #: that segment was made for this restore: the trainer removes it once read
+    handoff: bool = False
 
 
 def drop_buffer(snap: Snapshot) -> None:

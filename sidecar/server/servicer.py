@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -10,10 +11,12 @@ import grpc
 
 from sidecar import __version__
 from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, pb, pb_grpc
-from sidecar.engine import Engine, Identity, TensorSpec, check_protocol, restore_header
-from sidecar.errors import Aborted, InvalidArgument, NotFound
+from sidecar.budget import Reservation
+from sidecar.engine import Engine, Identity, RestoreData, TensorSpec, check_protocol, restore_header
+from sidecar.errors import Aborted, InvalidArgument, NotFound, StrataError
 from sidecar.manifest import Commit, ReplicaEntry
 
+log = logging.getLogger(__name__)
 CAPABILITIES = ["save.stream", "restore.stream", "restore.memory", "save.replicas"]
 _COMMIT_STATES = {
     "receiving": pb.COMMIT_STATE_PENDING,
@@ -139,10 +142,29 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         else:
             data = self.engine.open_restore(_identity(request.identity), step)
         header = restore_header(data)
-        if request.shm_ok and data.segment is not None:
+        if request.shm_ok and data.segment is not None and data.handoff:
+            # Assembled in a segment of its own: the client reads it and removes it.
+            header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
+            header.shm_handoff = True
+            yield pb.RestoreResponse(header=header)
+            self._until_removed(data.segment[0], context)
+        elif request.shm_ok and data.segment is not None and not data.handoff:
             # Held in a shared segment: the client copies from it directly (no bytes on the wire).
             header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
             yield pb.RestoreResponse(header=header)
+        elif request.shm_ok and (handed := self._handoff(data)) is not None:
+            # Assembled here (a peer, storage): one copy into a segment the client reads and
+            # removes beats gRPC's copies by far; the call stays open until it is gone.
+            name, blobs, memory = handed
+            header.shm.CopyFrom(pb.SharedSegment(name=name, size=data.total_bytes))
+            header.shm_handoff = True
+            try:
+                yield pb.RestoreResponse(header=header)
+                self._until_removed(name, context)
+            finally:
+                self.engine.segments.remove(name)
+                memory.release()
+                del blobs
         else:
             yield pb.RestoreResponse(header=header)
             for blob in data.chunks:
@@ -150,6 +172,33 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
                     yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))
         if not request.HasField("of_rank"):  # served whole: the heartbeats say where it came from
             self.engine.reports.note_restore(_identity(request.identity).slot, data.step, data.source)
+
+    def _until_removed(self, name: str, context: grpc.ServicerContext) -> None:
+        """Keep the call open while the client reads a handed-over segment (it removes it), at
+        most two minutes; then make sure it is gone."""
+        deadline = time.monotonic() + 120
+        while self.engine.segments.exists(name) and context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.engine.segments.remove(name)
+
+    def _handoff(self, data: RestoreData) -> tuple[str, list[memoryview], Reservation] | None:
+        """Copy a restore's bytes into a new shared segment; None (and ``data.chunks`` put back)
+        when there is no shm dir, the budget or the tmpfs has no room."""
+        if not self.engine.segments.directory:
+            return None
+        blobs = [memoryview(b) for b in data.chunks]
+        data.chunks = iter(blobs)
+        try:
+            memory = self.engine.memory.reserve("restore", data.total_bytes, "a restore handed over in shm")
+        except StrataError:
+            return None
+        try:
+            name = self.engine.segments.handoff(blobs, data.total_bytes)
+        except OSError as exc:
+            memory.release()
+            log.info("restore over gRPC: no room for a shared copy (%s)", exc)
+            return None
+        return name, blobs, memory
 
     def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: grpc.ServicerContext

@@ -54,7 +54,7 @@ def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
     assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
 
 
-def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory_or_else_over_grpc(
+def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(
     make_sidecar, make_client, job_name
 ):
     server = make_sidecar()
@@ -68,10 +68,18 @@ def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory_or_else_
     assert torch.equal(out["w"], state(7.0)["w"]) and torch.equal(out["b"], state(7.0)["b"])
     for name in held_files(server):  # gone from the tmpfs (the sidecar's mapping still has it)
         os.unlink(os.path.join(server.settings.shm_dir, name))
+    # The sidecar hands over a copy instead, which the client removes once read.
     third = make_client(server, job_name, capture_rng=False, generation="r/2")
     out = state(-1.0)
     assert third.restore(out) == 7
-    assert third.last_restore["source"] == "memory" and third.last_restore["shared_memory"] is False
+    assert third.last_restore["source"] == "memory" and third.last_restore["shared_memory"] is True
+    assert torch.equal(out["w"], state(7.0)["w"])
+    assert held_files(server) == []
+    # Without shared memory on the client's side, the bytes come over gRPC.
+    fourth = make_client(server, job_name, capture_rng=False, generation="r/3", shm="off")
+    out = state(-1.0)
+    assert fourth.restore(out) == 7
+    assert fourth.last_restore["source"] == "memory" and fourth.last_restore["shared_memory"] is False
     assert torch.equal(out["w"], state(7.0)["w"])
 
 

@@ -544,6 +544,7 @@ class RestoreHeader(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
+    SHM_HANDOFF_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     tree: _builtins.bytes
     total_bytes: _builtins.int
@@ -553,6 +554,10 @@ class RestoreHeader(_message.Message):
     """Non-empty when newer committed steps were unusable and skipped."""
     attempt: _builtins.int
     """The attempt whose COMMIT this is (with step: the commit, for of_rank requests)."""
+    shm_handoff: _builtins.bool
+    """With shm: the segment is a copy made for this restore (a step from a peer or storage): the
+    reader removes it once read, and the stream ends then (or after two minutes).
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMeta]: ...
     @_builtins.property
@@ -578,10 +583,11 @@ class RestoreHeader(_message.Message):
         replicas: _abc.Iterable[Global___ReplicaRef] | None = ...,
         attempt: _builtins.int = ...,
         shm: Global___SharedSegment | None = ...,
+        shm_handoff: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "shm", b"shm", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "shm", b"shm", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1285,7 +1291,7 @@ class ProtectRequest(_message.Message):
     STREAM_MAC_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     stream_mac: _builtins.str
-    """Last: hex keyed BLAKE2b of the header's mac and every chunk (sidecar.gang.stream_mac)."""
+    """Last: hex HMAC-SHA256 of the header's mac and every chunk (sidecar.gang.stream_mac)."""
     @_builtins.property
     def header(self) -> Global___ProtectHeader: ...
     def __init__(
