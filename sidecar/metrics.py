@@ -154,7 +154,7 @@ class Metrics(Served):
         self.redundancy_pushes = Counter(
             "strata_redundancy_pushes_total",
             "Pushes of this member's committed share to other members, by kind (replica, parity) and "
-            "outcome (ok, failed, skipped).",
+            "outcome (ok, failed, skipped: a lossy step, superseded: a newer step committed first).",
             ["training_job", "kind", "outcome"],
             registry=r,
         )

@@ -232,7 +232,7 @@ class Redundancy:
             g = len(group)
             p = group.index(me)
             targets = [(m, group.index(m)) for m in group if m != me]
-        ok = True
+        ok: bool | None = True
         for member, hpos in targets:
             header = pb.ProtectHeader(
                 namespace=job_key[0],
@@ -257,8 +257,13 @@ class Redundancy:
                     share.read(t * rd.BLOCK_BYTES, min(share.nbytes, (t + 1) * rd.BLOCK_BYTES))
                     for t in blocks
                 )
-            ok &= self._push(self.members.addresses[member], header, chunks, key, snaps)
-        self.shared.metrics.redundancy_pushes.labels(job, kind, "ok" if ok else "failed").inc()
+            pushed = self._push(self.members.addresses[member], header, chunks, key, snaps)
+            if pushed is None:
+                ok = None
+                break
+            ok = ok and pushed
+        outcome = "ok" if ok else "superseded" if ok is None else "failed"
+        self.shared.metrics.redundancy_pushes.labels(job, kind, outcome).inc()
         if ok:
             self.shared.metrics.redundancy_push_duration.labels(job).observe(time.monotonic() - started)
             log.info(
@@ -277,14 +282,22 @@ class Redundancy:
         chunks: Iterable[bytes],
         key: bytes,
         snaps: list[Snapshot],
-    ) -> bool:
+    ) -> bool | None:
+        """True when the holder has it; False when the push failed; None when a newer step
+        superseded it."""
         mac = stream_mac(key, header.mac)
         intact = True
+        job_key = (header.namespace, header.job)
 
         def stream() -> Iterator[pb.ProtectRequest]:
             nonlocal intact
             yield pb.ProtectRequest(header=header)
             for chunk in chunks:
+                if self._superseded(job_key, (header.attempt, header.step)):
+                    # A newer step committed: its push follows, and the trainer may soon stage
+                    # into this one's segment. Stop (no MAC: the holder drops the half).
+                    intact = False
+                    return
                 self.throttle.take(len(chunk))
                 mac.update(chunk)
                 yield pb.ProtectRequest(chunk=chunk)
@@ -298,14 +311,24 @@ class Redundancy:
         try:
             self._stub(address).Protect(stream(), timeout=budget)
         except grpc.RpcError as exc:
+            if not intact and self._superseded(job_key, (header.attempt, header.step)):
+                log.info("step %d: push to member %s stopped: a newer step committed", header.step, address)
+                return None
             why = (
-                "the snapshot changed while it was sent"
-                if not intact
-                else f"{exc.code().name}: {exc.details()}"
+                f"{exc.code().name}: {exc.details()}" if intact else "the snapshot changed while it was sent"
             )
             log.warning("step %d: push to member %s failed: %s", header.step, address, why)
             return False
         return True
+
+    def _superseded(self, job_key: JobKey, position: Position) -> bool:
+        with self.shared.lock:
+            return any(
+                s.state == "committed" and s.position > position
+                for slot, held in self.held.slots.items()
+                if slot[:2] == job_key
+                for s in held
+            )
 
     @staticmethod
     def _intact(snap: Snapshot) -> bool:

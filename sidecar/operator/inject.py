@@ -458,8 +458,9 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
     """The copy (buddy) or parity (parity) a sidecar holds for other pods lives in the
     shared-memory volume, and the sidecar creates its pages: it counts in the volume's sizeLimit
     and in the sidecar's memory. The sizing rule: volume = 2 x snapshot x ranks of the pod + held,
-    held = 1 snapshot (buddy) or snapshot / (parity group - 1) (parity); the sidecar's budget (0.75
-    of its memory limit unless strata.dev/memory-budget says) must cover held plus its own work."""
+    held = 2 snapshots (buddy) or 2 x snapshot / (parity group - 1) (parity): a new copy is built
+    beside the complete one, which it replaces only once complete; the sidecar's budget (0.75 of its
+    memory limit unless strata.dev/memory-budget says) must cover held plus its own work."""
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
     parsed = table.parse(raw)
     mode = _redundancy(parsed)
@@ -469,7 +470,7 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
         group = int(parsed.sidecar_env.get("STRATA_PARITY_GROUP", "4"), 0)
     except ValueError:
         return []
-    share = 1.0 if mode == "buddy" else 1.0 / max(1, group - 1)
+    share = 2.0 if mode == "buddy" else 2.0 / max(1, group - 1)
     held = shm * share / (2 + share)  # a volume sized by the rule, one rank per pod
     limit = ((_resources(config, raw).get("limits") or {}).get("memory")) or ""
     try:
@@ -481,12 +482,14 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
     if limit and budget > held:
         return []
     what = (
-        "a full copy of a member's snapshot" if mode == "buddy" else f"1/{group - 1} of a snapshot of parity"
+        "two copies of a member's snapshot (the complete one, and the next being built)"
+        if mode == "buddy"
+        else f"2/{group - 1} of a snapshot of parity (the complete one, and the next being built)"
     )
     return [
         f"strata.dev/redundancy={mode}: the sidecar holds {what} for another pod in the shared-memory "
-        f"volume, and those pages count in the sidecar's memory; with the volume's {size} sized as "
-        f"2 x snapshot + that, it is about {held / 2**30:.2f} GiB, more than the sidecar's budget "
+        f"volume, and those pages count in the sidecar's memory; with the volume's {size} sized by "
+        f"the rule, it is about {held / 2**30:.2f} GiB, more than the sidecar's budget "
         f"({'no memory limit' if not limit else f'0.75 x its limit {limit}'}): raise "
         f"{names.SIDECAR_MEMORY_ANNOTATION} (docs/operator.md, memory sizing)"
     ]

@@ -119,3 +119,23 @@ def test_quick_replicas_section_writes_the_issues_keys(tmp_path: Path) -> None:
         assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
     # the job writes its state once: the ratio is a count of bytes, not a timing
     assert data["bytes_written_ratio_4dp_vs_1dp"] < 1.1
+
+
+def test_quick_peer_section_writes_the_issues_keys(tmp_path: Path) -> None:
+    """The peer tier's keys, read by name: restores from memory, a peer and S3 side by side, the
+    step-time ratio with redundancy, in-place vs pod-level restarts (~50 s)."""
+    proc, data = run_quick("peer", tmp_path / "bench-results.json")
+    for key in (
+        "restore_speedup_memory_vs_s3",
+        "restore_speedup_peer_vs_s3",
+        "restore_speedup_parity_vs_s3",
+        "step_ratio_redundancy",
+        "restart_speedup_inplace_vs_pod",
+        "restore_memory_s",
+        "restore_peer_s",
+        "restore_parity_s",
+        "restore_s3_s",
+    ):
+        assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
+    assert data["peer_storage_rate_mb_s"] == 200.0
+    assert "restore_speedup_memory_vs_s3" in proc.stdout  # the table is printed

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from sidecar import redundancy as rd
 from sidecar.api import pb, pb_grpc
@@ -28,6 +29,7 @@ from tests.fixtures.member_pods import (
     restore_all,
     save_all,
     settled,
+    state_of,
 )
 
 
@@ -220,3 +222,23 @@ def test_launch_a_killed_sidecar_gets_its_ranks_back_from_its_buddy(tmp_path):
     resumed = {(int(r), int(a)): (s, src) for r, a, s, src in RESUMED.findall(run.stdout)}
     assert resumed[(0, 1)] == ("14", "memory"), resumed
     assert resumed[(1, 1)] == ("14", "peer"), resumed
+
+
+def test_what_a_member_holds_for_others_is_bounded_by_its_budget(pods, job_name):
+    """Member 1 can hold one copy of member 0's share, not two: the next push is refused
+    (the pusher counts it failed) and the complete copy it holds stays and still serves."""
+    tensors = [t for t in state_of(0, 1).values() if isinstance(t, torch.Tensor)]
+    share = sum(t.numel() * t.element_size() for t in tensors)
+    p = pods(2, "buddy", memory_budget=int(share * 1.5))
+    clients = save_all(p, job_name, 1)
+    assert settled(lambda: p.protected(job_name, 1), True)
+    save_all(p, job_name, 2, clients=clients)
+    pusher = p.servers[0]
+    assert pusher is not None
+    failed = pusher.metrics.redundancy_pushes.labels(job_name, "replica", "failed")
+    assert settled(lambda: failed._value.get(), 1.0) == 1.0
+    holder = p.servers[1]
+    assert holder is not None and holder.engine.redundancy.holdings is not None
+    held = holder.engine.redundancy.holdings.complete
+    assert [(k[2], e.position[1]) for k, e in held.items() if k[1] == job_name] == [("replica", 1)]
+    assert holder.metrics.memory_refusals.labels("redundancy")._value.get() >= 1

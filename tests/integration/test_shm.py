@@ -54,9 +54,7 @@ def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
     assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
 
 
-def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(
-    make_sidecar, make_client, job_name
-):
+def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(make_sidecar, make_client, job_name):
     server = make_sidecar()
     first = make_client(server, job_name, capture_rng=False, generation="r/0")
     first.save(7, state(7.0)).durable.result(30)
