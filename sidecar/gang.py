@@ -143,7 +143,42 @@ STREAM_MAC_KEY = "strata-stream-mac"
 def stream_mac(key: bytes, request_mac: str) -> Any:
     """The running MAC of a stream's bytes (``update`` it with each chunk, then ``hexdigest``);
     ``request_mac``: the MAC of the request (or push header) the stream answers."""
-    return hmac.new(key, request_mac.encode(), hashlib.sha256)
+    return hmac.new(key, request_mac.encode(), "sha256")  # by name: OpenSSL's HMAC, in C
+
+
+class Behind:
+    """Runs ``fn`` on each item, in order, in one background thread at most ``depth`` items behind
+    the caller: hashing and writing release the GIL, so they overlap the gRPC stream (on the
+    stream's thread they would add to it). ``close()`` waits and raises what ``fn`` raised."""
+
+    def __init__(self, fn: Callable[[Any], object], depth: int = 4) -> None:
+        self._fn = fn
+        self._q: queue.Queue[Any] = queue.Queue(depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="strata-behind", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put(item)
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not _DONE:
+            if self._error is None:
+                try:
+                    self._fn(item)
+                except BaseException as exc:  # handed to the caller at close()
+                    self._error = exc
+
+    def close(self) -> None:
+        self._q.put(_DONE)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+_DONE = object()
 
 
 class Peers:
@@ -265,12 +300,14 @@ class PeerServicer(pb_grpc.PeerServicer):
                 context.abort(exc.code, str(exc))
                 return
             mac = stream_mac(key, request.mac)
+            hashing = Behind(mac.update)
             yield pb.RestoreResponse(header=header)
             for blob in blobs:
                 for start in range(0, len(blob), self._chunk):
                     chunk = bytes(blob[start : start + self._chunk])
-                    mac.update(chunk)
+                    hashing.put(chunk)
                     yield pb.RestoreResponse(chunk=chunk)
+            hashing.close()
             context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
         finally:
             self._fetching.release()

@@ -172,6 +172,43 @@ def check_digest(entry: TensorEntry | ObjectEntry, data: bytes | bytearray | mem
     return None
 
 
+class StreamDigests:
+    """What :func:`check_digest` says of each tensor, computed while a buffer's bytes go past in
+    order (``update`` with increasing offsets), so the buffer is not read again."""
+
+    def __init__(self, tensors: list[TensorEntry]) -> None:
+        self._tensors = sorted(tensors, key=lambda t: t.offset)
+        self._state: list[Any] = [xxhash.xxh3_64() if t.xxh3 else 0 for t in self._tensors]
+        self._next = 0  # tensors before it are complete
+
+    def update(self, at: int, chunk: bytes | memoryview) -> None:
+        view = memoryview(chunk)
+        end = at + len(view)
+        i = self._next
+        while i < len(self._tensors) and self._tensors[i].offset < end:
+            t = self._tensors[i]
+            lo, hi = max(at, t.offset), min(end, t.offset + t.nbytes)
+            if hi > lo:
+                piece = view[lo - at : hi - at]
+                if t.xxh3:
+                    self._state[i].update(piece)
+                elif t.crc32:
+                    self._state[i] = zlib.crc32(piece, self._state[i])
+            if t.offset + t.nbytes > end:
+                break
+            i += 1
+        self._next = i
+
+    def check(self) -> str | None:
+        """The first tensor whose bytes differ from their digest ("name: why"), or None."""
+        for t, state in zip(self._tensors, self._state, strict=True):
+            if t.xxh3 and (got := state.hexdigest()) != t.xxh3:
+                return f"{t.name}: xxh3 {got} != {t.xxh3}"
+            if not t.xxh3 and t.crc32 and (got := f"{state & 0xFFFFFFFF:08x}") != t.crc32:
+                return f"{t.name}: crc32 {got} != {t.crc32}"
+        return None
+
+
 def _fields(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of ``raw`` that ``cls`` knows: a later version's new field is not corruption."""
     known = {f.name for f in dataclass_fields(cls)}

@@ -595,8 +595,9 @@ class Redundancy:
         mac = stream_mac(key, req.mac)
         body = bytearray()
         for msg in stream:
-            mac.update(msg.chunk)
-            body += msg.chunk
+            chunk = msg.chunk  # each read of the field makes a new bytes object
+            mac.update(chunk)
+            body += chunk
         trailer = dict(stream.trailing_metadata() or ())
         if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
             raise ValueError(f"{address}'s parity does not carry the job's stream MAC")
@@ -647,9 +648,10 @@ class Redundancy:
             mac = stream_mac(key, req.mac)
             got = 0
             for msg in stream:
-                mac.update(msg.chunk)
-                got += len(msg.chunk)
-                yield msg.chunk
+                chunk = msg.chunk
+                mac.update(chunk)
+                got += len(chunk)
+                yield chunk
             trailer = dict(stream.trailing_metadata() or ())
             if got != r.nbytes or not hmac.compare_digest(
                 str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()

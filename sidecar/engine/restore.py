@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import os
 import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -27,7 +29,15 @@ from sidecar.errors import (
     StrataError,
     Unauthenticated,
 )
-from sidecar.gang import FETCH_WINDOW_S, STREAM_MAC_KEY, Position, fetch_mac, fetch_mac_ok, stream_mac
+from sidecar.gang import (
+    FETCH_WINDOW_S,
+    STREAM_MAC_KEY,
+    Behind,
+    Position,
+    fetch_mac,
+    fetch_mac_ok,
+    stream_mac,
+)
 from sidecar.pipeline.plan import decode_held, read_snapshot
 
 from .attempts import Attempts
@@ -326,24 +336,50 @@ class Restorer:
             buf = scratch[1] if scratch is not None else memoryview(bytearray(manifest.total_bytes))
             pos = 0
             mac = stream_mac(secret, req.mac)
+            fd = -1
+            if scratch is not None:
+                fd = os.open(os.path.join(self.shared.segments.directory, scratch[0]), os.O_WRONLY)
+
+            digests = mf.StreamDigests(manifest.tensors)  # checked as it comes, not read again
+
+            def take(
+                item: tuple[int, bytes],
+                fd: int = fd,
+                buf: memoryview = buf,
+                mac: Any = mac,
+                digests: mf.StreamDigests = digests,
+            ) -> None:
+                at, chunk = item
+                if fd >= 0:
+                    os.pwrite(fd, chunk, at)  # a kernel copy, without the GIL
+                else:
+                    buf[at : at + len(chunk)] = chunk
+                mac.update(chunk)
+                digests.update(at, chunk)
+
+            behind = Behind(take, depth=32)
             try:
-                for msg in stream:
-                    end = pos + len(msg.chunk)
-                    if end > len(buf):
-                        raise ValueError("more bytes than the header declared")
-                    buf[pos:end] = msg.chunk
-                    mac.update(msg.chunk)
-                    pos = end
+                try:
+                    for msg in stream:
+                        chunk = msg.chunk  # each read of the field makes a new bytes object
+                        end = pos + len(chunk)
+                        if end > len(buf):
+                            raise ValueError("more bytes than the header declared")
+                        behind.put((pos, chunk))
+                        pos = end
+                finally:
+                    behind.close()
+                    if fd >= 0:
+                        os.close(fd)
                 if pos != len(buf):
                     raise ValueError(f"stream ended after {pos} of {len(buf)} bytes")
                 trailer = dict(stream.trailing_metadata() or ())
                 if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
                     raise ValueError("the bytes do not carry the job's stream MAC (changed on the way?)")
+                why = digests.check()
+                if why is not None:
+                    raise ValueError(why)
                 view = memoryview(buf)
-                for t in manifest.tensors:
-                    why = mf.check_digest(t, view[t.offset : t.offset + t.nbytes])
-                    if why is not None:
-                        raise ValueError(f"{t.name}: {why}")
             except (grpc.RpcError, ValueError) as exc:
                 stream.cancel()
                 memory.release()

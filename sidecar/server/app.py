@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from sidecar.api import DEFAULT_CHUNK_BYTES, channel_options, pb_grpc
+from sidecar.api import channel_options, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
 from sidecar.gang import Peers, PeerServicer
@@ -26,6 +26,7 @@ from sidecar.store.probe import conditional_writes_unsupported
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "strata.v1.Checkpointer"
+PEER_CHUNK_BYTES = (1 << 20) - (64 << 10)
 
 
 class SidecarServer:
@@ -72,7 +73,9 @@ class SidecarServer:
                 PeerServicer(
                     self.engine.on_hint,
                     lambda req: self.engine.serve_fetch(req),  # looked up per call (tests wrap it)
-                    min(DEFAULT_CHUNK_BYTES, settings.max_message_bytes // 2),
+                    # Under glibc's mmap threshold (tune_allocator): each message's buffers then
+                    # come from the malloc arena, reused, instead of a fresh mapping to fault in.
+                    min(PEER_CHUNK_BYTES, settings.max_message_bytes // 2),
                     on_protect=self.engine.on_protect,
                     on_parity=self.engine.serve_parity,
                 ),
