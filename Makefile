@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-prometheus demo test bench chaos proto lint e2e clean
+.PHONY: help setup setup-prometheus demo test test-slow bench chaos proto lint e2e clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -30,6 +30,9 @@ test: setup setup-prometheus  ## unit + integration tests (real gRPC, real Seawe
 
 bench: setup  ## benchmarks; writes bench-results.json and prints a table
 	$(PY) -m tests.bench.run
+
+test-slow: setup  ## the tests left out of make test for time (-m slow)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 CHAOS_TRIALS ?= 100
 chaos: setup  ## kill -9 trainers/sidecars at random save points, CHAOS_TRIALS times; counts to bench-results.json

@@ -35,6 +35,7 @@ import numpy as np
 
 from sidecar.api import pb
 from sidecar.budget import MemoryBudget, Reservation
+from sidecar.errors import FailedPrecondition, StrataError
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +203,13 @@ class Entry:
     headers: list[pb.ProtectHeader] = field(default_factory=list)
     size: int = 0
     memory: Reservation | None = None
-    #: parity: contributors still expected; the entry completes when this reaches zero
+    #: how many senders complete it (a replica: 1; a parity: the group's other members)
     expected: int = 0
+    #: senders that began their part (each once: an XOR cannot be undone), and those done
+    claimed: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    #: released: its files are gone and it charges nothing
+    dead: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -211,10 +217,12 @@ class Entry:
         return self.path / "data"
 
     def release(self) -> None:
-        if self.memory is not None:
-            self.memory.release()
-            self.memory = None
-        shutil.rmtree(self.path, ignore_errors=True)
+        with self.lock:
+            self.dead = True
+            if self.memory is not None:
+                self.memory.release()
+                self.memory = None
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 Key = tuple[str, str, str, int]  # (namespace, job, kind, who)
@@ -254,7 +262,7 @@ class Holdings:
                 headers = read_headers(d / "headers")
                 size = (d / "data").stat().st_size
                 memory = self.memory.reserve("redundancy", size, f"held {kind} of member {who} (kept)")
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, StrataError) as exc:  # a smaller budget now: drop, start
                 log.warning("dropping held %s %s: %s", kind, d, exc)
                 shutil.rmtree(d, ignore_errors=True)
                 continue
@@ -270,10 +278,17 @@ class Holdings:
             log.info("kept %s of member %s for %s/%s step %d across the restart", kind, who, ns, job, step)
         self._changed()
 
-    def begin(self, key: Key, position: Position, expected: int) -> Entry:
-        """The entry being built for ``position`` (shared by a parity's contributors)."""
+    def begin(self, key: Key, position: Position, expected: int, sender: int) -> Entry:
+        """The entry being built for ``position`` (shared by a parity's contributors), claimed by
+        ``sender``. FailedPrecondition when it holds that step (or a newer one) complete already,
+        or ``sender`` already sent its part: a repeated part would undo itself in the XOR."""
         with self._lock:
+            held = self.complete.get(key)
+            if held is not None and held.position >= position:
+                raise FailedPrecondition(f"already holds step {held.position[1]} of {key[1]} complete")
             entry = self.building.get((key, position))
+            if entry is not None and sender in entry.claimed:
+                raise FailedPrecondition(f"member {sender} already sent its part of step {position[1]}")
             if entry is None:
                 path = self._dir(key, position, building=True)
                 shutil.rmtree(path, ignore_errors=True)
@@ -286,11 +301,14 @@ class Holdings:
                 mine = sorted(p for k, p in self.building if k == key)
                 for p in mine[:-2]:
                     self.building.pop((key, p)).release()
+            entry.claimed.add(sender)
             return entry
 
     def grow(self, entry: Entry, size: int, what: str) -> None:
         """Charge ``entry`` up to ``size`` bytes (ResourceExhausted when they do not fit)."""
         with entry.lock:
+            if entry.dead:
+                raise FailedPrecondition(f"{what}: dropped while it arrived (another part failed)")
             if size > entry.size:
                 extra = self.memory.reserve("redundancy", size - entry.size, what)
                 assert entry.memory is not None
@@ -302,16 +320,16 @@ class Holdings:
         """One sender finished its part; True when that completed the entry (it then replaces the
         complete one of ``key``)."""
         with self._lock:
-            entry.headers.append(header)
-            entry.expected -= 1
-            if entry.expected > 0:
-                return False
             if self.building.get((key, entry.position)) is not entry:
-                return False  # dropped meanwhile
+                raise FailedPrecondition(f"step {entry.position[1]} was dropped while it arrived")
+            entry.headers.append(header)
+            entry.done.add(header.member)
+            if len(entry.done) < entry.expected:
+                return False
             del self.building[(key, entry.position)]
             old = self.complete.get(key)
-            if old is not None and old.position > entry.position:
-                entry.release()  # a newer one completed first
+            if old is not None and old.position >= entry.position:
+                entry.release()  # an equal or newer one completed first
                 return False
             write_headers(entry.path / "headers", entry.headers)
             final = self._dir(key, entry.position, building=False)

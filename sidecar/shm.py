@@ -63,7 +63,8 @@ class Segments:
         self._lock = threading.Lock()
         self._maps: dict[object, OrderedDict[str, mmap.mmap]] = {}
         with _LIVE_LOCK:
-            self._id = f"{os.getpid()}.{next(_IDS)}"
+            # The PID, and a token: a restarted container's sidecar may get its predecessor's PID.
+            self._id = f"{os.getpid()}.{next(_IDS)}{uuid.uuid4().hex[:6]}"
             _LIVE.add(self._id)
         self._prefix = f"strata-held-p{self._id}-"
         if directory:
@@ -78,8 +79,11 @@ class Segments:
         """A read-only view of the first ``size`` bytes of segment ``name`` of ``owner`` (a rank)."""
         if not self.directory:
             raise FailedPrecondition("this sidecar does not accept shared-memory saves (--shm-dir is empty)")
-        if not _NAME.fullmatch(name):
-            raise InvalidArgument(f"shared segment name {name!r} must match {SHM_NAME_PATTERN}")
+        if not _NAME.fullmatch(name) or name.startswith("strata-held-"):
+            raise InvalidArgument(
+                f"shared segment name {name!r} must match {SHM_NAME_PATTERN} and not start with "
+                "strata-held- (the sidecar's own names)"
+            )
         instance = name.rsplit("-", 1)[0]
         with self._lock:
             maps = self._maps.setdefault(owner, OrderedDict())

@@ -21,6 +21,7 @@ import grpc
 from sidecar import manifest as mf
 from sidecar import redundancy as rd
 from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, channel_options, pb, pb_grpc
+from sidecar.budget import Reservation
 from sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -43,6 +44,9 @@ SHARE_WAIT_S = 10.0
 
 def _rpc_error(exc: grpc.RpcError) -> str:
     return f"{exc.code().name}: {exc.details()}"
+
+
+Rebuilt = tuple[JobKey, Position, bytearray, dict[int, tuple[int, int]], Reservation, set[int]]
 
 
 class Share:
@@ -83,8 +87,11 @@ class Redundancy:
         self._queue: queue.Queue[tuple[JobKey, Position] | None] = queue.Queue()
         self._pending: set[tuple[JobKey, Position]] = set()
         self._lock = threading.Lock()
-        #: the share rebuilt last (other ranks of this member restore from it too)
-        self._rebuilt: tuple[JobKey, Position, bytearray, dict[int, tuple[int, int]]] | None = None
+        #: the share rebuilt last, until each of this member's ranks took its part: (job, position,
+        #: share, rank -> (offset, bytes), its memory, ranks served)
+        self._rebuilt: Rebuilt | None = None
+        #: rebuilds that failed: the other ranks of this member go to storage at once
+        self._failed: set[tuple[JobKey, Position]] = set()
         self._rebuild_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if self.mode == "off":
@@ -388,7 +395,7 @@ class Redundancy:
         else:
             raise InvalidArgument(f"push kind must be replica or parity, got {h.kind!r}")
         assert self.holdings is not None
-        entry = self.holdings.begin(hkey, (h.attempt, h.step), expected)
+        entry = self.holdings.begin(hkey, (h.attempt, h.step), expected, h.member)
         mac = stream_mac(key, h.mac)
         written = 0
         what = f"member {h.member}'s {h.kind} of step {h.step}"
@@ -481,15 +488,22 @@ class Redundancy:
     ) -> memoryview | None:
         """Rank ``rank``'s snapshot of ``position`` rebuilt from the parity the other members of
         this member's group hold and their own snapshots; None when it cannot be (a second member
-        of the group is lost, a survivor no longer holds the step, no complete parity)."""
+        of the group is lost, a survivor no longer holds the step, no complete parity). One
+        rebuild serves every rank of this member (and one failure sends them all to storage)."""
         if self.mode != "parity" or self.members is None:
             return None
         with self._rebuild_lock:
+            if (job_key, position) in self._failed:
+                return None
             done = self._rebuilt
-            if done is None or done[:2] != (job_key, position) or rank not in done[3]:
+            if done is None or done[:2] != (job_key, position):
+                if done is not None:
+                    done[4].release()
+                    self._rebuilt = None
                 try:
-                    self._rebuilt = self._rebuild(job_key, world_size, position, budget_s)
-                except (ValueError, StrataError, OSError) as exc:
+                    self._rebuilt = done = self._rebuild(job_key, world_size, position, budget_s)
+                except Exception as exc:  # whatever a peer sent or failed to: storage serves it
+                    self._failed.add((job_key, position))
                     log.warning(
                         "step %d: member %d's share cannot be rebuilt from parity (storage then): %s",
                         position[1],
@@ -498,16 +512,17 @@ class Redundancy:
                     )
                     self.shared.metrics.peer_rebuilds.labels(job_key[1], "parity", "failed").inc()
                     return None
-                done = self._rebuilt
-            assert done is not None
-            if rank not in done[3]:
+            _, _, share, offsets, memory, served = done
+            if rank not in offsets:
                 return None
-            offset, nbytes = done[3][rank]
-            return memoryview(done[2])[offset : offset + nbytes]
+            served.add(rank)
+            if served >= set(offsets):  # every rank has its part: the buffer goes with their copies
+                memory.release()
+                self._rebuilt = None
+            offset, nbytes = offsets[rank]
+            return memoryview(share)[offset : offset + nbytes]
 
-    def _rebuild(
-        self, job_key: JobKey, world_size: int, position: Position, budget_s: float
-    ) -> tuple[JobKey, Position, bytearray, dict[int, tuple[int, int]]]:
+    def _rebuild(self, job_key: JobKey, world_size: int, position: Position, budget_s: float) -> Rebuilt:
         assert self.members is not None
         members = self.members
         group = members.group(self.shared.settings.parity_group)
@@ -538,8 +553,15 @@ class Redundancy:
             for c in head.contributors:
                 contributors.setdefault(c.member, c)
         mine = contributors.get(me)
-        if mine is None or any(m not in contributors for m in group if m != me and g > 2):
+        if mine is None or any(m not in contributors for m in group if m != me):
             raise ValueError("the parity held does not cover every member of the group")
+        for c in contributors.values():  # each sender signed its header: a holder cannot forge one
+            if not hmac.compare_digest(rd.header_mac(key, c), c.mac):
+                raise ValueError(f"member {c.member}'s header in the parity is not signed with the job's key")
+            if c.block_bytes != mine.block_bytes or c.block_bytes < 1 or c.group_size != g:
+                raise ValueError(f"member {c.member}'s header names another block size or group")
+            if (c.attempt, c.step) != position:
+                raise ValueError(f"member {c.member}'s header is of another step")
         block = mine.block_bytes
         size = mine.share_bytes
         memory = self.shared.memory.reserve("restore", size, f"rebuilding step {position[1]} from parity")
@@ -573,7 +595,6 @@ class Redundancy:
         for r in mine.ranks:
             offsets[r.rank] = (pos, r.nbytes)
             pos += r.nbytes
-        memory.release()  # the rebuilt share is handed to the restores, which charge their copies
         self.shared.metrics.peer_rebuilds.labels(job_key[1], "parity", "ok").inc()
         log.info(
             "step %d: member %d's share (%d bytes) rebuilt from parity and members %s in %.2f s",
@@ -583,7 +604,7 @@ class Redundancy:
             [m for m in group if m != me],
             time.monotonic() - started,
         )
-        return job_key, position, out, offsets
+        return job_key, position, out, offsets, memory, set()
 
     def _parity_of(
         self, address: str, req: pb.ParityRequest, key: bytes, budget_s: float

@@ -338,7 +338,11 @@ class Restorer:
             mac = stream_mac(secret, req.mac)
             fd = -1
             if scratch is not None:
-                fd = os.open(os.path.join(self.shared.segments.directory, scratch[0]), os.O_WRONLY)
+                try:
+                    fd = os.open(os.path.join(self.shared.segments.directory, scratch[0]), os.O_WRONLY)
+                except OSError:
+                    self.shared.segments.remove(scratch[0])
+                    scratch, buf = None, memoryview(bytearray(manifest.total_bytes))
 
             digests = mf.StreamDigests(manifest.tensors)  # checked as it comes, not read again
 
@@ -380,11 +384,13 @@ class Restorer:
                 if why is not None:
                     raise ValueError(why)
                 view = memoryview(buf)
-            except (grpc.RpcError, ValueError) as exc:
+            except BaseException as exc:
                 stream.cancel()
                 memory.release()
                 if scratch is not None:
                     self.shared.segments.remove(scratch[0])
+                if not isinstance(exc, (grpc.RpcError, ValueError, OSError)):
+                    raise
                 log.warning(
                     "fetch of rank %d step %d from peer %s unusable: %s",
                     identity.rank,

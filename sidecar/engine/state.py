@@ -5,7 +5,9 @@ is shared except through their public methods."""
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,12 +50,17 @@ class Shared:
         metrics.memory_budget.set(limit)
         self.stopping = threading.Event()
         self._peer_keys: dict[JobKey, bytes] = {}
+        self._fresh_read: dict[JobKey, float] = {}
 
     def peer_key(self, job_key: JobKey, create: bool = True, fresh: bool = False) -> bytes:
         """The job's peer key, read (or created, with ``create``) in storage once per job, or again
-        with ``fresh`` (the job's prefix may have been recreated)."""
+        with ``fresh`` (the job's prefix may have been recreated) at most every 10 s: a request
+        with a bad MAC must not make this sidecar read storage at its sender's pace."""
         with self.lock:
-            known = None if fresh else self._peer_keys.get(job_key)
+            known = self._peer_keys.get(job_key)
+            if fresh and time.monotonic() - self._fresh_read.get(job_key, -math.inf) >= 10.0:
+                self._fresh_read[job_key] = time.monotonic()
+                known = None
         if known is None:
             known = mf.peer_key(self.store, *job_key, create=create)
             with self.lock:

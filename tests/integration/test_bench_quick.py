@@ -121,6 +121,7 @@ def test_quick_replicas_section_writes_the_issues_keys(tmp_path: Path) -> None:
     assert data["bytes_written_ratio_4dp_vs_1dp"] < 1.1
 
 
+@pytest.mark.slow  # ~50 s: make test stays under 10 min on 2 cores; `make bench` writes these too
 def test_quick_peer_section_writes_the_issues_keys(tmp_path: Path) -> None:
     """The peer tier's keys, read by name: restores from memory, a peer and S3 side by side, the
     step-time ratio with redundancy, in-place vs pod-level restarts (~50 s)."""

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 
+from sidecar import manifest as mf
 from sidecar import redundancy as rd
 from sidecar.api import pb, pb_grpc
 from sidecar.store import open_store
@@ -140,8 +141,6 @@ def test_a_holder_restarted_mid_build_keeps_its_complete_parity_and_never_serves
     assert not list((p.root / f"red{holder}").rglob(".b-*"))  # the half-built one is gone
     # It answers for step 1 with the parity of members 0 and 1 as they were at step 1 ...
     store = open_store(p.storage)
-    from sidecar import manifest as mf
-
     key = mf.peer_key(store, "default", job_name, create=False)
     stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[holder]}"))
 
@@ -242,3 +241,33 @@ def test_what_a_member_holds_for_others_is_bounded_by_its_budget(pods, job_name)
     held = holder.engine.redundancy.holdings.complete
     assert [(k[2], e.position[1]) for k, e in held.items() if k[1] == job_name] == [("replica", 1)]
     assert holder.metrics.memory_refusals.labels("redundancy")._value.get() >= 1
+
+
+def test_a_repeated_push_is_refused_and_the_held_copy_stays(pods, job_name):
+    """A push of a step already held (a retry, or a replay on the wire within its minute) is
+    refused before a byte is written: the complete copy stays and still restores."""
+    p = pods(2, "buddy")
+    for c in save_all(p, job_name, 4):
+        c.close()
+    assert settled(lambda: p.protected(job_name, 4), True)
+    holder = p.servers[1]
+    assert holder is not None and holder.engine.redundancy.holdings is not None
+    (entry,) = [e for k, e in holder.engine.redundancy.holdings.complete.items() if k[1] == job_name]
+    before = entry.data.read_bytes()
+    key = mf.peer_key(open_store(p.storage), "default", job_name, create=False)
+    header = pb.ProtectHeader()
+    header.CopyFrom(entry.headers[0])
+    header.issued_at = time.time()
+    header.mac = rd.header_mac(key, header)
+    stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[1]}"))
+    stream = iter([pb.ProtectRequest(header=header), pb.ProtectRequest(chunk=b"\0" * 16)])
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Protect(stream, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already holds step 4" in (refused.value.details() or "")
+    assert entry.data.read_bytes() == before
+    p.stop(0, wipe=True)
+    p.start(0)
+    results = restore_all(p, job_name, "run/1")
+    assert results[0][1]["source"] == "peer"
+    check_equal(results[0][0], 0, 4)
