@@ -635,46 +635,36 @@ class Redundancy:
         budget_s: float,
     ) -> Iterator[bytes]:
         """A surviving member's share, rank by rank, from its memory."""
+        assert self.members is not None
         try:
-            yield from self._fetch_ranks(job_key, world_size, position, member, head, key, budget_s)
+            for r in head.ranks:
+                req = pb.FetchRequest(
+                    namespace=job_key[0],
+                    job=job_key[1],
+                    rank=r.rank,
+                    world_size=world_size,
+                    attempt=position[0],
+                    step=position[1],
+                    issued_at=time.time(),
+                )
+                req.mac = fetch_mac(key, req)
+                stream = self._stub(self.members.addresses[member]).Fetch(req, timeout=budget_s)
+                head_msg = next(stream)
+                if head_msg.WhichOneof("msg") != "header" or head_msg.header.total_bytes != r.nbytes:
+                    raise ValueError(f"member {member} holds another rank {r.rank} for step {position[1]}")
+                mac = stream_mac(key, req.mac)
+                got = 0
+                for msg in stream:
+                    chunk = msg.chunk
+                    mac.update(chunk)
+                    got += len(chunk)
+                    yield chunk
+                trailer = dict(stream.trailing_metadata() or ())
+                if got != r.nbytes or not hmac.compare_digest(
+                    str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()
+                ):
+                    raise ValueError(
+                        f"member {member}'s rank {r.rank} came back short or without the stream MAC"
+                    )
         except grpc.RpcError as exc:
             raise ValueError(f"member {member} no longer holds it ({_rpc_error(exc)})") from None
-
-    def _fetch_ranks(
-        self,
-        job_key: JobKey,
-        world_size: int,
-        position: Position,
-        member: int,
-        head: pb.ProtectHeader,
-        key: bytes,
-        budget_s: float,
-    ) -> Iterator[bytes]:
-        assert self.members is not None
-        for r in head.ranks:
-            req = pb.FetchRequest(
-                namespace=job_key[0],
-                job=job_key[1],
-                rank=r.rank,
-                world_size=world_size,
-                attempt=position[0],
-                step=position[1],
-                issued_at=time.time(),
-            )
-            req.mac = fetch_mac(key, req)
-            stream = self._stub(self.members.addresses[member]).Fetch(req, timeout=budget_s)
-            head_msg = next(stream)
-            if head_msg.WhichOneof("msg") != "header" or head_msg.header.total_bytes != r.nbytes:
-                raise ValueError(f"member {member} holds another rank {r.rank} for step {position[1]}")
-            mac = stream_mac(key, req.mac)
-            got = 0
-            for msg in stream:
-                chunk = msg.chunk
-                mac.update(chunk)
-                got += len(chunk)
-                yield chunk
-            trailer = dict(stream.trailing_metadata() or ())
-            if got != r.nbytes or not hmac.compare_digest(
-                str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()
-            ):
-                raise ValueError(f"member {member}'s rank {r.rank} came back short or without the stream MAC")

@@ -35,11 +35,11 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tests.bench.common import REPO_ROOT, Options, Phases, Row, SidecarProcess, median, median_ci
+from tests.bench.recovery import resumed_after_failure
 from tests.bench.throttle import ProxyProcess
 
 GiB = 1 << 30
@@ -322,11 +322,6 @@ def steps(opts: Options, figures: dict[str, Any], phases: Phases, storage: str, 
     figures["step_ratio_redundancy_ci_high"] = median_ci(on)[1] / median_ci(off)[0]
 
 
-_STAMP = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) WARNING strata\.launch: .*stopped all ranks", re.M
-)
-
-
 TRAINER = Path(__file__).with_name("restart_trainer.py")
 
 
@@ -353,15 +348,11 @@ def _restart_once(opts: Options, mode: str, storage: str, endpoint: str) -> floa
     )
     if run.returncode != 0:
         raise RuntimeError(f"{mode} restart run failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
-    failed = _STAMP.search(run.stderr)
-    ready = re.findall(r"READY_AT (\d+\.\d+)", run.stdout)
     sources = re.findall(r"RESUMED rank=\d+ attempt=1 step=\S+ source=(\S+)", run.stdout)
-    if failed is None or len(ready) != 2:
-        raise RuntimeError(f"could not find the failure and resume marks:\n{run.stderr[-2000:]}")
     want = "memory" if mode == "inplace" else "storage"
     if sources != [want, want]:
         raise RuntimeError(f"{mode} restart restored from {sources}, expected {want}")
-    return float(ready[1]) - datetime.strptime(failed.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return resumed_after_failure(run)
 
 
 def restarts(opts: Options, figures: dict[str, Any], phases: Phases, storage: str, endpoint: str) -> None:

@@ -142,12 +142,16 @@ def restart(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
         )
     if run.returncode != 0:
         raise RuntimeError(f"gang restart run failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    figures["restart_to_resumed_s"] = resumed_after_failure(run)
+
+
+def resumed_after_failure(run: subprocess.CompletedProcess[str]) -> float:
+    """Seconds from the launcher stopping the ranks to the restarted gang's ``READY_AT``."""
     failed = _STAMP.search(run.stderr)
     ready = re.findall(r"READY_AT (\d+\.\d+)", run.stdout)
     if failed is None or len(ready) != 2:
         raise RuntimeError(f"could not find the failure and resume marks:\n{run.stderr[-2000:]}")
-    failed_at = datetime.strptime(failed.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    figures["restart_to_resumed_s"] = float(ready[1]) - failed_at
+    return float(ready[1]) - datetime.strptime(failed.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:

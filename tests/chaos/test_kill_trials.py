@@ -33,6 +33,7 @@ import pytest
 
 from sidecar import manifest as mf
 from sidecar.store import open_store
+from tests.fixtures.chaos_results import record
 
 ROOT = Path(__file__).resolve().parents[2]
 DDP = ROOT / "deploy" / "examples" / "train_ddp.py"
@@ -304,12 +305,7 @@ def test_kill_trials(tmp_path, s3_store_url):
         "fault_replica_owner_kills": totals["owner_kills"],
     }
     print(f"\nchaos (seed {seed}, {time.monotonic() - t0:.0f} s): {json.dumps(summary)}")
-    results = os.environ.get("STRATA_CHAOS_RESULTS")
-    if results:
-        path = Path(results)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data.update(summary)
-        path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    record(summary)
     assert totals["torn"] == totals["lost"] == totals["mismatch"] == totals["disagree"] == 0, (seed, summary)
     assert totals["zombie_read"] == 0, (seed, summary)
     assert totals["replica_errors"] == 0 and totals["replicas"] == kills, (seed, summary)

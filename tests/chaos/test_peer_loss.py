@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.fixtures.chaos_results import record
 from tests.fixtures.member_pods import Pods, check_equal, data_gets, restore_all, save_all, settled
 
 
@@ -94,12 +95,7 @@ def test_random_member_loss_is_rebuilt_from_peers():
         "peer_loss_unprotected_steps": totals["unprotected"],
     }
     print(f"\npeer loss (seed {seed}, {time.monotonic() - t0:.0f} s): {json.dumps(summary)}")
-    results = os.environ.get("STRATA_CHAOS_RESULTS")
-    if results:
-        path = Path(results)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data.update(summary)
-        path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    record(summary)
     assert totals["torn"] == 0, (seed, summary)
     assert totals["unprotected"] == 0, (seed, summary)
     assert totals["s3_reads"] == 0, (seed, summary)
