@@ -20,6 +20,7 @@ import grpc
 
 from sidecar import manifest as mf
 from sidecar.api import pb
+from sidecar.budget import Reservation
 from sidecar.errors import (
     CorruptObject,
     FailedPrecondition,
@@ -274,19 +275,7 @@ class Restorer:
             identity.rank,
             target[1],
         )
-        return RestoreData(
-            target[1],
-            manifest.tensors,
-            manifest.tree,
-            manifest.total_bytes,
-            "peer",
-            "",
-            iter([view]),
-            manifest.restores,
-            None,
-            manifest.foreign(),
-            target[0],
-        )
+        return _peer_data(manifest, target, view, None)
 
     def _from_peer(self, identity: Identity, target: Position, own: bool = False) -> RestoreData | None:
         """The rank's tensors from the peer sidecar that holds them in memory (or, with ``own``,
@@ -407,19 +396,7 @@ class Restorer:
                     target[1],
                     address,
                 )
-            data = RestoreData(
-                target[1],
-                manifest.tensors,
-                manifest.tree,
-                manifest.total_bytes,
-                "peer",
-                "",
-                iter([view]),
-                manifest.restores,
-                memory,
-                manifest.foreign(),
-                target[0],
-            )
+            data = _peer_data(manifest, target, view, memory)
             if scratch is not None:
                 data.segment, data.handoff = (scratch[0], manifest.total_bytes), True
                 weakref.finalize(data, self.shared.segments.remove, scratch[0])  # never served: gone
@@ -596,3 +573,22 @@ class Restorer:
         """Drop what prefetch read (or reads) ahead for ``slot``."""
         with self.shared.lock:
             self.prefetched.pop(slot, None)
+
+
+def _peer_data(
+    manifest: mf.Manifest, target: Position, view: memoryview, memory: Reservation | None
+) -> RestoreData:
+    """A rank's snapshot of ``target`` that came from other members, as its MANIFEST describes it."""
+    return RestoreData(
+        target[1],
+        manifest.tensors,
+        manifest.tree,
+        manifest.total_bytes,
+        "peer",
+        "",
+        iter([view]),
+        manifest.restores,
+        memory,
+        manifest.foreign(),
+        target[0],
+    )
