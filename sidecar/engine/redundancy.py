@@ -503,6 +503,8 @@ class Redundancy:
                 try:
                     self._rebuilt = done = self._rebuild(job_key, world_size, position, budget_s)
                 except Exception as exc:  # whatever a peer sent or failed to: storage serves it
+                    if len(self._failed) > 1024:  # old steps are long settled
+                        self._failed.clear()
                     self._failed.add((job_key, position))
                     log.warning(
                         "step %d: member %d's share cannot be rebuilt from parity (storage then): %s",
