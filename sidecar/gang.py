@@ -146,6 +146,96 @@ def stream_mac(key: bytes, request_mac: str) -> Any:
     return hmac.new(key, request_mac.encode(), "sha256")  # by name: OpenSSL's HMAC, in C
 
 
+# --- Fetch's chunks, framed by hand ----------------------------------------------------------
+# A fetched chunk is a RestoreResponse{chunk} on the wire, but built and read without protobuf:
+# the message API copies a chunk three times on the way out (bytes, message, serialization) and
+# twice on the way in. Framed here it is copied once on each side; the bytes on the wire are the
+# same, so a peer using the generated stub or servicer reads and writes them unchanged.
+_CHUNK_TAG = b"\x12"  # RestoreResponse field 2 (chunk), length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def chunk_frame(data: memoryview | bytes) -> tuple[bytes, memoryview]:
+    """The serialized RestoreResponse{chunk: data} (one copy of ``data``) and a view of the
+    chunk's bytes inside it (what was sent, to MAC)."""
+    prefix = _CHUNK_TAG + _varint(len(data))
+    frame = b"".join((prefix, data))
+    return frame, memoryview(frame)[len(prefix) :]
+
+
+def _serialize_fetched(msg: pb.RestoreResponse | bytes) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def _parse_fetched(raw: bytes) -> pb.RestoreResponse | memoryview:
+    """A chunk as a view of the received bytes (no copy), anything else as the message."""
+    if raw[:1] == _CHUNK_TAG:
+        n = shift = 0
+        for i in range(1, min(len(raw), 11)):
+            n |= (raw[i] & 0x7F) << shift
+            shift += 7
+            if not raw[i] & 0x80:
+                if i + 1 + n == len(raw):
+                    return memoryview(raw)[i + 1 :]
+                break
+    return pb.RestoreResponse.FromString(raw)
+
+
+def fetched_chunk(msg: pb.RestoreResponse | memoryview) -> memoryview | bytes:
+    """The bytes of one streamed Fetch response after its header."""
+    return msg if isinstance(msg, memoryview) else msg.chunk
+
+
+class PeerStub(pb_grpc.PeerStub):
+    """The Peer client whose Fetch yields each chunk as a view of the bytes received."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        super().__init__(channel)  # type: ignore[call-arg]  # the stubs type __new__
+        self.Fetch = channel.unary_stream(
+            "/strata.v1.Peer/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=_parse_fetched,
+            _registered_method=True,
+        )
+
+
+def add_peer_servicer(servicer: PeerServicer, server: grpc.Server) -> None:
+    """The generated registration, with Fetch sending the chunks :meth:`PeerServicer.Fetch`
+    framed itself."""
+    handlers = {
+        "Hint": grpc.unary_unary_rpc_method_handler(
+            servicer.Hint,
+            request_deserializer=pb.HintRequest.FromString,
+            response_serializer=pb.HintResponse.SerializeToString,
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch,
+            request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=_serialize_fetched,
+        ),
+        "Protect": grpc.stream_unary_rpc_method_handler(
+            servicer.Protect,
+            request_deserializer=pb.ProtectRequest.FromString,
+            response_serializer=pb.ProtectResponse.SerializeToString,
+        ),
+        "Parity": grpc.unary_stream_rpc_method_handler(
+            servicer.Parity,
+            request_deserializer=pb.ParityRequest.FromString,
+            response_serializer=pb.ParityResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("strata.v1.Peer", handlers),))
+    server.add_registered_method_handlers("strata.v1.Peer", handlers)
+
+
 class Behind:
     """Runs ``fn`` on each item, in order, in one background thread at most ``depth`` items behind
     the caller: hashing and writing release the GIL, so they overlap the gRPC stream (on the
@@ -189,7 +279,7 @@ class Peers:
         self._timeout = timeout_s
         options = grpc_options(DEFAULT_MAX_MESSAGE_BYTES)
         self._channels = {a: grpc.insecure_channel(a, options=options) for a in addresses if a}
-        self._stubs = [(a, pb_grpc.PeerStub(channel)) for a, channel in self._channels.items()]
+        self._stubs = [(a, PeerStub(channel)) for a, channel in self._channels.items()]
         #: the peer that last answered a fetch for (namespace, job, rank): asked first next time
         self._holder: dict[tuple[str, str, int], str] = {}
         # One queue and thread per peer: a dead or unreachable peer (the preemption case) must not
@@ -244,7 +334,7 @@ class Peers:
             except queue.Full:
                 log.warning("peer hint queue full; dropping a hint (commits fall back to storage)")
 
-    def _run(self, address: str, stub: pb_grpc.PeerStub, q: queue.Queue[pb.HintRequest | None]) -> None:
+    def _run(self, address: str, stub: PeerStub, q: queue.Queue[pb.HintRequest | None]) -> None:
         while True:
             req = q.get()
             if req is None:
@@ -303,10 +393,11 @@ class PeerServicer(pb_grpc.PeerServicer):
             hashing = Behind(mac.update)
             yield pb.RestoreResponse(header=header)
             for blob in blobs:
-                for start in range(0, len(blob), self._chunk):
-                    chunk = bytes(blob[start : start + self._chunk])
-                    hashing.put(chunk)
-                    yield pb.RestoreResponse(chunk=chunk)
+                view = memoryview(blob)
+                for start in range(0, len(view), self._chunk):
+                    frame, sent = chunk_frame(view[start : start + self._chunk])
+                    hashing.put(sent)
+                    yield frame  # type: ignore[misc]  # framed already (add_peer_servicer)
             hashing.close()
             context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
         finally:

@@ -573,14 +573,23 @@ def load_into(
     walked; anything else is replaced. Keys only the checkpoint has are added. A key the live
     state has but the checkpoint lacks raises StateError before anything is touched.
     """
+    restored = check_fits(state, skeleton, tensors)
+    with torch.no_grad():
+        _load(state, restored, ())
+
+
+def check_fits(
+    state: Mapping[str, Any], skeleton: dict[str, Any], tensors: Sequence[torch.Tensor]
+) -> dict[str, Any]:
+    """What load_into checks before touching anything (the skeleton is valid and names every key
+    of the live state); returns the rebuilt value. ValueError or StateError if it does not fit."""
     restored = rebuild(skeleton, tensors)
     missing: list[Path] = []
     _find_missing(state, restored, (), missing)
     if missing:
         names = ", ".join(where(p) for p in missing)
         raise StateError(f"{names}: not in the checkpoint; refusing a restore that would leave it stale")
-    with torch.no_grad():
-        _load(state, restored, ())
+    return restored
 
 
 def _walks(live: Any, value: Any) -> str | None:
@@ -621,7 +630,7 @@ def _load(live: Any, value: Any, path: Path) -> Any:
         return live
     if isinstance(live, torch.Tensor) and isinstance(value, torch.Tensor):
         if live.shape == value.shape and live.dtype == value.dtype:
-            live.copy_(value)
+            live.copy_(value)  # free when the restore already wrote into ``live`` (same memory)
             return live
         return value.to(live.device)
     if (

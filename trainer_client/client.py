@@ -993,7 +993,7 @@ class CheckpointClient:
         if step is not None:
             req.step = step
         try:
-            header, tensors = self._restore_stream(req)
+            header, tensors = self._restore_stream(req, _InPlace(state))
         except grpc.RpcError as exc:
             code = exc.code()
             msg = f"restore of {self.settings.namespace}/{self.settings.job}: {exc.details()}"
@@ -1009,10 +1009,7 @@ class CheckpointClient:
             log.error("restore fell back: %s", header.fallback_reason)
         tensors, replica_sources = self._with_replicas(header, tensors)
         skeleton = _tree.decode_skeleton(header.tree)
-        target = dict(state)
-        root = skeleton.get("root")
-        if isinstance(root, dict) and _RNG_KEY in root:
-            target[_RNG_KEY] = None
+        target = _target(state, skeleton)
         try:
             _tree.load_into(target, skeleton, tensors)
         except (TypeError, ValueError) as exc:
@@ -1093,7 +1090,9 @@ class CheckpointClient:
         )
         return [t for t in slots if t is not None], sources
 
-    def _restore_stream(self, req: pb.RestoreRequest) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
+    def _restore_stream(
+        self, req: pb.RestoreRequest, in_place: _InPlace | None = None
+    ) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
         """One Restore call, asked again while the sidecar refuses it for lack of a free slot
         (its blocking calls or memory are momentarily taken by other ranks)."""
         deadline, delay = time.monotonic() + self.settings.rpc_timeout_s, 0.1
@@ -1102,7 +1101,7 @@ class CheckpointClient:
         while True:
             try:
                 stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
-                return _receive(stream, shm_dir)
+                return _receive(stream, shm_dir, in_place)
             except _SegmentGone as exc:  # the sidecar forgot it meanwhile: the bytes come over gRPC
                 log.info("%s; restoring over gRPC", exc)
                 req.shm_ok = False
@@ -1116,6 +1115,68 @@ class CheckpointClient:
 
 class _NothingToRestore(Exception):
     pass
+
+
+def _target(state: MutableMapping[str, Any], skeleton: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint loads into: the live state, and the RNG states when it captured them."""
+    target = dict(state)
+    root = skeleton.get("root")
+    if isinstance(root, dict) and _RNG_KEY in root:
+        target[_RNG_KEY] = None
+    return target
+
+
+class _InPlace:
+    """The live state's CPU tensors a restore from a shared segment copies into directly.
+
+    Loading copies every tensor into the live state anyway, so a segment restore writes each
+    tensor straight to the live one it would be copied into: one copy instead of two, into pages
+    already faulted in (fresh tensors cost a page fault per 4 KiB). Only whole, contiguous,
+    unshared tensors qualify, and only once the checkpoint is known to fit the state; a restore
+    that streams over gRPC keeps fresh tensors, so a broken stream leaves the state untouched.
+    """
+
+    def __init__(self, state: MutableMapping[str, Any]) -> None:
+        self.state = state
+
+    def targets(self, header: pb.RestoreHeader) -> list[torch.Tensor] | None:
+        if header.replicas:  # the skeleton also names other ranks' tensors: the plain path
+            return None
+        try:
+            live = dict(_tree.flatten(dict(self.state)).tensors)
+        except _tree.StateError:
+            return None
+        seen: set[int] = set()
+        out: list[torch.Tensor] = []
+        for m in header.tensors:
+            t = live.get(m.name)
+            if t is not None and _writable_whole(t, m, seen):
+                seen.add(t.data_ptr())
+                out.append(t.detach())
+            else:
+                out.append(torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)))
+        skeleton = _tree.decode_skeleton(header.tree)
+        try:  # refuse before anything live is overwritten, as load_into would after
+            _tree.check_fits(_target(self.state, skeleton), skeleton, out)
+        except (TypeError, ValueError) as exc:
+            raise RestoreError(f"step {header.step} does not fit this state: {exc}") from exc
+        return out
+
+
+def _writable_whole(t: torch.Tensor, meta: pb.TensorMeta, seen: set[int]) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.numel() > 0
+        and dtype_name(t.dtype) == meta.dtype
+        and list(t.shape) == list(meta.shape)
+        and t.untyped_storage().nbytes() == t.nbytes  # not a view into a larger buffer
+        and t.data_ptr() not in seen
+    )
 
 
 class _SegmentGone(Exception):
@@ -1135,7 +1196,9 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[in
         size = os.fstat(fd).st_size
         if size < header.total_bytes:
             raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
-        with mmap.mmap(fd, header.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+        # Populated at once: one call maps every page instead of a fault per 4 KiB.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(fd, header.total_bytes, flags, mmap.PROT_READ) as mapped:
             source = np.frombuffer(mapped, np.uint8)
             try:
                 with warnings.catch_warnings():  # read-only source: torch only reads it here
@@ -1148,20 +1211,37 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[in
         os.close(fd)
 
 
+def _end(stream: Iterator[pb.RestoreResponse], header: pb.RestoreHeader, shm_dir: str) -> None:
+    """Give up on a restore that named a shared segment: the call ends, a handoff is removed."""
+    stream.cancel()  # type: ignore[attr-defined]  # a grpc call: the sidecar stops waiting
+    if header.shm_handoff:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(shm_dir, header.shm.name))
+
+
 def _receive(
-    stream: Iterator[pb.RestoreResponse], shm_dir: str = ""
+    stream: Iterator[pb.RestoreResponse], shm_dir: str = "", in_place: _InPlace | None = None
 ) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
     """Read a restore stream straight into freshly allocated tensors.
 
     The stream is the snapshot buffer, ``total_bytes`` long; tensor i occupies
     ``[offset, offset + nbytes)`` of it (gaps are alignment padding). A header naming a shared
-    segment (``shm``) means the buffer is that segment instead: no chunks follow.
+    segment (``shm``) means the buffer is that segment instead: no chunks follow, and the tensors
+    are copied into the live state's own where ``in_place`` finds them.
     """
     first = next(stream, None)
     if first is None or first.WhichOneof("msg") != "header":
         raise RestoreError("restore stream did not start with a header")
     header = first.header
-    tensors = [torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for m in header.tensors]
+    tensors: list[torch.Tensor] | None = None
+    if header.HasField("shm") and in_place is not None:
+        try:
+            tensors = in_place.targets(header)
+        except RestoreError:
+            _end(stream, header, shm_dir)
+            raise
+    if tensors is None:
+        tensors = [torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for m in header.tensors]
     targets = [
         (m.offset, as_numpy_bytes(t)) for m, t in zip(header.tensors, tensors, strict=True) if t.numel()
     ]

@@ -20,7 +20,7 @@ import grpc
 
 from sidecar import manifest as mf
 from sidecar import redundancy as rd
-from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, channel_options, pb, pb_grpc
+from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, channel_options, pb
 from sidecar.budget import Reservation
 from sidecar.errors import (
     FailedPrecondition,
@@ -30,7 +30,15 @@ from sidecar.errors import (
     StrataError,
     Unauthenticated,
 )
-from sidecar.gang import FETCH_WINDOW_S, STREAM_MAC_KEY, Position, fetch_mac, stream_mac
+from sidecar.gang import (
+    FETCH_WINDOW_S,
+    STREAM_MAC_KEY,
+    PeerStub,
+    Position,
+    fetch_mac,
+    fetched_chunk,
+    stream_mac,
+)
 
 from .held import Held
 from .state import Shared
@@ -83,7 +91,7 @@ class Redundancy:
         self.members: rd.Members | None = None
         self.holdings: rd.Holdings | None = None
         self.throttle = rd.Throttle(s.redundancy_rate_mb_s * 1e6)
-        self._channels: dict[str, pb_grpc.PeerStub] = {}
+        self._channels: dict[str, PeerStub] = {}
         self._queue: queue.Queue[tuple[JobKey, Position] | None] = queue.Queue()
         self._pending: set[tuple[JobKey, Position]] = set()
         self._lock = threading.Lock()
@@ -127,12 +135,12 @@ class Redundancy:
         if self.holdings is not None:
             self.holdings.close()
 
-    def _stub(self, address: str) -> pb_grpc.PeerStub:
+    def _stub(self, address: str) -> PeerStub:
         with self._lock:
             stub = self._channels.get(address)
             if stub is None:
                 channel = grpc.insecure_channel(address, options=channel_options(DEFAULT_MAX_MESSAGE_BYTES))
-                stub = self._channels[address] = pb_grpc.PeerStub(channel)
+                stub = self._channels[address] = PeerStub(channel)
             return stub
 
     # --- pushing this member's share ---------------------------------------------------------
@@ -635,7 +643,7 @@ class Redundancy:
         head: pb.ProtectHeader,
         key: bytes,
         budget_s: float,
-    ) -> Iterator[bytes]:
+    ) -> Iterator[bytes | memoryview]:
         """A surviving member's share, rank by rank, from its memory."""
         assert self.members is not None
         try:
@@ -657,7 +665,7 @@ class Redundancy:
                 mac = stream_mac(key, req.mac)
                 got = 0
                 for msg in stream:
-                    chunk = msg.chunk
+                    chunk = fetched_chunk(msg)
                     mac.update(chunk)
                     got += len(chunk)
                     yield chunk

@@ -37,6 +37,7 @@ from sidecar.gang import (
     Position,
     fetch_mac,
     fetch_mac_ok,
+    fetched_chunk,
     stream_mac,
 )
 from sidecar.pipeline.plan import decode_held, read_snapshot
@@ -354,7 +355,7 @@ class Restorer:
             try:
                 try:
                     for msg in stream:
-                        chunk = msg.chunk  # each read of the field makes a new bytes object
+                        chunk = fetched_chunk(msg)
                         end = pos + len(chunk)
                         if end > len(buf):
                             raise ValueError("more bytes than the header declared")

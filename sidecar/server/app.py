@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sidecar.api import channel_options, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
-from sidecar.gang import Peers, PeerServicer
+from sidecar.gang import Peers, PeerServicer, add_peer_servicer
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
 from sidecar.server.servicer import CheckpointerServicer
@@ -69,7 +69,7 @@ class SidecarServer:
                 ThreadPoolExecutor(max_workers=8, thread_name_prefix="strata-peer"),
                 options=channel_options(settings.max_message_bytes),
             )
-            pb_grpc.add_PeerServicer_to_server(
+            add_peer_servicer(
                 PeerServicer(
                     self.engine.on_hint,
                     lambda req: self.engine.serve_fetch(req),  # looked up per call (tests wrap it)

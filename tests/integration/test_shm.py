@@ -81,6 +81,57 @@ def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(make_sid
     assert torch.equal(out["w"], state(7.0)["w"])
 
 
+def test_a_segment_restore_writes_into_the_live_tensors_once_the_checkpoint_fits(
+    make_sidecar, make_client, job_name, monkeypatch
+):
+    import trainer_client.client as client_module
+
+    written: list[int] = []
+    copy = client_module._from_segment
+
+    def spy(header: Any, shm_dir: str, targets: list[tuple[int, Any]]) -> None:
+        written.extend(dst.ctypes.data for _, dst in targets)
+        copy(header, shm_dir, targets)
+
+    monkeypatch.setattr(client_module, "_from_segment", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    base = torch.arange(40, dtype=torch.float32)
+    saved = {"model": model, "w": torch.randn(300, 7), "view": base[8:24]}
+    expect = {"w": saved["w"].clone(), "view": saved["view"].clone(), **model.state_dict()}
+    expect = {k: v.clone() for k, v in expect.items()}
+    server = make_sidecar()
+    first = make_client(server, job_name, capture_rng=False, generation="p/0")
+    first.save(3, saved).durable.result(30)
+    first._buffers = []
+
+    second = make_client(server, job_name, capture_rng=False, generation="p/1")
+    live_model = torch.nn.Linear(64, 32)
+    live_base = torch.zeros(40)
+    live = {"model": live_model, "w": torch.zeros(300, 7), "view": live_base[8:24]}
+    w, weight = live["w"], live_model.weight
+    ptrs = (w.data_ptr(), weight.data_ptr(), live_model.bias.data_ptr())
+    assert second.restore(live) == 3 and second.last_restore["shared_memory"] is True
+    # the same tensors hold the restored bytes: nothing was allocated and swapped in
+    assert live["w"] is w and live_model.weight is weight
+    assert (w.data_ptr(), weight.data_ptr(), live_model.bias.data_ptr()) == ptrs
+    assert set(ptrs) <= set(written)  # copied from the segment straight into them
+    assert live_base.data_ptr() + 8 * 4 not in written  # the view got a fresh tensor first
+    assert torch.equal(w, expect["w"]) and torch.equal(weight, expect["weight"])
+    assert torch.equal(live_model.bias, expect["bias"])
+    # a view into a larger buffer is copied into, never written past: the rest stays as it was
+    assert torch.equal(live["view"], expect["view"]) and live_base[:8].eq(0).all() and live_base[24:].eq(0).all()
+
+    # A state the checkpoint does not fit is refused before any live tensor is touched.
+    third = make_client(server, job_name, capture_rng=False, generation="p/2")
+    unfit = {"w": torch.full((300, 7), 5.0), "model": torch.nn.Linear(64, 32), "extra": torch.ones(2)}
+    before = {k: v.clone() for k, v in unfit["model"].state_dict().items()}
+    with pytest.raises(Exception, match=r"extra.*not in the checkpoint"):
+        third.restore(unfit)
+    assert unfit["w"].eq(5.0).all()
+    assert all(torch.equal(v, before[k]) for k, v in unfit["model"].state_dict().items())
+
+
 def test_a_crashed_trainers_spare_segment_is_removed_when_its_successor_saves(
     make_sidecar, make_client, job_name
 ):
