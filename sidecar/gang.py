@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from sidecar import manifest as mf
 from sidecar.api import DEFAULT_MAX_MESSAGE_BYTES, pb, pb_grpc
@@ -134,16 +135,43 @@ def fetch_mac_ok(key: bytes, req: pb.FetchRequest) -> bool:
     return hmac.compare_digest(fetch_mac(key, req), req.mac)
 
 
-#: trailing metadata of a fetch: an HMAC-SHA256 (with the job's peer key) of the request's MAC and
-#: every byte streamed, so bytes changed on the way (the peer port is plain TCP) are caught, not
-#: only by their XXH3 digests. SHA-256 because CPUs hash it in hardware: ~2x keyed BLAKE2b here.
+#: trailing metadata of a fetch: an AES-GMAC of the request's MAC and every byte streamed, keyed
+#: from the job's peer key, so bytes changed on the way (the peer port is plain TCP) are caught,
+#: not only by their XXH3 digests. GMAC because CPUs compute it in hardware: ~30 GB/s here, where
+#: HMAC-SHA256 costs a core per 1.7 GB/s on each end of every transfer.
 STREAM_MAC_KEY = "strata-stream-mac"
 
 
-def stream_mac(key: bytes, request_mac: str) -> Any:
-    """The running MAC of a stream's bytes (``update`` it with each chunk, then ``hexdigest``);
-    ``request_mac``: the MAC of the request (or push header) the stream answers."""
-    return hmac.new(key, request_mac.encode(), "sha256")  # by name: OpenSSL's HMAC, in C
+class StreamMac:
+    """The running MAC of a stream's bytes (``update`` it with each chunk, then ``hexdigest``).
+
+    AES-256-GCM over associated data only (GMAC). Its key is derived from the job's peer key;
+    its nonce from the MAC of the request (or push header) the stream answers, which is fresh
+    per request (it signs a timestamp), and which is authenticated first: a stream cannot be
+    replayed as the answer to another request. A request answered twice with the same bytes
+    gives the same tag; the bytes of a rank's step never change, and a receiver only ever
+    checks the answer to its own fresh request."""
+
+    def __init__(self, key: bytes, request_mac: str) -> None:
+        aes = hmac.new(key, b"strata-stream-mac/aes-256-gcm", hashlib.sha256).digest()
+        nonce = hmac.new(key, b"strata-stream-mac/nonce\n" + request_mac.encode(), hashlib.sha256).digest()
+        self._gcm = Cipher(algorithms.AES(aes), modes.GCM(nonce[:12])).encryptor()
+        self._gcm.authenticate_additional_data(request_mac.encode())
+        self._tag = ""
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._gcm.authenticate_additional_data(data)
+
+    def hexdigest(self) -> str:
+        if not self._tag:
+            self._gcm.finalize()
+            self._tag = self._gcm.tag.hex()
+        return self._tag
+
+
+def stream_mac(key: bytes, request_mac: str) -> StreamMac:
+    """The MAC of the stream that answers a request (or push header) signed ``request_mac``."""
+    return StreamMac(key, request_mac)
 
 
 # --- Fetch's chunks, framed by hand ----------------------------------------------------------
@@ -390,15 +418,13 @@ class PeerServicer(pb_grpc.PeerServicer):
                 context.abort(exc.code, str(exc))
                 return
             mac = stream_mac(key, request.mac)
-            hashing = Behind(mac.update)
             yield pb.RestoreResponse(header=header)
             for blob in blobs:
                 view = memoryview(blob)
                 for start in range(0, len(view), self._chunk):
                     frame, sent = chunk_frame(view[start : start + self._chunk])
-                    hashing.put(sent)
+                    mac.update(sent)
                     yield frame  # type: ignore[misc]  # framed already (add_peer_servicer)
-            hashing.close()
             context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
         finally:
             self._fetching.release()

@@ -208,7 +208,9 @@ def test_launch_a_killed_sidecar_gets_its_ranks_back_from_its_buddy(tmp_path):
             *(STRATA, "launch", "--nproc", "2", "--sidecars", "2", "--redundancy", "buddy"),
             *("--workdir", str(tmp_path / "w"), "--job", "bd", "--storage", f"file://{tmp_path}/store"),
             *("--backoff-s", "0.1", "--", sys.executable, str(DDP), "--steps", "25", "--save-every", "5"),
-            *("--rows", "2000", "--batch", "128", "--tables", "2"),
+            # Steps slow enough that step 14's push (after its commit, in the background) is
+            # done before step 19 arrives and the sidecar dies; without, it races the kill.
+            *("--rows", "2000", "--batch", "128", "--tables", "2", "--step-sleep", "0.05"),
         ],
         capture_output=True,
         text=True,
