@@ -6,11 +6,16 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sidecar import __version__, config
@@ -18,6 +23,7 @@ from sidecar import manifest as mf
 from sidecar.errors import CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
 from sidecar.operator import cli as operator_cli
+from sidecar.pipeline.plan import read_snapshot
 from sidecar.store import open_store
 from sidecar.store.base import Store
 
@@ -37,6 +43,7 @@ examples:
   strata show --storage file:///var/lib/strata --job recsys --step 120 --rank 0
   strata verify --storage file:///var/lib/strata --job recsys            # newest step
   strata verify --storage file:///var/lib/strata --job recsys --all      # every committed step
+  strata export --storage file:///var/lib/strata --job llm --format dcp --out /tmp/llm-dcp
 The storage flags also read STRATA_STORAGE, STRATA_S3_ENDPOINT, STRATA_NAMESPACE and STRATA_JOB.
 """
 
@@ -256,6 +263,77 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if corrupt_steps else 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A committed step as a plain DCP directory (``--format dcp``): every rank's snapshot is read
+    here (torch-free) into a staging directory under ``--out``, then a Python with torch
+    (``--python``, this one by default) writes DCP's files from it (``trainer_client.export``)."""
+    store = _open(args)
+    step = _pick_step(store, args)
+    commit = mf.read_commit(store, args.namespace, args.job, step)
+    if not mf.load_manifest(store, commit, 0).dcp:
+        raise SystemExit(
+            f"strata export: step {step} of {args.namespace}/{args.job} was not saved through "
+            "torch.distributed.checkpoint (trainer_client.dcp's StrataWriter): --format dcp needs "
+            "DCP's metadata"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".strata-export-", dir=out))
+    try:
+        with ThreadPoolExecutor(8, thread_name_prefix="strata-export") as pool:
+            for ref in commit.manifests:
+                manifest = mf.load_manifest(store, commit, ref.rank)
+                refs = {r.step: r for r in manifest.required_commits}
+
+                def load(older: int, rank: int = ref.rank, refs: dict = refs) -> mf.Manifest:
+                    if older not in refs:
+                        raise ObjectNotFound(f"step {step} names no COMMIT for its base step {older}")
+                    return mf.load_manifest(store, mf.load_ref(store, refs[older]), rank)
+
+                pieces = read_snapshot(store, manifest, load, pool)
+                with open(staging / f"rank-{ref.rank}.bin", "wb") as f:
+                    for piece in pieces:
+                        f.write(piece)
+                (staging / f"rank-{ref.rank}.json").write_text(
+                    json.dumps(
+                        {
+                            "tensors": [
+                                {
+                                    "name": t.name,
+                                    "dtype": t.dtype,
+                                    "shape": t.shape,
+                                    "offset": t.offset,
+                                    "nbytes": t.nbytes,
+                                }
+                                for t in manifest.tensors
+                            ],
+                            "tree": manifest.tree,
+                        }
+                    )
+                )
+                del pieces
+        done = subprocess.run(
+            [args.python, "-m", "trainer_client.export", str(staging), str(out)],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if done.returncode != 0:
+        if "No module named" in done.stderr:
+            raise SystemExit(
+                f"strata export: writing DCP's files needs torch and the trainer client in {args.python}: "
+                "pip install 'strata-ckpt[trainer]' there, or pass --python PATH to one that has them\n"
+                + done.stderr.strip().splitlines()[-1]
+            )
+        raise SystemExit(f"strata export: {done.stderr.strip() or done.stdout.strip()}")
+    print(
+        f"step {step} of {args.namespace}/{args.job} ({commit.world_size} ranks) exported to {out}: "
+        "load it with torch.distributed.checkpoint.load(state, storage_reader=FileSystemReader(...))"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata",
@@ -304,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ls", cmd_ls, "list the committed checkpoints of a job"),
         ("show", cmd_show, "print one rank's manifest of a committed step"),
         ("verify", cmd_verify, "re-read a committed step and check every checksum"),
+        ("export", cmd_export, "write a committed step in another format (a plain DCP directory)"),
     ):
         p = sub.add_parser(
             name,
@@ -313,7 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         _store_args(p)
-        if name in ("show", "verify"):
+        if name == "export":
+            p.add_argument("--format", choices=["dcp"], required=True, help="dcp: a plain DCP directory")
+            p.add_argument("--out", required=True, help="directory to write (created if missing)")
+            p.add_argument(
+                "--python",
+                default=sys.executable,
+                help="a Python with torch and strata-ckpt[trainer], which writes DCP's files "
+                "(default: this one)",
+            )
+        if name in ("show", "verify", "export"):
             p.add_argument("--step", type=int, help="step to use (default: newest committed)")
         if name == "show":
             p.add_argument("--rank", type=int, default=0, help="rank whose manifest to show")

@@ -51,6 +51,7 @@ from typing import Any
 
 import xxhash
 
+from sidecar.api import DCP_METADATA_KEY
 from sidecar.errors import (
     Aborted,
     CorruptObject,
@@ -332,6 +333,13 @@ class Manifest:
     #: older readers ignore (the format stays 2): their restore then lacks those tensors, and the
     #: client refuses it ("does not fit this state") without marking the step unusable.
     replicas: list[ReplicaEntry] = field(default_factory=list)
+
+    @property
+    def dcp(self) -> bool:
+        """This rank's state carries DCP's global metadata (the coordinator of a save through
+        torch.distributed.checkpoint): the checkpoint loads on any number of ranks."""
+        root = self.tree.get("root") if isinstance(self.tree, dict) else None
+        return isinstance(root, dict) and DCP_METADATA_KEY in root
 
     def foreign(self) -> list[ReplicaEntry]:
         """The replicated tensors another rank saved (restore fetches them from their owners)."""

@@ -93,6 +93,19 @@ class Metrics(Served):
             ["training_job", "source"],
             registry=r,
         )
+        self.reshard_reads = Counter(
+            "strata_reshard_reads_total",
+            "A rank's snapshot of a commit saved by another number of ranks, read for a rank of this "
+            "job (a resharded load: DCP's StrataReader), by source (memory, peer, storage).",
+            ["training_job", "source"],
+            registry=r,
+        )
+        self.reshard_read_bytes = Counter(
+            "strata_reshard_read_bytes_total",
+            "Bytes of those reads, by source.",
+            ["training_job", "source"],
+            registry=r,
+        )
         self.restore_fallbacks = Counter(
             "strata_restore_fallbacks_total",
             "Restores that skipped an unusable newer step (corrupt or missing objects).",

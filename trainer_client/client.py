@@ -406,9 +406,9 @@ class CheckpointClient:
         if state is not None and self.stats["saves"] == 0:
             self._warm(state)
 
-    def _flat(self, state: MutableMapping[str, Any]) -> _tree.Flat:
+    def _flat(self, state: MutableMapping[str, Any], rng: bool = True) -> _tree.Flat:
         full = dict(state)
-        if self.settings.capture_rng:
+        if rng and self.settings.capture_rng:
             full[_RNG_KEY] = _rng.capture()
         return _tree.flatten(full)
 
@@ -644,7 +644,10 @@ class CheckpointClient:
             futures_wait([future], timeout=min(left, 0.05))
         return True
 
-    def _save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
+    def _save(self, step: int, state: MutableMapping[str, Any], plain: bool = False) -> SaveHandle:
+        """``plain``: save ``state`` exactly as given (trainer_client.dcp's writer): no RNG states
+        added, no replica plan (every tensor is this rank's own), no row tracking, and every tensor
+        copied before this returns (no overlap with the next optimizer step)."""
         t0 = time.perf_counter()
         with self._lock:
             # Busy while the previous snapshot streams or uploads: the sidecar holds one in
@@ -653,7 +656,7 @@ class CheckpointClient:
             busy = (self._inflight is not None and not self._inflight.done()) or (
                 previous is not None and not previous.durable.done()
             )
-            if busy and self.settings.when_busy == "skip":
+            if busy and self.settings.when_busy == "skip" and not plain:
                 return self._skip(step)
         if busy:
             if self._inflight is not None:
@@ -663,14 +666,14 @@ class CheckpointClient:
         handle = SaveHandle(step)
         if self._heartbeat is not None:
             self._heartbeat.touch()  # progress, for the launcher's hang detection
-        if self.stats["saves"] == 0:
+        if self.stats["saves"] == 0 and not plain:
             _loaders.check(state)  # once: loader setups a resume cannot keep exact
             if self.settings.overlap == "auto":
                 for optimizer in _optimizers(state):
                     self.register_optimizer(optimizer)
             self._warm_state = None
-        full = self._flat(state)
-        plan = self._plan(state, full)
+        full = self._flat(state, rng=not plain)
+        plan = None if plain else self._plan(state, full)
         replicas: list[pb.ReplicaRef] = []
         if plan is None:
             flat = full
@@ -706,9 +709,9 @@ class CheckpointClient:
             index = 0
             self._buffers[index].ensure(flat.tensors)
         bufs = self._buffers[index]
-        touched = self._tracker.cut(flat.tensors)
+        touched = {} if plain else self._tracker.cut(flat.tensors)
         deferred: list[int] = []
-        if self._overlap:
+        if self._overlap and not plain:
             keys = self._deferrable(state)
             deferred = [i for i, (_, t) in enumerate(flat.tensors) if _tensor_key(t) in keys]
         later = set(deferred)
@@ -1089,6 +1092,50 @@ class CheckpointClient:
             ", ".join(f"rank {o}: {src}" for o, src in sources.items()),
         )
         return [t for t in slots if t is not None], sources
+
+    # --- reads of any rank (trainer_client.dcp) ------------------------------------------
+
+    def _save_plain(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
+        """Save ``state`` as given (see ``_save``'s ``plain``), waiting for a save in flight
+        instead of skipping."""
+        if self._restart_generation:
+            raise RestartInPlace(self._restart_generation)
+        return self._save(step, state, plain=True)
+
+    def _read_rank(
+        self, rank: int, step: int | None = None, attempt: int | None = None, header_only: bool = False
+    ) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
+        """What ``rank`` saved at a commit (``step`` and ``attempt``; ``step`` alone: its newest valid
+        commit; neither: the step this attempt restores), whatever number of ranks saved it; this
+        rank's own restore state stays as it is. ``header_only``: the header, no tensors."""
+        if "restore.any_rank" not in self.server_info.capabilities:
+            raise RestoreError(
+                f"the sidecar ({self.server_info.server_version}) cannot serve another rank's snapshot "
+                "of any world size: upgrade it"
+            )
+        req = pb.RestoreRequest(
+            protocol_version=PROTOCOL_VERSION, identity=self._identity, of_rank=rank, header_only=header_only
+        )
+        if step is not None:
+            req.step = step
+        if attempt is not None:
+            req.attempt = attempt
+        try:
+            if not header_only:
+                return self._restore_stream(req)
+            stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
+            messages = list(stream)
+        except grpc.RpcError as exc:
+            what = f"step {step}" if step is not None else "the newest committed step"
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise SidecarUnavailable(f"{what} of rank {rank}: {exc.details()}") from None
+            msg = f"{what} of rank {rank}: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.NOT_FOUND and step is None:
+                raise RestoreError(msg) from _NothingToRestore()
+            raise RestoreError(msg) from None
+        if len(messages) != 1 or messages[0].WhichOneof("msg") != "header":
+            raise RestoreError(f"rank {rank}: a header-only read got more than one header")
+        return messages[0].header, []
 
     def _restore_stream(
         self, req: pb.RestoreRequest, in_place: _InPlace | None = None

@@ -33,6 +33,10 @@ EXIT_RESTART_IN_PLACE = 77
 #: The sidecar refuses a trainer with this text when the operator stopped the job (its restart limit
 #: is spent); the client then exits with EXIT_LIMIT_SPENT.
 LIMIT_SPENT_MARKER = "strata: the restart limit is spent"
+#: Key of the coordinator's (rank 0's) state under which trainer_client.dcp's StrataWriter stores DCP's
+#: global checkpoint metadata (JSON): a checkpoint holding it was saved through
+#: torch.distributed.checkpoint, and DCP's planner can load it on any number of ranks.
+DCP_METADATA_KEY = "dcp_metadata"
 #: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
 SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 
@@ -54,6 +58,7 @@ def default_socket_path() -> str:
 
 
 __all__ = [
+    "DCP_METADATA_KEY",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MIN_PROTOCOL_VERSION",

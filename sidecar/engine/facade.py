@@ -173,8 +173,15 @@ class Engine:
     def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
         return self.restorer.open_restore(identity, step)
 
-    def open_replicas(self, identity: Identity, owner: int, position: Position) -> RestoreData:
-        return self.restorer.open_replicas(identity, owner, position)
+    def open_rank(
+        self,
+        identity: Identity,
+        owner: int,
+        step: int | None = None,
+        attempt: int | None = None,
+        header_only: bool = False,
+    ) -> RestoreData:
+        return self.restorer.open_rank(identity, owner, step, attempt, header_only)
 
     def serve_fetch(
         self, req: pb.FetchRequest

@@ -168,6 +168,18 @@ class Held:
             return None
         return found, buf, layers
 
+    def world_size_of(self, job_key: JobKey, position: Position) -> int | None:
+        """The number of ranks that saved the commit ``position`` of the job, when this sidecar holds
+        one of its committed snapshots (else None)."""
+        with self.shared.lock:
+            for (ns, jb, _), held in self.slots.items():
+                if (ns, jb) != job_key:
+                    continue
+                for s in held:
+                    if s.position == position and s.state == "committed":
+                        return s.identity.world_size
+        return None
+
     def in_memory(self, namespace: str, job: str, position: Position) -> bool:
         with self.shared.lock:
             return any(

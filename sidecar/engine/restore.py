@@ -65,6 +65,8 @@ class Restorer:
         self.redundancy = redundancy if redundancy is not None else Redundancy(shared, held)
         # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
         self.prefetched: dict[Slot, tuple[Position | None, threading.Event, RestoreData | None]] = {}
+        #: COMMITs read for reads of any rank: (namespace, job, attempt, step) -> COMMIT
+        self._commits: dict[tuple[str, str, int, int], mf.Commit] = {}
 
     def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
         """The attempt's restore step (every rank of a generation restores the same one), or
@@ -156,34 +158,129 @@ class Restorer:
         self.held.restored(identity, data.source == "memory" and not data.fallback_reason, data.restores)
         return data
 
-    def open_replicas(self, identity: Identity, owner: int, target: Position) -> RestoreData:
-        """The tensors rank ``owner`` saved at the commit ``target`` (attempt, step), for a rank of the
-        same job restoring the replicated tensors it did not save itself: the owner's snapshot held
-        here (one sidecar serves every rank of a pod), else its objects in storage. Nothing of
-        ``identity``'s own restore state changes."""
+    def open_rank(
+        self,
+        identity: Identity,
+        owner: int,
+        step: int | None = None,
+        attempt: int | None = None,
+        header_only: bool = False,
+    ) -> RestoreData:
+        """What rank ``owner`` saved at a commit, for a rank of the same job, whatever number of
+        ranks saved it: the replicated tensors a restoring rank did not save itself (same world
+        size), or a rank's share of a checkpoint being resharded (DCP's planner decides what to
+        read; this only serves whole snapshots). The commit: ``(attempt, step)``; ``step`` alone,
+        the newest valid commit of that step; neither, the step this attempt restores. From this
+        sidecar's memory, else a peer's, else storage. ``header_only``: the tree and tensor list
+        without bytes (only the MANIFEST is read). Nothing of ``identity``'s own restore state
+        changes, except that reading a commit of another world size ends its diff chain (its next
+        checkpoint is full)."""
         identity.validate()
         self.attempts.check_not_stopped(identity)
-        if owner >= identity.world_size or owner == identity.rank:
+        target = self._commit_position(identity, step, attempt)
+        world = self._saved_by(identity.job_key, target)
+        if owner >= world:
             raise InvalidArgument(
-                f"replicas of rank {owner}: a rank fetches the tensors of another rank of its world "
-                f"({identity.world_size} ranks)"
+                f"rank {owner}: step {target[1]} (attempt {target[0]}) was saved by {world} ranks, "
+                f"0 to {world - 1}"
             )
-        fences = self.shared.gang(identity.job_key).refresh_fences()
-        if not fences.valid(*target):
-            raise NotFound(f"step {target[1]} of attempt {target[0]} is not a valid commit of {identity.job}")
-        of = dataclasses.replace(identity, rank=owner)
+        of = dataclasses.replace(identity, rank=owner, world_size=world)
+        if header_only:
+            data = self._header(of, target)
+            data.world_size = world
+            return data
         data = self._from_memory(of, target) or self._from_peer(of, target) or self._from_storage(of, target)
-        self.metrics.replica_reads.labels(identity.job, data.source).inc()
-        self.metrics.replica_read_bytes.labels(identity.job, data.source).inc(data.total_bytes)
+        data.world_size = world
+        if world == identity.world_size:
+            reads, read_bytes = self.metrics.replica_reads, self.metrics.replica_read_bytes
+        else:
+            reads, read_bytes = self.metrics.reshard_reads, self.metrics.reshard_read_bytes
+            # This rank now holds state another world size saved: its next checkpoint is full.
+            self.held.restored(identity, False, data.restores)
+        reads.labels(identity.job, data.source).inc()
+        read_bytes.labels(identity.job, data.source).inc(data.total_bytes)
         log.info(
-            "rank %d: step %d: tensors of rank %d (%d bytes) from %s",
+            "rank %d: step %d: tensors of rank %d of %d (%d bytes) from %s",
             identity.rank,
             target[1],
             owner,
+            world,
             data.total_bytes,
             data.source,
         )
         return data
+
+    def _commit_position(self, identity: Identity, step: int | None, attempt: int | None) -> Position:
+        """The valid commit a read of any rank names (see open_rank)."""
+        ns, job = identity.job_key
+        if attempt is not None and step is None:
+            raise InvalidArgument("a read of a rank's snapshot that names the attempt names the step too")
+        if step is None:
+            target = self._newest_of_attempt(identity.job_key, self.attempts.epoch_for(identity))
+            if target is None:
+                raise NotFound(f"no committed checkpoint for {ns}/{job}")
+            return target
+        fences = self.shared.gang(identity.job_key).refresh_fences()
+        if attempt is None:
+            attempts = [a for a in mf.step_commits(self.store, ns, job, step) if fences.valid(a, step)]
+            if not attempts:
+                raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
+            return attempts[-1], step
+        if not fences.valid(attempt, step):
+            raise NotFound(f"step {step} of attempt {attempt} is not a valid commit of {ns}/{job}")
+        return attempt, step
+
+    def _saved_by(self, job_key: JobKey, target: Position) -> int:
+        """The number of ranks that saved the commit ``target``: from a snapshot of it held here
+        (no storage request, as a memory restore makes none), else its COMMIT."""
+        world = self.held.world_size_of(job_key, target)
+        return world if world is not None else self._commit(job_key, target).world_size
+
+    def _commit(self, job_key: JobKey, target: Position) -> mf.Commit:
+        """A COMMIT, read once (they are create-only, never rewritten)."""
+        key = (*job_key, *target)
+        with self.shared.lock:
+            found = self._commits.get(key)
+        if found is not None:
+            return found
+        ckey = mf.commit_key(job_key[0], job_key[1], target[1], target[0])
+        commit = mf.Commit.from_json(self.store.get(ckey), ckey)
+        with self.shared.lock:
+            self._commits[key] = commit
+            while len(self._commits) > 256:
+                self._commits.pop(next(iter(self._commits)))
+        return commit
+
+    def _header(self, identity: Identity, target: Position) -> RestoreData:
+        """``identity``'s snapshot of ``target`` without its bytes: as held in memory, else as its
+        MANIFEST describes it."""
+        copy = self.held.committed_copy(identity, target)
+        if copy is not None:
+            snap = copy[0]
+            tensors, tree, total, restores = snap.tensors, snap.tree, snap.total_bytes, snap.restores
+            replicas, source = snap.replicas, "memory"
+        else:
+            manifest = mf.load_manifest(self.store, self._commit(identity.job_key, target), identity.rank)
+            tensors, tree, total, restores = (
+                manifest.tensors,
+                manifest.tree,
+                manifest.total_bytes,
+                manifest.restores,
+            )
+            replicas, source = manifest.replicas, "storage"
+        return RestoreData(
+            target[1],
+            tensors,
+            tree,
+            total,
+            source,
+            "",
+            iter(()),
+            restores,
+            None,
+            [r for r in replicas if r.owner != identity.rank],
+            target[0],
+        )
 
     def serve_fetch(
         self, req: pb.FetchRequest
@@ -419,7 +516,15 @@ class Restorer:
             target, data = None, None
             try:
                 target = self.attempts.epoch_for(identity).restore
-                if target is not None and self._from_memory(identity, target) is None:
+                if target is not None and self._saved_by(identity.job_key, target) != identity.world_size:
+                    # Another number of ranks saved it: this rank's restore reads other ranks'
+                    # snapshots (a DCP load), or is refused; nothing of its own to read ahead.
+                    log.info(
+                        "rank %d: step %d was saved by another number of ranks; nothing to prefetch",
+                        identity.rank,
+                        target[1],
+                    )
+                elif target is not None and self._from_memory(identity, target) is None:
                     data = (
                         self._from_peer(identity, target, own=True)
                         or self._from_parity(identity, target)
@@ -519,8 +624,10 @@ class Restorer:
         if commit.world_size != identity.world_size:
             raise FailedPrecondition(
                 f"step {target[1]} was saved by {commit.world_size} ranks; this job runs "
-                f"{identity.world_size}. Changing the world size needs resharding, which this version "
-                "does not do"
+                f"{identity.world_size}. A restore gives each rank what that rank saved; to load "
+                "it on another number of ranks, save and load through torch.distributed.checkpoint "
+                "with trainer_client.dcp's StrataWriter and StrataReader (DTensor/FSDP2 state), "
+                "whose planner reshards"
             )
         manifest = mf.load_manifest(self.store, commit, identity.rank)
         refs = {r.step: r for r in manifest.required_commits}

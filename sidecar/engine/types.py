@@ -122,6 +122,9 @@ class RestoreData:
     segment: tuple[str, int] | None = None
     #: that segment was made for this restore: the trainer removes it once read
     handoff: bool = False
+    #: the ranks that saved the commit served (set for reads of any rank: it may differ from the
+    #: reader's world size)
+    world_size: int = 0
 
 
 def drop_buffer(snap: Snapshot) -> None:
@@ -168,4 +171,5 @@ def restore_header(data: RestoreData) -> pb.RestoreHeader:
         fallback_reason=data.fallback_reason,
         replicas=[_replica_ref(r) for r in data.replicas],
         attempt=data.attempt,
+        world_size=data.world_size,
     )

@@ -412,15 +412,21 @@ class Launcher:
                 return Failure(FailureKind.LOST, detail=f"sidecar {index} died (exit {proc.returncode})")
         return None
 
-    def checkpoint_world_size(self) -> int | None:
+    def checkpoint_shape(self) -> tuple[int | None, bool]:
+        """The number of ranks that saved the newest committed checkpoint (None: there is none),
+        and whether it loads on any number of ranks (saved through torch.distributed.checkpoint:
+        rank 0's MANIFEST, read only when the number differs from --nproc)."""
         assert self.storage is not None
         options = {"endpoint_url": self.endpoint} if self.storage.startswith("s3://") else {}
         store = open_store(self.storage, **options)
         try:
             step = mf.newest_committed(store, self.s.namespace, self.s.job)
-            return (
-                None if step is None else mf.read_commit(store, self.s.namespace, self.s.job, step).world_size
-            )
+            if step is None:
+                return None, False
+            commit = mf.read_commit(store, self.s.namespace, self.s.job, step)
+            if commit.world_size == self.s.nproc:
+                return commit.world_size, False
+            return commit.world_size, mf.load_manifest(store, commit, 0).dcp
         finally:
             store.close()
 
@@ -432,10 +438,17 @@ class Launcher:
         while True:
             if self.signalled is not None:
                 return self.shut_down(None)
-            config = self.tracker.check_world_size(self.s.nproc, self.checkpoint_world_size())
+            saved_by, reshardable = self.checkpoint_shape()
+            config = self.tracker.check_world_size(self.s.nproc, saved_by, reshardable)
             if config is not None:
                 self.tracker.decide(config)
                 return 2
+            if reshardable and saved_by != self.s.nproc:
+                log.info(
+                    "the newest checkpoint was saved by %s ranks; DCP's planner reshards it for %d",
+                    saved_by,
+                    self.s.nproc,
+                )
             log.info(
                 "attempt %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
             )

@@ -17,7 +17,7 @@ from sidecar.errors import Aborted, InvalidArgument, NotFound, StrataError
 from sidecar.manifest import Commit, ReplicaEntry
 
 log = logging.getLogger(__name__)
-CAPABILITIES = ["save.stream", "restore.stream", "restore.memory", "save.replicas"]
+CAPABILITIES = ["save.stream", "restore.stream", "restore.memory", "save.replicas", "restore.any_rank"]
 _COMMIT_STATES = {
     "receiving": pb.COMMIT_STATE_PENDING,
     "uploading": pb.COMMIT_STATE_PENDING,
@@ -132,16 +132,18 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self.engine.greet(_identity(request.identity), request.protocol_version)
         step = request.step if request.HasField("step") else None
         if request.HasField("of_rank"):
-            if step is None or not request.HasField("attempt"):
-                raise InvalidArgument(
-                    "a restore of another rank's tensors (of_rank) names the step and attempt"
-                )
-            data = self.engine.open_replicas(
-                _identity(request.identity), request.of_rank, (request.attempt, step)
+            attempt = request.attempt if request.HasField("attempt") else None
+            data = self.engine.open_rank(
+                _identity(request.identity), request.of_rank, step, attempt, request.header_only
             )
+        elif request.header_only:
+            raise InvalidArgument("header_only is for reads of a rank's snapshot (of_rank)")
         else:
             data = self.engine.open_restore(_identity(request.identity), step)
         header = restore_header(data)
+        if request.header_only:
+            yield pb.RestoreResponse(header=header)
+            return
         if request.shm_ok and data.segment is not None and data.handoff:
             # Assembled in a segment of its own: the client reads it and removes it.
             header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))

@@ -77,6 +77,7 @@ def free_port() -> int:
         ("ls", "strata ls   --storage s3://ckpt/prod"),
         ("show", "strata show --storage file:///var/lib/strata --job recsys --step 120 --rank 0"),
         ("verify", "strata verify --storage file:///var/lib/strata --job recsys --all"),
+        ("export", "strata export --storage file:///var/lib/strata --job llm --format dcp --out"),
     ],
 )
 def test_help_of_each_subcommand_shows_examples(command, example):

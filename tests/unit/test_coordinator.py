@@ -67,6 +67,13 @@ def test_a_changed_world_size_is_permanent():
     assert tracker.restarts == 0
 
 
+def test_a_changed_world_size_is_fine_when_the_checkpoint_reshards():
+    tracker = RestartTracker(RestartPolicy(max_restarts=5), world_size=2)
+    assert tracker.check_world_size(2, 4, reshardable=True) is None  # saved through DCP
+    failure = tracker.check_world_size(2, 4)
+    assert failure is not None and "torch.distributed.checkpoint" in failure.detail
+
+
 @pytest.mark.parametrize("kwargs", [{"max_restarts": -1}, {"backoff_factor": 0.5}, {"jitter": 2}])
 def test_policy_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):

@@ -487,18 +487,26 @@ class RestoreRequest(_message.Message):
     OF_RANK_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SHM_OK_FIELD_NUMBER: _builtins.int
+    HEADER_ONLY_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     step: _builtins.int
     """Restore this step; unset means the newest committed step."""
     of_rank: _builtins.int
-    """Set (with step and attempt, as a restore header gave them): the tensors another rank of the
-    job owns at that commit (replicated ones this rank did not save), from memory when this
-    sidecar holds them, else storage.
+    """Set: what rank of_rank saved at a commit, read without changing this rank's own restore
+    state, from memory when this sidecar holds it, else a peer, else storage (capability
+    "restore.any_rank"). The commit: step and attempt as a restore header gave them; step alone:
+    the newest valid commit of that step; neither: the step this attempt restores. of_rank is
+    checked against the world size that saved the commit, which may differ from this job's (the
+    replicated tensors this rank did not save; a DCP load, which reshards).
     """
     attempt: _builtins.int
     shm_ok: _builtins.bool
     """The client can read a shared segment in the sidecar's --shm-dir (same host, shm on): a step
     held in memory may then come as RestoreHeader.shm instead of chunks.
+    """
+    header_only: _builtins.bool
+    """With of_rank: the header only (tree, tensor list, the commit's step, attempt and world size),
+    no bytes; only the MANIFEST is read.
     """
     @_builtins.property
     def identity(self) -> Global___Identity: ...
@@ -511,10 +519,11 @@ class RestoreRequest(_message.Message):
         of_rank: _builtins.int | None = ...,
         attempt: _builtins.int | None = ...,
         shm_ok: _builtins.bool = ...,
+        header_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "shm_ok", b"shm_ok", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "header_only", b"header_only", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "shm_ok", b"shm_ok", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attempt: _TypeAlias = _typing.Literal["attempt"]  # noqa: Y015
     _WhichOneofArgType__attempt: _TypeAlias = _typing.Literal["_attempt", b"_attempt"]  # noqa: Y015
@@ -545,6 +554,7 @@ class RestoreHeader(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
     SHM_HANDOFF_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     tree: _builtins.bytes
     total_bytes: _builtins.int
@@ -557,6 +567,10 @@ class RestoreHeader(_message.Message):
     shm_handoff: _builtins.bool
     """With shm: the segment is a copy made for this restore (a step from a peer or storage): the
     reader removes it once read, and the stream ends then (or after two minutes).
+    """
+    world_size: _builtins.int
+    """The number of ranks that saved this commit (set for of_rank restores; may differ from the
+    reader's world size).
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMeta]: ...
@@ -584,10 +598,11 @@ class RestoreHeader(_message.Message):
         attempt: _builtins.int = ...,
         shm: Global___SharedSegment | None = ...,
         shm_handoff: _builtins.bool = ...,
+        world_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "shm", b"shm", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "shm", b"shm", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,122 @@
+"""One rank of an FSDP2 job (CPU, gloo) saving and loading through torch.distributed.checkpoint with
+Strata's StrataWriter / StrataReader; run by tests/integration/test_dcp.py, one process per rank.
+
+    python dcp_ranks.py save OUT      # train, dcp.save step 1, dcp.async_save steps 2 and 3
+    python dcp_ranks.py load OUT STEP NEXT  # dcp.load STEP ("newest": the attempt's restore step),
+                                            # then dcp.save step NEXT
+
+The rank, world size, job, socket and generation come from STRATA_* variables (or RANK and
+WORLD_SIZE, as `strata launch` sets them), the rendezvous from MASTER_ADDR / MASTER_PORT. Rank 0
+writes the gathered (full) parameters and optimizer state to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from trainer_client import CheckpointClient
+from trainer_client.dcp import StrataReader, StrataWriter, committed_step
+
+
+def build(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    # Row counts that shard unevenly over 2, 3 and 4 ranks (FSDP2 shards dim 0).
+    model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.ReLU(), torch.nn.Linear(10, 5))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    model(torch.randn(4, 16, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> object:
+    """The gathered state (a collective; rank 0 gets it)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _cloned({"model": msd, "optim": osd})
+
+
+def _cloned(value: object) -> object:
+    """Copies of the tensors: a full state dict shares plain tensors (Adam's step) with the live
+    optimizer, which the next step changes in place."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get("STRATA_RANK") or os.environ["RANK"])  # `strata launch` sets RANK
+    world = int(os.environ.get("STRATA_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a loading job resumes as usual ("auto"): its prefetch finds the step saved by other ranks
+    client = CheckpointClient(
+        capture_rng=False, resume="never" if mode == "save" else "auto", commit_timeout_s=60
+    )
+    report: dict = {"rank": rank, "world_size": world}
+    if mode == "save":
+        model, opt = build(0, world)
+        writer = StrataWriter(client)  # one for the job: the step comes as DCP's checkpoint_id
+        saved = {}
+        train(model, opt, 1, rank)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer, checkpoint_id=1)
+        saved[1] = full(model, opt)
+        # A process group of its own: the save's collectives run in DCP's thread while training goes on.
+        group = dist.new_group(backend="gloo")
+        reused = []
+        for step in (2, 3):
+            train(model, opt, step, rank)
+            saved[step] = full(model, opt)
+            msd, osd = get_state_dict(model, opt)
+            future = dcp.async_save(
+                {"model": msd, "optim": osd}, storage_writer=writer, checkpoint_id=step, process_group=group
+            )
+            reused.append(writer.last_stage_reused)
+            train(model, opt, 10 + step, rank)  # mutates what was staged: the checkpoint must not see it
+            future.result()
+        report["stage_reused"] = reused
+        if rank == 0:
+            torch.save(saved, out)
+    else:
+        step = None if sys.argv[3] == "newest" else int(sys.argv[3])
+        model, opt = build(123, world)  # other values everywhere
+        msd, osd = get_state_dict(model, opt)  # creates Adam's state, which the load fills
+        state = {"model": msd, "optim": osd}
+        report["committed"] = committed_step(client)
+        reader = StrataReader(client, step=step)
+        dcp.load(state, storage_reader=reader)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = full(model, opt)
+        report.update(step=reader.position[1], saved_by=reader.world_size, sources=reader.sources)
+        # The next checkpoint of this (resharded) job: every rank's is a full one.
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=StrataWriter(client, step=int(sys.argv[4])))
+        if rank == 0:
+            torch.save(loaded, out)
+    print("REPORT " + json.dumps(report), flush=True)
+    client.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

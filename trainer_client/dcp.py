@@ -1,0 +1,489 @@
+"""torch.distributed.checkpoint (DCP) through the Strata sidecar.
+
+Save and load with DCP's own API and planner, so DTensor / FSDP2 state saved on N ranks loads on
+M ranks (DCP's planner reshards), while the bytes take Strata's data path (staging into reused
+host buffers, shared memory, the sidecar's diffs and uploads, one job-level COMMIT)::
+
+    from trainer_client import CheckpointClient
+    from trainer_client.dcp import StrataReader, StrataWriter
+
+    client = CheckpointClient(job="llm")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    writer = StrataWriter(client)                                    # one for the job
+    dcp.save(state, storage_writer=writer, checkpoint_id=step)      # returns once committed
+    # or, staged into reused host buffers (the only stall), the rest in the background:
+    future = dcp.async_save(state, storage_writer=writer, checkpoint_id=step, process_group=group)
+
+    # any number of ranks: the newest committed step (or StrataReader(client, step=...))
+    dcp.load(state, storage_reader=StrataReader(client))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+How a save maps onto Strata (docs/dcp.md has the whole design):
+
+- every rank's ``write_data`` saves its write items as one Strata save of step ``step`` whose state
+  is ``{"dcp": {item key: tensor}}`` (a BYTE_IO item as a uint8 tensor of DCP's bytes);
+- the coordinator (rank 0) keeps its own items until ``finish``, where DCP hands it the global
+  ``Metadata``: its save then carries the items and the Metadata as JSON (never pickle), and
+  ``finish`` returns once the job-level COMMIT exists. DCP's finish and Strata's COMMIT are one
+  commit: a step without the coordinator's save never commits, and nothing reads a step without
+  its COMMIT.
+
+A load reads the Metadata from rank 0's snapshot (its header only), then, rank by rank, the
+snapshots holding what this rank's plan needs, through this rank's sidecar (its memory, a peer's,
+or storage), whatever number of ranks saved them.
+
+Values DCP pickles (BYTE_IO items: optimizer hyperparameters, plain Python values) are checked
+with ``torch.load(weights_only=True)`` and pickled again before DCP's planner unpickles them:
+bytes from a bucket never reach a full unpickler. Types the weights-only unpickler refuses can be
+allowed with ``torch.serialization.add_safe_globals``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from sidecar.api import DCP_METADATA_KEY
+from trainer_client import _tree
+from trainer_client._dcp_metadata import Location, MetadataError, decode, encode, item_key
+from trainer_client.client import CheckpointClient, _NothingToRestore
+from trainer_client.errors import RestoreError, SaveFailed
+
+log = logging.getLogger("strata.dcp")
+
+#: Keys of a DCP save's Strata state: the write items, and (rank 0) the Metadata as JSON.
+ITEMS_KEY = "dcp"
+METADATA_KEY = DCP_METADATA_KEY
+
+
+def _step(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
+    """A DCP ``checkpoint_id`` as a Strata step: an int, or a string of digits."""
+    if checkpoint_id is None:
+        return None
+    text = str(checkpoint_id).strip()
+    if isinstance(checkpoint_id, bool) or not text.isdigit():
+        raise ValueError(
+            f"checkpoint_id {checkpoint_id!r}: a Strata checkpoint is named by its step, a "
+            "non-negative integer"
+        )
+    return int(text)
+
+
+class StrataWriter(StorageWriter, AsyncStager):
+    """A DCP ``StorageWriter`` (and ``AsyncStager``) saving step ``step`` through ``client``.
+
+    Every rank of the client's job takes part in every save, over DCP's default process group
+    (or a group of the same ranks), with rank 0 as DCP's coordinator (its sidecar writes the
+    COMMIT). The step is given here or as ``checkpoint_id`` (``dcp.save(..., checkpoint_id=step)``).
+    ``dcp.save`` returns once the step is committed; a failure of any rank's save fails it on
+    every rank. Keep one writer for the job (its staging buffers are reused from save to save)
+    and one save of it in flight: wait for an ``async_save``'s future before the next save.
+
+    As an ``AsyncStager`` (``dcp.async_save`` uses the writer for staging when no stager is
+    given), ``stage()`` copies the local tensors (DTensor shards included) into host buffers
+    reused across saves, which is all the training thread waits for; planning, the copy into
+    the sidecar's buffers and the upload run in DCP's background thread.
+    """
+
+    _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
+
+    def __init__(self, client: CheckpointClient, step: int | None = None) -> None:
+        super().__init__()
+        self.client = client
+        self.step = step
+        self._coordinator = False
+        #: the coordinator's own items, saved in finish() with the Metadata
+        self._pending: dict[str, torch.Tensor] | None = None
+        #: staging buffer sets (path -> tensor): free ones, and lent ones by storage address
+        self._lock = threading.Lock()
+        self._free_sets: list[dict[tuple[Any, ...], torch.Tensor]] = []
+        self._lent: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}
+        #: the handle of the newest save (the coordinator's is durable when finish() returns)
+        self.last_handle: Any = None
+        #: seconds the newest stage() took (what dcp.async_save stalls the training thread for),
+        #: and whether it copied into buffers an earlier save used (no allocation)
+        self.last_stage_s = 0.0
+        self.last_stage_reused = False
+
+    # --- StorageWriter -------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        step = _step(checkpoint_id)
+        if step is not None:
+            self.step = step
+        self._pending = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        s = self.client.settings
+        if self.step is None:
+            raise ValueError(
+                "StrataWriter: no step to save: pass StrataWriter(client, step=N) or "
+                "dcp.save(..., checkpoint_id=N)"
+            )
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                "StrataWriter: a save without collectives (use_collectives=False) has no global "
+                "metadata; Strata commits one checkpoint for every rank"
+            )
+        rank = kwargs.get("rank")
+        if rank is not None and rank != s.rank:
+            raise ValueError(
+                f"StrataWriter: DCP runs this process as rank {rank} but its Strata client is rank "
+                f"{s.rank}: save over the default process group (every rank of the job)"
+            )
+        if is_coordinator != (s.rank == 0):
+            raise ValueError(
+                f"StrataWriter: DCP's coordinator must be rank 0 (its sidecar writes the COMMIT); "
+                f"this is rank {s.rank}, coordinator={is_coordinator}"
+            )
+        self._coordinator = is_coordinator
+        self._pending = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank = self.client.settings.rank
+        items: dict[str, torch.Tensor] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            key = item_key(item.index)
+            if key in items:
+                raise ValueError(f"StrataWriter: the plan writes {item.index} twice")
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(data, io.BytesIO):
+                    raise TypeError(f"{item.index.fqn}: a BYTE_IO item resolved to {type(data).__name__}")
+                raw = data.getvalue()
+                tensor = (
+                    torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                    if raw
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise TypeError(f"{item.index.fqn}: a tensor item resolved to {type(data).__name__}")
+                tensor = data.detach()
+            items[key] = tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=Location(rank, key, nbytes))
+            )
+        if self._coordinator:
+            self._pending = items  # saved with the Metadata, in finish()
+        else:
+            try:
+                self.last_handle = self._save({ITEMS_KEY: items})
+            finally:
+                self._release(items.values())
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._pending is None:
+            raise RuntimeError("StrataWriter.finish() before write_data() on the coordinator")
+        items, self._pending = self._pending, None
+        try:
+            locations: dict[MetadataIndex, Location] = {}
+            for per_rank in results:
+                for wr in per_rank:
+                    if not isinstance(wr.storage_data, Location):
+                        raise TypeError(
+                            f"{wr.index}: written by another storage writer "
+                            f"({type(wr.storage_data).__name__})"
+                        )
+                    locations[wr.index] = wr.storage_data
+            text = encode(metadata, locations)
+            handle = self._save({ITEMS_KEY: items, METADATA_KEY: text})
+        finally:
+            self._release(items.values())
+        self.last_handle = handle
+        handle.result(self.client.settings.commit_timeout_s + 30)  # raises SaveFailed
+        log.info("step %d committed through DCP (%d items)", self.step, len(locations))
+
+    def _save(self, state: dict[str, Any]) -> Any:
+        assert self.step is not None
+        handle = self.client._save_plain(self.step, state)
+        if handle.skipped:
+            raise SaveFailed(f"step {self.step}: the save was skipped")
+        return handle
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            return _step(checkpoint_id) is not None
+        except ValueError:
+            return False
+
+    # --- AsyncStager ----------------------------------------------------------------------
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state_dict`` whose tensors (DTensors' local shards) lie in host buffers
+        reused across saves: safe to train on once this returns. A set of buffers is reused
+        once the save that used it has copied out of it; until then a save gets another set."""
+        t0 = time.perf_counter()
+        with self._lock:
+            buffers = self._free_sets.pop() if self._free_sets else {}
+        self.last_stage_reused = bool(buffers)
+        staged = _stage(state_dict, (), buffers)
+        self.last_stage_s = time.perf_counter() - t0
+        with self._lock:
+            for t in buffers.values():
+                if t.numel():  # an empty tensor has no storage of its own to recognise
+                    self._lent[t.untyped_storage().data_ptr()] = buffers
+            while len({id(b) for b in self._lent.values()}) > 4:  # saves that never copied out
+                oldest = next(iter(self._lent.values()))
+                self._lent = {k: v for k, v in self._lent.items() if v is not oldest}
+        return staged
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._free_sets.clear()
+            self._lent.clear()
+
+    def _release(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The save copied out of these tensors: their staging set is free again."""
+        with self._lock:
+            if not self._lent:
+                return
+            for t in tensors:
+                if not t.numel():
+                    continue
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                except RuntimeError:
+                    continue
+                found = self._lent.get(ptr)
+                if found is None:
+                    continue
+                self._lent = {k: v for k, v in self._lent.items() if v is not found}
+                self._free_sets.append(found)
+
+
+def _stage(obj: Any, path: tuple[Any, ...], buffers: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    if isinstance(obj, DTensor):
+        local = _stage(obj.to_local(), path, buffers)
+        # The same DTensor over the staged shard (its spec: mesh, placements, global shape).
+        return DTensor(local, obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        buf = buffers.get(path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(src.shape, dtype=src.dtype)
+            buffers[path] = buf
+        buf.copy_(src)
+        return buf
+    if isinstance(obj, Mapping):
+        return {k: _stage(v, (*path, k), buffers) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_stage(v, (*path, i), buffers) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_stage(v, (*path, i), buffers) for i, v in enumerate(obj))
+    return obj  # plain values: DCP pickles them at planning time, off the training thread
+
+
+class StrataReader(StorageReader):
+    """A DCP ``StorageReader`` loading a step saved through :class:`StrataWriter`, on any number of
+    ranks. ``step``: the step to load (or ``checkpoint_id``); by default the step this attempt
+    restores (the newest committed one when the job started). After a load from a checkpoint of
+    another world size, this rank's next checkpoint is a full one.
+
+    ``sources`` tells, after a load, where each rank's snapshot that was read came from
+    (``memory``, ``peer``, ``storage``)."""
+
+    def __init__(self, client: CheckpointClient, step: int | None = None) -> None:
+        super().__init__()
+        self.client = client
+        self.step = step
+        self.position: tuple[int, int] | None = None
+        self.world_size = 0
+        self.sources: dict[int, str] = {}
+        self._locations: dict[MetadataIndex, Location] | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        step = _step(checkpoint_id)
+        if step is not None:
+            self.step = step
+        self.position, self._locations, self.sources = None, None, {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise RestoreError("a Strata DCP checkpoint has one global metadata, no rank-local ones")
+        header, _ = self.client._read_rank(0, self.step, header_only=True)
+        where = f"step {header.step} of {self.client.settings.namespace}/{self.client.settings.job}"
+        try:
+            skeleton = _tree.decode_skeleton(header.tree)
+        except ValueError as exc:
+            raise RestoreError(f"{where}: rank 0's snapshot: {exc}") from None
+        root = skeleton["root"]
+        text = root.get(METADATA_KEY) if isinstance(root, dict) else None
+        if not isinstance(text, str):
+            raise RestoreError(
+                f"{where} was not saved through torch.distributed.checkpoint (rank 0's snapshot holds "
+                "no DCP metadata): restore it with CheckpointClient.restore()"
+            )
+        try:
+            metadata, locations = decode(text)
+        except MetadataError as exc:
+            raise RestoreError(f"{where}: {exc}") from None
+        for index, loc in locations.items():
+            if loc.rank >= header.world_size:
+                raise RestoreError(
+                    f"{where}: {index.fqn} lies on rank {loc.rank}, but {header.world_size} ranks saved it"
+                )
+        self.position = (int(header.attempt), int(header.step))
+        self.world_size = int(header.world_size)
+        self._locations = locations
+        log.info(
+            "loading step %d (saved by %d ranks) on rank %d of %d",
+            header.step,
+            header.world_size,
+            self.client.settings.rank,
+            self.client.settings.world_size,
+        )
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._locations is None or self.position is None:
+            raise RestoreError("StrataReader: metadata from elsewhere; let dcp.load call read_metadata()")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self._locations is not None and self.position is not None
+        attempt, step = self.position
+        by_rank: dict[int, list[tuple[ReadItem, Location]]] = {}
+        for req in plan.items:
+            loc = self._locations.get(req.storage_index)
+            if loc is None:
+                raise RestoreError(f"step {step}: the checkpoint does not say where {req.storage_index} lies")
+            by_rank.setdefault(loc.rank, []).append((req, loc))
+        # One source rank at a time: at most one rank's snapshot is held here.
+        for rank in sorted(by_rank):
+            header, tensors = self.client._read_rank(rank, step, attempt)
+            self.sources[rank] = header.source
+            items = _items(header, tensors, f"step {step} rank {rank}")
+            for req, loc in by_rank[rank]:
+                src = items.get(loc.key)
+                where = f"step {step}: {req.storage_index.fqn}"
+                if src is None or src.numel() * src.element_size() != loc.nbytes:
+                    raise RestoreError(
+                        f"{where}: rank {rank}'s snapshot does not hold {loc.key!r} as recorded"
+                    )
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, _checked_bytes(src, where))
+                    continue
+                piece = _narrow(src, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != piece.size():
+                    raise RestoreError(
+                        f"{where}: {tuple(piece.size())} stored, {tuple(target.size())} wanted"
+                    )
+                target.copy_(piece)
+                planner.commit_tensor(req, target)
+            del items, tensors
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            return _step(checkpoint_id) is not None
+        except ValueError:
+            return False
+
+
+def committed_step(client: CheckpointClient) -> int | None:
+    """The step a ``StrataReader(client)`` loads (the step this attempt restores: the newest
+    committed one when the job started; later, the newest this attempt committed), or None when
+    the job has no committed checkpoint yet::
+
+        step = committed_step(client)
+        if step is not None:
+            dcp.load(state, storage_reader=StrataReader(client, step=step))
+    """
+    try:
+        header, _ = client._read_rank(0, header_only=True)
+    except RestoreError as exc:
+        if isinstance(exc.__cause__, _NothingToRestore):
+            return None
+        raise
+    return int(header.step)
+
+
+def _items(header: Any, tensors: list[torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The write items of a rank's snapshot (its ``dcp`` dict)."""
+    try:
+        value = _tree.rebuild(_tree.decode_skeleton(header.tree), tensors)
+    except ValueError as exc:
+        raise RestoreError(f"{where}: {exc}") from None
+    items = value.get(ITEMS_KEY) if isinstance(value, dict) else None
+    if not isinstance(items, dict) or not all(isinstance(t, torch.Tensor) for t in items.values()):
+        raise RestoreError(f"{where} was not saved through torch.distributed.checkpoint (no DCP items)")
+    return items
+
+
+def _narrow(t: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if start + length > t.size(dim):
+            raise RestoreError(
+                f"a read of [{start}, {start + length}) along dim {dim} of a {tuple(t.size())} chunk"
+            )
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def _checked_bytes(t: torch.Tensor, where: str) -> io.BytesIO:
+    """DCP's pickled value, loaded with the weights-only unpickler and pickled again: what DCP's
+    planner then unpickles (with full pickle) was written here, from plain values."""
+    raw = t.contiguous().numpy().tobytes()
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:
+        raise RestoreError(
+            f"{where}: refused: the stored value does not load with torch.load(weights_only=True) "
+            f"({exc}); allow its types with torch.serialization.add_safe_globals if you trust them"
+        ) from None
+    out = io.BytesIO()
+    torch.save(value, out)
+    out.seek(0)
+    return out
+
+
+__all__ = ["StrataReader", "StrataWriter", "committed_step"]
