@@ -44,6 +44,7 @@ examples:
   strata verify --storage file:///var/lib/strata --job recsys            # newest step
   strata verify --storage file:///var/lib/strata --job recsys --all      # every committed step
   strata export --storage file:///var/lib/strata --job llm --format dcp --out /tmp/llm-dcp
+  strata import --storage file:///var/lib/strata --job llm2 --from /tmp/llm-dcp --step 1000
 The storage flags also read STRATA_STORAGE, STRATA_S3_ENDPOINT, STRATA_NAMESPACE and STRATA_JOB.
 """
 
@@ -334,6 +335,72 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    """A plain DCP directory (``dcp.save`` with ``FileSystemWriter``) in, as committed step
+    ``--step`` of a new job: a sidecar for the job's storage runs in this process (torch-free), and a
+    Python with torch (``--python``) reads the directory without unpickling anything but DCP's
+    metadata classes and saves it through that sidecar as one rank (``trainer_client.import_dcp``);
+    ``StrataReader`` then loads it on any number of ranks."""
+    store = _open(args)
+    source = Path(args.source)
+    if not (source / ".metadata").is_file():
+        raise SystemExit(f"strata import: {source} is not a DCP checkpoint (it has no .metadata)")
+    if args.step < 0:
+        raise SystemExit(f"strata import: --step must be >= 0, got {args.step}")
+    steps = mf.committed_steps(store, args.namespace, args.job)
+    if steps:
+        raise SystemExit(
+            f"strata import: {args.namespace}/{args.job} already has committed steps (newest {steps[-1]}): "
+            "import into a new job name"
+        )
+    from sidecar.server import SidecarServer  # grpc server only when importing
+
+    work = Path(tempfile.mkdtemp(prefix="strata-import-"))
+    try:
+        settings = config.SidecarSettings(
+            storage=args.storage,
+            s3_endpoint=args.s3_endpoint or "",
+            socket=str(work / "sidecar.sock"),
+            shm_dir=str(work / "shm"),
+            metrics_port=0,
+            keep=0,
+        )
+        (work / "shm").mkdir()
+        server = SidecarServer(settings).start()
+        try:
+            done = subprocess.run(
+                [args.python, "-m", "trainer_client.import_dcp", str(source), "--step", str(args.step)],
+                capture_output=True,
+                text=True,
+                env=dict(
+                    os.environ,
+                    STRATA_SOCKET=server.socket_path,
+                    STRATA_JOB=args.job,
+                    STRATA_NAMESPACE=args.namespace,
+                    STRATA_RANK="0",
+                    STRATA_WORLD_SIZE="1",
+                    STRATA_GENERATION="import/0",
+                ),
+            )
+        finally:
+            server.stop(grace=5)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if done.returncode != 0:
+        if "No module named" in done.stderr:
+            raise SystemExit(
+                f"strata import: reading DCP's files needs torch and the trainer client in {args.python}: "
+                "pip install 'strata-ckpt[trainer]' there, or pass --python PATH to one that has them\n"
+                + done.stderr.strip().splitlines()[-1]
+            )
+        raise SystemExit(f"strata import: {done.stderr.strip() or done.stdout.strip()}")
+    print(
+        f"{source} imported as step {args.step} of {args.namespace}/{args.job}: load it on any number of "
+        "ranks with torch.distributed.checkpoint.load(state, storage_reader=StrataReader(client))"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata",
@@ -383,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("show", cmd_show, "print one rank's manifest of a committed step"),
         ("verify", cmd_verify, "re-read a committed step and check every checksum"),
         ("export", cmd_export, "write a committed step in another format (a plain DCP directory)"),
+        ("import", cmd_import, "take a plain DCP checkpoint directory in as a new job's committed step"),
     ):
         p = sub.add_parser(
             name,
@@ -395,10 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "export":
             p.add_argument("--format", choices=["dcp"], required=True, help="dcp: a plain DCP directory")
             p.add_argument("--out", required=True, help="directory to write (created if missing)")
+        if name == "import":
+            p.add_argument("--from", dest="source", required=True, help="the DCP directory (dcp.save's)")
+            p.add_argument("--step", type=int, default=0, help="the step it becomes (default: 0)")
+        if name in ("export", "import"):
             p.add_argument(
                 "--python",
                 default=sys.executable,
-                help="a Python with torch and strata-ckpt[trainer], which writes DCP's files "
+                help="a Python with torch and strata-ckpt[trainer], which reads or writes DCP's files "
                 "(default: this one)",
             )
         if name in ("show", "verify", "export"):

@@ -403,12 +403,15 @@ def commit_item(
     16), None when every tensor is stored losslessly."""
     ranks = []
     kinds: set[str] = set()
+    reshardable = False
     bases: list[int] = []
     bits: list[int] = []
     for ref in sorted(commit.manifests, key=lambda r: r.rank):
         key, body = manifests[ref.rank]
         manifest = mf.Manifest.from_json(body, key)
         kinds.add(manifest.checkpoint)
+        if ref.rank == 0:
+            reshardable = manifest.dcp  # saved through DCP: loads on any number of ranks
         if manifest.base_step is not None:
             bases.append(manifest.base_step)
         encodings: collections.Counter[str] = collections.Counter()
@@ -436,6 +439,7 @@ def commit_item(
         "attempt": commit.attempt,
         "generation": commit.generation,
         "world_size": commit.world_size,
+        "reshardable": reshardable,
         "commit_key": commit.key,
         "commit_sha256": commit_sha256,
         "location": where,

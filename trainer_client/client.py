@@ -26,7 +26,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -742,7 +742,9 @@ class CheckpointClient:
             self._last = handle
         if not deferred:
             # CPU copies are complete; GPU copies are ordered before later compute by the stream wait.
-            handle.staged.set_result(None)
+            # (A send that failed at once has set it already, in _send.)
+            with contextlib.suppress(InvalidStateError):
+                handle.staged.set_result(None)
         return handle
 
     def _skip(self, step: int) -> SaveHandle:

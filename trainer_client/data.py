@@ -17,6 +17,11 @@ either may be checkpointed). The state is plain ints and JSON-encodes::
 
     {"epoch": 3, "seed": 0, "consumed_samples": 4096, "num_replicas": 8, "dataset_len": 100000}
 
+Another number of ranks: a per-rank state is refused (the others' progress is missing). Checkpoint
+``AllRanksState(loader)`` instead (every rank's state as one replicated value, for
+``torch.distributed.checkpoint``): loaded on M ranks, the samples of the epoch that no rank had read
+are partitioned over the M ranks, so each is still read once (docs/dcp.md).
+
 Usage with a plain DataLoader::
 
     from torch.utils.data import DataLoader
@@ -66,10 +71,11 @@ client: wrap it.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import random
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -83,7 +89,7 @@ try:
 except ModuleNotFoundError:  # torch runs without numpy
     np = None  # type: ignore[assignment]
 
-__all__ = ["ResumableDistributedSampler", "ResumableLoader"]
+__all__ = ["AllRanksState", "ResumableDistributedSampler", "ResumableLoader"]
 
 _KEYS = ("epoch", "seed", "consumed_samples", "num_replicas", "dataset_len")
 
@@ -132,20 +138,37 @@ class ResumableDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        if drop_last and n % num_replicas != 0:
-            self.num_samples = max(0, math.ceil((n - num_replicas) / num_replicas))
-        else:
-            self.num_samples = math.ceil(n / num_replicas)
-        self.total_size = self.num_samples * num_replicas
         self.epoch = 0
+        #: (epoch, stages): the earlier partitions of a loaded epoch that other numbers of ranks
+        #: read part of (see _remaining); the epoch's rest is partitioned over this sampler's ranks
+        self._reshard: tuple[int, tuple[tuple[int, tuple[int, ...]], ...]] | None = None
         self._epoch_announced = False  # set_epoch() called since the last pass began
         self._resume: tuple[int, int] | None = None  # loaded (epoch, position), not yet used by a pass
         self._pass_epoch: int | None = None  # epoch of the latest pass
         self._yielded = 0  # position of the latest pass: indices handed out, counted from the epoch's start
         self._consumed: int | None = None  # position as a ResumableLoader counts it, when wrapped
 
+    @property
+    def num_samples(self) -> int:
+        """This rank's samples in the current epoch (fewer in an epoch re-partitioned after
+        other ranks read part of it)."""
+        return self._samples(self.epoch)
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.num_replicas
+
     def __len__(self) -> int:
         return self.num_samples
+
+    def _stages(self, epoch: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        return self._reshard[1] if self._reshard is not None and self._reshard[0] == epoch else ()
+
+    def _samples(self, epoch: int) -> int:
+        n = self.dataset_len
+        for replicas, consumed in self._stages(epoch):
+            n = _remaining_len(n, replicas, consumed, self.drop_last)
+        return _split(n, self.num_replicas, self.drop_last)[0]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next pass (and its permutation), as DistributedSampler does."""
@@ -153,7 +176,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self._epoch_announced = True
 
     def indices(self, epoch: int) -> list[int]:
-        """This rank's full index list for ``epoch``."""
+        """This rank's full index list for ``epoch`` (of a re-partitioned epoch: its share of the
+        samples the earlier ranks had not read)."""
         n = self.dataset_len
         if self.shuffle:
             g = torch.Generator()
@@ -161,11 +185,14 @@ class ResumableDistributedSampler(Sampler[int]):
             order: list[int] = torch.randperm(n, generator=g).tolist()
         else:
             order = list(range(n))
+        for replicas, consumed in self._stages(epoch):
+            order = _remaining(order, replicas, consumed, self.drop_last)
+        total = _split(len(order), self.num_replicas, self.drop_last)[1]
         if self.drop_last:
-            order = order[: self.total_size]
-        elif (pad := self.total_size - n) > 0:
-            order += (order * math.ceil(pad / n))[:pad]
-        return order[self.rank : self.total_size : self.num_replicas]
+            order = order[:total]
+        elif (pad := total - len(order)) > 0:
+            order += (order * math.ceil(pad / len(order)))[:pad]
+        return order[self.rank : total : self.num_replicas]
 
     def _next_start(self) -> int:
         """Where the next pass starts: the loaded position if it belongs to this epoch, else 0."""
@@ -194,36 +221,142 @@ class ResumableDistributedSampler(Sampler[int]):
         return self._yielded if self._consumed is None else self._consumed
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and how far into it this rank is (see the module docstring for what counts)."""
-        return {
+        """The epoch and how far into it this rank is (see the module docstring for what counts);
+        in an epoch re-partitioned after a change of world size, also ``reshards``: the earlier
+        partitions, ``[[num_replicas, [consumed per rank]], ...]``."""
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "seed": self.seed,
             "consumed_samples": self._position(),
             "num_replicas": self.num_replicas,
             "dataset_len": self.dataset_len,
         }
+        if stages := self._stages(self.epoch):
+            state["reshards"] = [[replicas, list(consumed)] for replicas, consumed in stages]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next pass; refuse one saved with another world size,
-        seed or dataset length (it would skip or repeat samples)."""
-        if not isinstance(state, dict) or set(state) != set(_KEYS):
+        """Continue from ``state`` at the next pass.
+
+        ``state`` is this rank's own (what ``state_dict()`` returned on the same rank of the same
+        number of ranks), or every rank's, ``{"ranks": [state of rank 0, ...]}`` (what
+        :class:`AllRanksState` saves): saved by another number of ranks, the rest of the epoch
+        (the samples no rank had read) is partitioned over this sampler's ranks, so each sample of
+        the epoch is read once across the change (plus DistributedSampler's padding, or less its
+        truncation with ``drop_last``). Refuses a per-rank state of another number of ranks
+        (the others' progress is missing), another seed or dataset length."""
+        if isinstance(state, dict) and set(state) == {"ranks"}:
+            self._load_all(state["ranks"])
+            return
+        saved_by = state.get("num_replicas") if isinstance(state, dict) else None
+        if type(saved_by) is int and saved_by != self.num_replicas:
+            raise ValueError(
+                f"sampler state was saved with num_replicas={state['num_replicas']} but this sampler has "
+                f"num_replicas={self.num_replicas}; resuming would skip or repeat samples: to continue "
+                "the epoch on another number of ranks, load every rank's state ({'ranks': [...]}, as "
+                "trainer_client.data.AllRanksState saves it)"
+            )
+        state, stages = self._checked(state, "sampler state")
+        self._apply(state["epoch"], stages, state["consumed_samples"])
+
+    def _checked(
+        self, state: Any, where: str
+    ) -> tuple[dict[str, Any], tuple[tuple[int, tuple[int, ...]], ...]]:
+        """``state`` validated against this sampler, and its earlier partitions."""
+        if not isinstance(state, dict) or not set(_KEYS) <= set(state) <= {*_KEYS, "reshards"}:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"sampler state: expected keys {sorted(_KEYS)}, got {got}")
+            raise ValueError(f"{where}: expected keys {sorted(_KEYS)} (and reshards), got {got}")
         for key in _KEYS:
             if type(state[key]) is not int:
-                raise ValueError(f"sampler state: {key} must be an int, got {state[key]!r}")
-        for key in ("num_replicas", "seed", "dataset_len"):
+                raise ValueError(f"{where}: {key} must be an int, got {state[key]!r}")
+        for key in ("seed", "dataset_len"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"sampler state was saved with {key}={state[key]} but this sampler has "
                     f"{key}={getattr(self, key)}; resuming would skip or repeat samples"
                 )
-        consumed = state["consumed_samples"]
-        if not 0 <= consumed <= self.num_samples:
-            raise ValueError(f"sampler state: consumed_samples={consumed} is not in [0, {self.num_samples}]")
+        if state["num_replicas"] < 1:
+            raise ValueError(f"{where}: num_replicas must be >= 1, got {state['num_replicas']}")
+        stages = []
+        n = self.dataset_len
+        raw = state.get("reshards", [])
+        if not isinstance(raw, list) or (not raw and "reshards" in state):
+            raise ValueError(f"{where}: reshards must be a non-empty list, got {raw!r}")
+        for stage in raw:
+            if (
+                not isinstance(stage, list)
+                or len(stage) != 2
+                or type(stage[0]) is not int
+                or stage[0] < 1
+                or not isinstance(stage[1], list)
+                or len(stage[1]) != stage[0]
+                or any(type(c) is not int for c in stage[1])
+            ):
+                raise ValueError(f"{where}: a reshard is [num_replicas, [consumed per rank]], got {stage!r}")
+            per = _split(n, stage[0], self.drop_last)[0]
+            if any(not 0 <= c <= per for c in stage[1]):
+                raise ValueError(f"{where}: reshard {stage!r}: a rank consumed more than its {per} samples")
+            stages.append((stage[0], tuple(stage[1])))
+            n = _remaining_len(n, stage[0], stage[1], self.drop_last)
+        per = _split(n, state["num_replicas"], self.drop_last)[0]
+        if not 0 <= state["consumed_samples"] <= per:
+            raise ValueError(f"{where}: consumed_samples={state['consumed_samples']} is not in [0, {per}]")
+        return state, tuple(stages)
+
+    def _load_all(self, ranks: Any) -> None:
+        if not isinstance(ranks, list) or not ranks:
+            raise ValueError(f"sampler state: 'ranks' must be a non-empty list, got {type(ranks).__name__}")
+        checked = [self._checked(s, f"sampler state of rank {r}") for r, s in enumerate(ranks)]
+        first, stages = checked[0]
+        for r, (s, st) in enumerate(checked):
+            if s["num_replicas"] != len(ranks):
+                raise ValueError(
+                    f"sampler state of rank {r}: saved by num_replicas={s['num_replicas']}, "
+                    f"but {len(ranks)} ranks' states were given"
+                )
+            if s["epoch"] != first["epoch"] or st != stages:
+                raise ValueError(
+                    f"sampler states of ranks 0 and {r} are of different epochs or partitions; "
+                    "they were not saved at the same step"
+                )
+        if len(ranks) == self.num_replicas:  # the same ranks: this rank's own position
+            self._apply(first["epoch"], stages, checked[self.rank][0]["consumed_samples"])
+            return
+        consumed = tuple(s["consumed_samples"] for s, _ in checked)
+        if any(consumed) or self.drop_last:  # an untouched partition leaves the order as it was
+            stages = (*stages, (len(ranks), consumed))
+        self._apply(first["epoch"], stages, 0)
+
+    def _apply(self, epoch: int, stages: tuple[tuple[int, tuple[int, ...]], ...], consumed: int) -> None:
+        self._reshard = (epoch, stages) if stages else None
         if not self._epoch_announced:
-            self.epoch = state["epoch"]
-        self._resume = (state["epoch"], consumed)
+            self.epoch = epoch
+        self._resume = (epoch, consumed)
+
+
+def _split(n: int, replicas: int, drop_last: bool) -> tuple[int, int]:
+    """(samples per rank, total) of ``n`` samples over ``replicas`` ranks, as DistributedSampler
+    splits them (padded up to a multiple of ``replicas``, or truncated with ``drop_last``)."""
+    if drop_last and n % replicas != 0:
+        per = max(0, math.ceil((n - replicas) / replicas))
+    else:
+        per = math.ceil(n / replicas)
+    return per, per * replicas
+
+
+def _remaining_len(n: int, replicas: int, consumed: Sequence[int], drop_last: bool) -> int:
+    """``len(_remaining(...))`` of a sequence of ``n``, without it."""
+    kept = min(n, _split(n, replicas, drop_last)[1])
+    return kept - sum(min(c, len(range(r, kept, replicas))) for r, c in enumerate(consumed))
+
+
+def _remaining(order: list[int], replicas: int, consumed: Sequence[int], drop_last: bool) -> list[int]:
+    """The samples of ``order`` that no rank read, in order, when ``replicas`` ranks read it as
+    DistributedSampler partitions it (rank r reads positions r, r + replicas, ...) and rank r
+    read its first ``consumed[r]``. Padding positions are not samples of their own: their
+    samples appear earlier in ``order``; samples a ``drop_last`` truncation dropped are gone."""
+    kept = min(len(order), _split(len(order), replicas, drop_last)[1])
+    return [order[p] for p in range(kept) if p // replicas >= consumed[p % replicas]]
 
 
 class ResumableLoader:
@@ -314,17 +447,106 @@ class ResumableLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The sampler's ``load_state_dict``; a state without ``base_seed`` (older ones, a bare
-        sampler's) loads too."""
+        """The sampler's ``load_state_dict`` (this rank's state, or every rank's: see there); a
+        state without ``base_seed`` (older ones, a bare sampler's) loads too. A pass over an
+        epoch re-partitioned for another number of ranks draws a new pass seed."""
         seed = None
-        if isinstance(state, dict) and "base_seed" in state:
-            state = dict(state)
-            seed = state.pop("base_seed")
-            if type(seed) is not int or not 0 <= seed < 2**63:
-                raise ValueError(f"loader state: base_seed must be an int in [0, 2**63), got {seed!r}")
+        if isinstance(state, dict) and set(state) == {"ranks"} and isinstance(state["ranks"], list):
+            ranks = [_without_seed(s) for s in state["ranks"]]
+            if len(ranks) == self.sampler.num_replicas:
+                seed = ranks[self.sampler.rank][1]
+            state = {"ranks": [s for s, _ in ranks]}
+        else:
+            state, seed = _without_seed(state)
         self.sampler.load_state_dict(state)
         self._seed, self._seed_loaded = seed, seed is not None
         self._generation += 1
+
+
+class AllRanksState:
+    """The data reader's state of every rank as one value, the same on every rank: what lets the
+    rest of an epoch be re-partitioned when a checkpoint is loaded on another number of ranks.
+
+    Put it in the state that ``torch.distributed.checkpoint`` saves and loads (with Strata's
+    ``StrataWriter`` / ``StrataReader`` or DCP's own), in place of the reader::
+
+        state = {"model": model_sd, "optim": optim_sd, "data": AllRanksState(loader)}
+        dcp.save(state, storage_writer=StrataWriter(client), checkpoint_id=step)
+        ...  # later, on any number of ranks:
+        dcp.load(state, storage_reader=StrataReader(client))
+
+    ``state_dict()`` gathers every rank's ``reader.state_dict()`` over ``group`` (default: the
+    default process group; a collective, as ``dcp.save`` and ``dcp.load`` are): ``{"ranks":
+    JSON of [rank 0's, rank 1's, ...]}``, a small replicated value DCP writes once (as one string:
+    DCP would flatten a list into one entry per rank, and a load on fewer ranks would ask for
+    fewer). ``load_state_dict``
+    hands it to the reader: a ``ResumableDistributedSampler`` or ``ResumableLoader`` continues at
+    this rank's own position when the number of ranks is the same, and otherwise partitions the
+    samples no rank had read over the new ranks. A torchdata ``StatefulDataLoader`` loads its own
+    rank's state on the same number of ranks; on another number it is refused (its position lives
+    in its sampler's and workers' snapshots, which cannot be re-partitioned).
+    """
+
+    def __init__(self, reader: Any, group: Any = None) -> None:
+        if not callable(getattr(reader, "state_dict", None)) or not callable(
+            getattr(reader, "load_state_dict", None)
+        ):
+            raise TypeError(f"{type(reader).__name__} has no state_dict/load_state_dict to checkpoint")
+        self.reader = reader
+        self.group = group
+
+    def _world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.group), dist.get_rank(self.group)
+        return 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = self.reader.state_dict()
+        try:
+            json.dumps(mine, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"the {type(self.reader).__name__}'s state is not plain JSON values: {exc}"
+            ) from None
+        world, _ = self._world()
+        ranks: list[Any] = [mine]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine, group=self.group)
+        return {"ranks": json.dumps(ranks, separators=(",", ":"), allow_nan=False)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ranks = state.get("ranks") if isinstance(state, dict) else None
+        if isinstance(ranks, str):
+            try:
+                ranks = json.loads(ranks)
+            except ValueError as exc:
+                raise ValueError(f"data reader state: 'ranks' is not JSON ({exc})") from None
+        if not isinstance(ranks, list) or not ranks:
+            raise ValueError("data reader state: expected {'ranks': JSON of [state of each rank]}")
+        if isinstance(self.reader, ResumableDistributedSampler | ResumableLoader):
+            self.reader.load_state_dict({"ranks": ranks})
+            return
+        world, rank = self._world()
+        if len(ranks) != world:
+            raise ValueError(
+                f"the {type(self.reader).__name__}'s state was saved by {len(ranks)} ranks and cannot "
+                f"be re-partitioned over {world}: its position lives in its sampler's and workers' "
+                "snapshots. Resume on the same number of ranks, or read with a plain DataLoader over "
+                "trainer_client.data.ResumableDistributedSampler wrapped in a ResumableLoader"
+            )
+        self.reader.load_state_dict(ranks[rank])
+
+
+def _without_seed(state: Any) -> tuple[Any, int | None]:
+    """A loader state as the sampler's, and its ``base_seed``."""
+    if not isinstance(state, dict) or "base_seed" not in state:
+        return state, None
+    state = dict(state)
+    seed = state.pop("base_seed")
+    if type(seed) is not int or not 0 <= seed < 2**63:
+        raise ValueError(f"loader state: base_seed must be an int in [0, 2**63), got {seed!r}")
+    return state, seed
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:

@@ -146,17 +146,22 @@ class RestartTracker:
         return decision
 
     def check_world_size(
-        self, world_size: int, checkpoint_world_size: int | None, reshardable: bool = False
+        self,
+        world_size: int,
+        checkpoint_world_size: int | None,
+        reshardable: bool = False,
+        keep: str = "--nproc {n}",
     ) -> Failure | None:
         """A checkpoint saved by another number of ranks cannot be resumed unless it can be
         resharded (``reshardable``: saved through torch.distributed.checkpoint, whose planner
-        loads it on any number of ranks)."""
+        loads it on any number of ranks). ``keep``: how to keep the old size, for the message
+        (``{n}``: the checkpoint's number of ranks)."""
         if checkpoint_world_size is None or checkpoint_world_size == world_size or reshardable:
             return None
         return Failure(
             FailureKind.CONFIG,
             detail=f"the newest checkpoint was saved by {checkpoint_world_size} ranks but the job now has "
-            f"{world_size}; keep --nproc {checkpoint_world_size} or start a new job name (a checkpoint "
-            "saved through torch.distributed.checkpoint with trainer_client.dcp loads on any number "
-            "of ranks)",
+            f"{world_size}; keep {keep.format(n=checkpoint_world_size)} or start a new job name (a "
+            "checkpoint saved through torch.distributed.checkpoint with trainer_client.dcp loads on "
+            "any number of ranks)",
         )

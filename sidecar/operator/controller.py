@@ -757,6 +757,26 @@ class Controller:
         found.sort(key=lambda f: order.index(f[0].kind) if f[0].kind in order else len(order))
         return found[0] if found else None
 
+    async def _world_size_failure(self, job: _Job, tracker: RestartTracker) -> Failure | None:
+        """A CONFIG failure when the job's newest Checkpoint was saved by another number of ranks
+        than the gang has and cannot be resharded (one LIST of the job's Checkpoints); None when
+        it fits, is reshardable (saved through DCP), or cannot be read."""
+        try:
+            listing = await self.api.request(
+                "GET",
+                path(names.GROUP, names.VERSION, "checkpoints", job.namespace),
+                params={"labelSelector": f"{names.JOB_LABEL}={job.name},{names.LATEST_LABEL}=true"},
+            )
+        except ApiError as exc:
+            log.info(
+                "%s/%s: newest Checkpoint unreadable (%s); world size not checked",
+                job.namespace,
+                job.name,
+                exc,
+            )
+            return None
+        return world_size_failure(job.world, (listing or {}).get("items") or [], tracker)
+
     async def _decide(
         self, job: _Job, failure: Failure, running: list[dict[str, Any]], pod: str = ""
     ) -> None:
@@ -783,6 +803,18 @@ class Controller:
                 f"{failure.describe()}, after index(es) {', '.join(done)} had succeeded: "
                 "a gang restart cannot bring completed indexes back",
             )
+        elif failure.kind not in PERMANENT:
+            # Trainers that cannot restore the newest checkpoint (saved by another number of ranks,
+            # and not reshardable) fail again after any restart: a permanent failure.
+            changed = await self._world_size_failure(job, tracker)
+            if changed is not None:
+                failure = Failure(
+                    FailureKind.CONFIG,
+                    failure.rank,
+                    failure.exit_code,
+                    failure.signal,
+                    f"{failure.describe()}, and {changed.detail}",
+                )
         decision = tracker.decide(failure)
         last = {
             "reason": REASONS.get(failure.kind, "Failed"),
@@ -1401,3 +1433,22 @@ async def lift_gates(api: Api, namespaces: tuple[str, ...] = ()) -> list[str]:
             raise
         released.append(f"{meta.get('namespace')}/{meta['name']}")
     return released
+
+
+def world_size_failure(
+    world: int, checkpoints: list[Mapping[str, Any]], tracker: RestartTracker | None = None
+) -> Failure | None:
+    """The shared world-size decision (``RestartTracker.check_world_size``) for the newest of
+    ``checkpoints`` (Checkpoint objects): None when there is none, when it was saved by ``world``
+    ranks, or when it is reshardable (``spec.reshardable``: saved through DCP)."""
+    newest: Mapping[str, Any] | None = None
+    for item in checkpoints:
+        spec = item.get("spec") or {}
+        if isinstance(spec.get("step"), int) and (newest is None or spec["step"] > newest["step"]):
+            newest = spec
+    if newest is None or not isinstance(newest.get("worldSize"), int):
+        return None
+    tracker = tracker or RestartTracker(RestartPolicy(), world)
+    return tracker.check_world_size(
+        world, newest["worldSize"], newest.get("reshardable") is True, keep="the gang at {n} ranks"
+    )

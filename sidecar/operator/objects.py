@@ -133,6 +133,9 @@ def checkpoint_body(report: Mapping[str, Any]) -> dict[str, Any]:
     world_size = _get(report, "world_size", int)
     if world_size < 1:
         raise ValueError(f"commit report key 'world_size' must be >= 1, got {world_size}")
+    reshardable = report.get("reshardable", False)  # absent from older sidecars' reports
+    if type(reshardable) is not bool:
+        raise ValueError(f"commit report key 'reshardable' must be a boolean, got {reshardable!r}")
     kind = _get(report, "type", str)
     if kind not in ("full", "diff"):
         raise ValueError(f"commit report key 'type' must be 'full' or 'diff', got {kind!r}")
@@ -171,6 +174,7 @@ def checkpoint_body(report: Mapping[str, Any]) -> dict[str, Any]:
         "attempt": attempt,
         "generation": generation,
         "worldSize": world_size,
+        "reshardable": reshardable,
         "type": kind,
         "baseStep": base_step,
         "requires": list(requires),

@@ -4,6 +4,10 @@ Strata's StrataWriter / StrataReader; run by tests/integration/test_dcp.py, one 
     python dcp_ranks.py save OUT      # train, dcp.save step 1, dcp.async_save steps 2 and 3
     python dcp_ranks.py load OUT STEP NEXT  # dcp.load STEP ("newest": the attempt's restore step),
                                             # then dcp.save step NEXT
+    python dcp_ranks.py plain OUT DIR       # train, then plain dcp.save with FileSystemWriter(DIR)
+    python dcp_ranks.py data OUT STEP NEXT BATCHES  # a data reader's position in AllRanksState:
+                                            # dcp.load STEP ("-": none), read BATCHES batches
+                                            # ("all": the epoch's rest), dcp.save step NEXT ("-": none)
 
 The rank, world size, job, socket and generation come from STRATA_* variables (or RANK and
 WORLD_SIZE, as `strata launch` sets them), the rendezvous from MASTER_ADDR / MASTER_PORT. Rank 0
@@ -19,12 +23,17 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
 
 from trainer_client import CheckpointClient
+from trainer_client.data import AllRanksState, ResumableDistributedSampler, ResumableLoader
 from trainer_client.dcp import StrataReader, StrataWriter, committed_step
+
+DATA_LEN = 48
 
 
 def build(seed: int, world_size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -63,11 +72,46 @@ def _cloned(value: object) -> object:
     return value
 
 
+def data(client: CheckpointClient, report: dict) -> None:
+    """Read part of an epoch with every rank's position checkpointed as one value through DCP."""
+    load, save, batches = sys.argv[3], sys.argv[4], sys.argv[5]
+    sampler = ResumableDistributedSampler(DATA_LEN, seed=3)  # rank and world size of the process group
+    loader = ResumableLoader(DataLoader(list(range(DATA_LEN)), batch_size=2, sampler=sampler))
+    state = {"data": AllRanksState(loader), "w": torch.arange(4.0)}
+    if load != "-":
+        dcp.load(state, storage_reader=StrataReader(client, step=int(load)))
+    seen: list[int] = []
+    it = iter(loader)
+    for batch in it if batches == "all" else (next(it) for _ in range(int(batches))):
+        seen += batch.tolist()
+    report["seen"] = seen
+    if save != "-":
+        dcp.save(state, storage_writer=StrataWriter(client, step=int(save)))
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ.get("STRATA_RANK") or os.environ["RANK"])  # `strata launch` sets RANK
     world = int(os.environ.get("STRATA_WORLD_SIZE") or os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if mode == "plain":  # no Strata at all: DCP's own writer
+        model, opt = build(0, world)
+        train(model, opt, 1, rank)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(sys.argv[3]))
+        saved = full(model, opt)
+        if rank == 0:
+            torch.save(saved, out)
+        dist.destroy_process_group()
+        return
+    if mode == "data":
+        client = CheckpointClient(capture_rng=False, resume="never", commit_timeout_s=60)
+        report = {"rank": rank, "world_size": world}
+        data(client, report)
+        print("REPORT " + json.dumps(report), flush=True)
+        client.close()
+        dist.destroy_process_group()
+        return
     # a loading job resumes as usual ("auto"): its prefetch finds the step saved by other ranks
     client = CheckpointClient(
         capture_rng=False, resume="never" if mode == "save" else "auto", commit_timeout_s=60

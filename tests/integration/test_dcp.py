@@ -19,6 +19,7 @@ from statecheck import assert_bitwise_equal
 
 from sidecar import cli
 from sidecar import manifest as mf
+from sidecar.reporting import stored_commit_items
 from trainer_client import RestoreError
 from trainer_client.dcp import StrataReader, committed_step
 
@@ -83,6 +84,9 @@ def test_fsdp2_saved_on_four_ranks_loads_on_two_and_three(make_sidecar, job_name
     # one commit per step: the coordinator's snapshot carries DCP's metadata (what makes it
     # reshardable for the launcher), the others only their items
     assert [mf.load_manifest(server.store, commit, r).dcp for r in range(4)] == [True, False, False, False]
+    # ... and its commit report tells the operator so (a gang of another size is not refused)
+    [item] = stored_commit_items(server.store, "default", job_name, "file://x", [(commit.attempt, 3)])
+    assert item["reshardable"] is True and item["world_size"] == 4
 
     # 4 -> 2: the newest step (an async save), held in this sidecar's memory.
     two = run_ranks(server.socket_path, job_name, "dcp/1", 2, "load", str(tmp_path / "two.pt"), "newest", "4")
@@ -264,3 +268,52 @@ def test_any_rank_of_another_world_size_comes_from_the_pod_that_holds_it(two_pod
     one.save(5, {"w": changed}).result(60)
     store = pods[0].store
     assert mf.load_manifest(store, mf.read_commit(store, "default", job_name, 5), 0).checkpoint == "full"
+
+
+def test_samples_are_read_once_across_four_two_four_ranks(make_sidecar, job_name, tmp_path):
+    """A ResumableLoader's position of every rank, saved through DCP as one value (AllRanksState):
+    4 ranks read 3 batches each and save step 1; 2 ranks load it (the rest of the epoch partitioned
+    over them), read 4 batches each and save step 2; 4 ranks load that and read the rest. Each of
+    the epoch's 48 samples was read exactly once."""
+    server = make_sidecar()
+    sock = server.socket_path
+    first = run_ranks(sock, job_name, "data/0", 4, "data", "-", "-", "1", "3")
+    second = run_ranks(sock, job_name, "data/1", 2, "data", "-", "1", "2", "4")
+    third = run_ranks(sock, job_name, "data/2", 4, "data", "-", "2", "-", "all")
+    assert [len(r["seen"]) for r in first + second + third] == [6] * 4 + [8] * 2 + [2] * 4
+    seen = [i for r in first + second + third for i in r["seen"]]
+    assert sorted(seen) == list(range(48))
+    assert mf.committed_steps(server.store, "default", job_name) == [1, 2]
+
+
+def test_a_plain_dcp_checkpoint_is_imported_and_loads_on_three_ranks(make_sidecar, job_name, tmp_path):
+    """`strata import`: a checkpoint plain DCP (FileSystemWriter) saved from 2 FSDP2 ranks becomes a
+    committed step of a new job, which StrataReader loads on 3 ranks, bit for bit; a second import
+    into the same job is refused."""
+    server = make_sidecar()
+    directory = tmp_path / "plain-dcp"
+    run_ranks(server.socket_path, job_name, "plain/0", 2, "plain", str(tmp_path / "saved.pt"), str(directory))
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    store = ["--storage", server.settings.storage, "--job", job_name]
+    assert cli.main(["import", *store, "--from", str(directory), "--step", "7"]) == 0
+    commit = mf.read_commit(server.store, "default", job_name, 7)
+    assert commit.world_size == 1 and mf.load_manifest(server.store, commit, 0).dcp
+    three = run_ranks(
+        server.socket_path, job_name, "imp/1", 3, "load", str(tmp_path / "three.pt"), "newest", "8"
+    )
+    assert [r["step"] for r in three] == [7, 7, 7] and [r["saved_by"] for r in three] == [1, 1, 1]
+    assert_bitwise_equal(torch.load(tmp_path / "three.pt", weights_only=True), saved)
+    with pytest.raises(SystemExit, match="already has committed steps"):
+        cli.main(["import", *store, "--from", str(directory)])
+    # a .metadata that would run code when unpickled: refused, naming the global; nothing ran
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    marker = tmp_path / "ran"
+    (evil / ".metadata").write_bytes(
+        b"cposix\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."  # os.system("touch ...")
+    )
+    other = ["--storage", server.settings.storage, "--job", job_name + "-evil"]
+    with pytest.raises(SystemExit, match=r"posix\.system, which is not part of DCP's metadata"):
+        cli.main(["import", *other, "--from", str(evil)])
+    assert not marker.exists()
+    assert mf.committed_steps(server.store, "default", job_name + "-evil") == []

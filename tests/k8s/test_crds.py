@@ -219,6 +219,18 @@ def test_checkpoint_body_validates_against_crd() -> None:
     assert ready["type"] == "Ready" and ready["status"] == "True" and ready["reason"] == "AllRanksCommitted"
 
 
+def test_checkpoint_says_whether_it_is_reshardable() -> None:
+    """A commit report of a step saved through DCP carries ``reshardable``; older sidecars' reports
+    lack it (not reshardable)."""
+    check = validator("checkpoints.strata.dev")
+    body = objects.checkpoint_body(report(reshardable=True))
+    check.validate(body)
+    assert body["spec"]["reshardable"] is True
+    assert objects.checkpoint_body(report())["spec"]["reshardable"] is False
+    with pytest.raises(ValueError, match="'reshardable' must be a boolean"):
+        objects.checkpoint_body(report(reshardable="yes"))
+
+
 def test_checkpoint_status_not_ready_until_every_rank_committed() -> None:
     body = objects.checkpoint_body(report(world_size=4))
     validator("checkpoints.strata.dev").validate(body)

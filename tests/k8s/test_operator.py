@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from sidecar.operator import names
+from sidecar.operator import names, objects
 from sidecar.operator.kube import ApiError
 from sidecar.operator.run import OperatorConfig, serve
 from tests.fixtures.prometheus import Prometheus, free_port, prometheus_bin
 from tests.k8s.cluster import Cluster, create, indexed_job
 from tests.k8s.conftest import K8s, call, kubectl
-from tests.k8s.test_crds import install_crds, rows, validator
+from tests.k8s.test_crds import install_crds, report, rows, validator
 
 JOBS = "/apis/batch/v1/namespaces/default/jobs"
 STRATAJOBS = "/apis/strata.dev/v1alpha1/namespaces/default/stratajobs"
@@ -716,6 +716,34 @@ async def test_operator_failure_after_some_ranks_succeeded_fails_the_job_instead
         assert failed["reason"] == "NotRestartable" and "index(es) 0 had succeeded" in failed["message"]
         assert status["restarts"] == 0
         assert not any(generation_of(p) == f"{run}/1" for p in cluster.pods("ending"))
+
+
+@pytest.mark.parametrize("reshardable", [False, True])
+async def test_operator_a_checkpoint_of_another_world_size_is_permanent_unless_reshardable(
+    k8s: K8s, cluster: Cluster, reshardable: bool
+) -> None:
+    """A gang of 2 whose newest Checkpoint 4 ranks saved: its trainers cannot restore it, so a
+    failure is permanent (no futile restarts), unless the checkpoint was saved through DCP
+    (``reshardable``), which loads on any number of ranks: then the gang restarts as usual."""
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("resized", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        saved = report(40, job="resized", world_size=4, reshardable=reshardable)
+        saved["ranks"] = [dict(saved["ranks"][0], rank=r) for r in range(4)]
+        body = objects.checkpoint_body(saved)
+        body["metadata"]["labels"][names.LATEST_LABEL] = "true"
+        await create(k8s, f"/apis/{names.API_VERSION}/namespaces/default/checkpoints", body)
+        await cluster.fail(pods[1], 1)
+        if reshardable:
+            await until(lambda: running(cluster, "resized", f"{run}/1", 2), message="generation 1")
+            assert (await status_of(k8s, "resized"))["restarts"] == 1
+            return
+        status = await until(lambda: _phase(k8s, "resized", "Failed"), message="phase Failed")
+        failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "NotRestartable", failed
+        assert "saved by 4 ranks but the job now has 2; keep the gang at 4 ranks" in failed["message"]
+        assert status["restarts"] == 0 and status["lastFailure"]["reason"] == "InvalidConfig"
 
 
 # ---- regressions: releases cut short, pods that vanish, runs that overlap, operator restarts ---------------
