@@ -51,7 +51,7 @@ from typing import Any
 
 import xxhash
 
-from sidecar.api import DCP_METADATA_KEY
+from sidecar.api import DCP_METADATA_KEY, RNG_STATE_KEY
 from sidecar.errors import (
     Aborted,
     CorruptObject,
@@ -730,6 +730,33 @@ def build_commit(
         required_commits=sorted(required.values(), key=lambda r: r.key),
         generation=generation,
     )
+
+
+def replicated(manifests: list[Manifest]) -> bool:
+    """Every rank of a commit (two or more) saved the same state: each tensor is replicated across
+    all of them (one owner stores it, every other rank names that owner), and the trees are equal,
+    save for the client's RNG states (each rank's own) and empty tensors. Such a checkpoint loads
+    on any number of ranks (``client.resume()`` gives every rank the owners' tensors)."""
+    if len(manifests) < 2:
+        return False
+
+    def plain(tree: Any) -> Any:
+        root = tree.get("root") if isinstance(tree, dict) else None
+        if not isinstance(root, dict):
+            return tree
+        return {**tree, "root": {k: v for k, v in root.items() if k != RNG_STATE_KEY}}
+
+    first = plain(manifests[0].tree)
+    if any(plain(m.tree) != first for m in manifests[1:]):
+        return False
+    owners = [{r.name: r.owner for r in m.replicas} for m in manifests]
+    for m in manifests:
+        for t in m.tensors:
+            if t.name.startswith(f"{RNG_STATE_KEY}.") or 0 in t.shape:
+                continue
+            if any(named.get(t.name) != m.rank for named in owners):
+                return False
+    return True
 
 
 def check_replicas(step: int, manifests: dict[int, Manifest]) -> None:

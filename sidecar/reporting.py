@@ -406,9 +406,11 @@ def commit_item(
     reshardable = False
     bases: list[int] = []
     bits: list[int] = []
+    parsed: list[mf.Manifest] = []
     for ref in sorted(commit.manifests, key=lambda r: r.rank):
         key, body = manifests[ref.rank]
         manifest = mf.Manifest.from_json(body, key)
+        parsed.append(manifest)
         kinds.add(manifest.checkpoint)
         if ref.rank == 0:
             reshardable = manifest.dcp  # saved through DCP: loads on any number of ranks
@@ -431,6 +433,8 @@ def commit_item(
             }
         )
     diff = "diff" in kinds
+    # ... or every rank saved the same replicated state: client.resume() loads it on any number
+    reshardable = reshardable or mf.replicated(parsed)
     return {
         "kind": "commit",
         "namespace": commit.namespace,

@@ -557,6 +557,62 @@ class _Decoder:
         return self.value(p["state"], path)
 
 
+# --------------------------------------------------------------------------- inspection
+
+
+class _Paths(_Decoder):
+    """Validation-only decoding that records where each tensor index sits."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count, None)
+        self.paths: dict[int, Path] = {}
+
+    def _index(self, payload: dict[str, Any], path: Path) -> int:
+        index = super()._index(payload, path)
+        self.paths[index] = path
+        return index
+
+
+def tensor_paths(skeleton: dict[str, Any]) -> dict[int, Path]:
+    """The path of each tensor index of a (decoded, valid) skeleton, as :func:`where` renders it."""
+    decoder = _Paths(_int(skeleton["num_tensors"], "num_tensors", ()))
+    decoder.value(skeleton["root"], ())
+    return decoder.paths
+
+
+def plain_values(skeleton: dict[str, Any]) -> dict[str, Any]:
+    """The structure with every tensor (and array, generator) as None: what two ranks' skeletons
+    are compared by when only their plain values matter."""
+    return _decode(skeleton, None)
+
+
+def differences(a: Any, b: Any, path: Path = (), out: list[Path] | None = None) -> list[Path]:
+    """Paths where two :func:`plain_values` structures differ (types, keys, lengths or values;
+    NaN equals NaN)."""
+    out = [] if out is None else out
+    if type(a) is not type(b):
+        out.append(path)
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            out.extend((*path, k) for k in [*[k for k in a if k not in b], *[k for k in b if k not in a]])
+            if set(a) == set(b):
+                out.append(path)  # the same keys in another order
+        for k in a:
+            if k in b:
+                differences(a[k], b[k], (*path, k), out)
+    elif isinstance(a, list | tuple):
+        if len(a) != len(b):
+            out.append(path)
+        else:
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                differences(x, y, (*path, i), out)
+    elif isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        pass
+    elif a != b:
+        out.append(path)
+    return out
+
+
 # --------------------------------------------------------------------------- load_into
 
 _ABSENT: Any = object()

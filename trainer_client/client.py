@@ -38,9 +38,12 @@ import torch
 import torch.distributed as dist
 
 from sidecar.api import (
+    DCP_METADATA_KEY,
     EXIT_RESTART_IN_PLACE,
     LIMIT_SPENT_MARKER,
     PROTOCOL_VERSION,
+    RESHARD_MARKER,
+    RNG_STATE_KEY,
     SHM_NAME_PATTERN,
     TOKEN_METADATA_KEY,
     channel_options,
@@ -75,7 +78,7 @@ T = TypeVar("T")
 _DDP = torch.nn.parallel.DistributedDataParallel
 
 log = logging.getLogger("strata.client")
-_RNG_KEY = "__strata_rng__"
+_RNG_KEY = RNG_STATE_KEY
 CLIENT_VERSION = "0.1.0"
 #: Seconds between the in-place restart instruction and the client ending the process itself
 #: (STRATA_RESTART_GRACE_S): a training thread that reaches save() meanwhile exits through
@@ -993,10 +996,14 @@ class CheckpointClient:
             return None
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int:
-        """Load a committed step (newest by default) into ``state`` in place."""
+        """Load a committed step (newest by default) into ``state`` in place. A step another
+        number of ranks saved loads when its state is replicated (DDP, ``replicate()``) and its
+        plain values are the same on every rank; otherwise RestoreError names what cannot be
+        resharded (docs/dcp.md)."""
         req = pb.RestoreRequest(protocol_version=PROTOCOL_VERSION, identity=self._identity)
         if step is not None:
             req.step = step
+        refused = ""
         try:
             header, tensors = self._restore_stream(req, _InPlace(state))
         except grpc.RpcError as exc:
@@ -1009,10 +1016,19 @@ class CheckpointClient:
             if code == grpc.StatusCode.FAILED_PRECONDITION and LIMIT_SPENT_MARKER in (exc.details() or ""):
                 log.error("%s", msg)
                 raise RestartLimitSpent(msg) from None
-            raise RestoreError(f"{code.name}: {msg}") from None
-        if header.fallback_reason:
-            log.error("restore fell back: %s", header.fallback_reason)
-        tensors, replica_sources = self._with_replicas(header, tensors)
+            if not (code == grpc.StatusCode.FAILED_PRECONDITION and RESHARD_MARKER in (exc.details() or "")):
+                raise RestoreError(f"{code.name}: {msg}") from None
+            refused = msg
+        saved_by = self.settings.world_size
+        if refused:
+            # Another number of ranks saved the step: rebuild it from their snapshots, if the
+            # state is replicated (else refused, naming what cannot be resharded).
+            header, tensors, replica_sources, saved_by, base = self._resharded(state, step, refused)
+        else:
+            if header.fallback_reason:
+                log.error("restore fell back: %s", header.fallback_reason)
+            tensors, replica_sources = self._with_replicas(header, tensors)
+            base = self.settings.rank
         skeleton = _tree.decode_skeleton(header.tree)
         target = _target(state, skeleton)
         try:
@@ -1024,7 +1040,15 @@ class CheckpointClient:
         self._tracker.disarm()  # the state changed outside training: the next save diffs by value
         rng_state = target.get(_RNG_KEY)
         if self.settings.capture_rng and rng_state:
-            _rng.restore(rng_state)
+            if base == self.settings.rank:
+                _rng.restore(rng_state)
+            else:  # a rank the old job did not have: no stream of its own to continue
+                log.warning(
+                    "step %d was saved by %d ranks: rank %d keeps its own random generators",
+                    header.step,
+                    saved_by,
+                    self.settings.rank,
+                )
         _loaders.after_restore(state)  # the loaders' next iter() must not redraw the epoch's seeds
         self._adopt(state)  # the restored layout (optimizer state included): pre-fault its buffers now
         self.last_restore = {
@@ -1036,6 +1060,8 @@ class CheckpointClient:
             "shared_memory": header.HasField("shm"),
             # replicated tensors other ranks saved: owner rank -> where they came from
             "replica_sources": replica_sources,
+            # the number of ranks that saved the step (another one: a resharded restore)
+            "saved_by": saved_by,
         }
         log.info("restored step %d from %s (%d bytes)", header.step, header.source, header.total_bytes)
         return int(header.step)
@@ -1094,6 +1120,98 @@ class CheckpointClient:
             ", ".join(f"rank {o}: {src}" for o, src in sources.items()),
         )
         return [t for t in slots if t is not None], sources
+
+    def _resharded(
+        self, state: MutableMapping[str, Any], step: int | None, refused: str
+    ) -> tuple[pb.RestoreHeader, list[torch.Tensor], dict[int, str], int, int]:
+        """The state a step saved by another number of ranks gives this rank: every tensor must be
+        replicated across all the ranks that saved it (their manifests name its owner, as
+        ``replicate()`` and DDP wrappers declare) and every plain value the same on each of them;
+        then this rank gets the tree of the rank of the same number (rank 0's when the old job had
+        no such rank; all are alike) and each tensor from the snapshot of the rank that saved it.
+        The RNG states are the exception: a rank the old job had continues its own streams.
+        Returns (header, flat tensors, where each owner's snapshot came from, the number of ranks
+        that saved the step, the rank whose tree and RNG states were taken). Reading another
+        world size's snapshots ends this rank's diff chain in the sidecar: the next save is full."""
+        s = self.settings
+        first, _ = self._read_rank(0, step, header_only=True)
+        world, at, attempt = int(first.world_size), int(first.step), int(first.attempt)
+        if world == s.world_size or world < 1:
+            raise RestoreError(refused)
+        what = f"step {at} of {s.namespace}/{s.job} was saved by {world} ranks; this job runs {s.world_size}"
+        root = _tree.decode_skeleton(first.tree).get("root")
+        if isinstance(root, dict) and DCP_METADATA_KEY in root:
+            raise RestoreError(
+                f"{what}. It was saved through torch.distributed.checkpoint: load it with "
+                "dcp.load(state, storage_reader=trainer_client.dcp.StrataReader(client)), whose "
+                "planner reshards it"
+            )
+        readers = list(_per_rank_readers(state, ()))
+        if readers:  # their positions are per rank even when equal: the partition changes with the ranks
+            raise RestoreError(_not_reshardable(what, world, [], [], readers))
+        headers = {0: first}
+        for r in range(1, world):
+            headers[r] = self._read_rank(r, at, attempt, header_only=True)[0]
+        base = s.rank if s.rank < world else 0
+        skeletons = {r: _tree.decode_skeleton(h.tree) for r, h in headers.items()}
+        # The flat tensor list of the base rank: its own tensors, with the replicated ones other
+        # ranks saved at their positions.
+        hb = headers[base]
+        names: list[tuple[str, list[int]]] = [("", [])] * (len(hb.tensors) + len(hb.replicas))
+        foreign = {r.index: (r.name, list(r.shape)) for r in hb.replicas}
+        mine = iter(hb.tensors)
+        for i in range(len(names)):
+            if i in foreign:
+                names[i] = foreign[i]
+            else:
+                m = next(mine, None)
+                if m is None:
+                    raise RestoreError(f"{what}: rank {base}'s replicated tensors' positions disagree")
+                names[i] = (m.name, list(m.shape))
+        paths = _tree.tensor_paths(skeletons[base])
+        owned = {r: {m.name for m in h.tensors} for r, h in headers.items()}
+        owner_of = {r: {ref.name: ref.owner for ref in h.replicas} for r, h in headers.items()}
+        live_replicated = self._replicated_names(state) if world == 1 else set()
+
+        def replicated(name: str) -> bool:
+            if world == 1:  # one rank's state is whole: what this job declares replicated takes it
+                return name in live_replicated
+            owners = {owner_of[r].get(name, r if name in owned[r] else -1) for r in range(world)}
+            return len(owners) == 1 and next(iter(owners)) in owned and name in owned[next(iter(owners))]
+
+        per_rank = [
+            paths[i]
+            for i, (name, shape) in enumerate(names)
+            if i in paths and paths[i][:1] != (_RNG_KEY,) and 0 not in shape and not replicated(name)
+        ]
+        plain = {r: _tree.plain_values(sk) for r, sk in skeletons.items()}
+        for value in plain.values():
+            value.pop(_RNG_KEY, None)  # each rank's own streams, handled above
+        differ: list[tuple[Any, ...]] = []
+        for r in range(world):
+            for p in _tree.differences(plain[base], plain[r]):
+                if p not in differ:
+                    differ.append(p)
+        if per_rank or differ:
+            raise RestoreError(_not_reshardable(what, world, per_rank, differ, []))
+        own_header, own = self._read_rank(base, at, attempt)
+        tensors, sources = self._with_replicas(own_header, own)
+        sources = {base: own_header.source, **sources}
+        log.warning(
+            "%s: restoring its replicated state on rank %d from the snapshots of rank(s) %s",
+            what,
+            s.rank,
+            sorted(sources),
+        )
+        return own_header, tensors, sources, world, base
+
+    def _replicated_names(self, state: MutableMapping[str, Any]) -> set[str]:
+        """Names of the state's tensors this job replicates across all its ranks."""
+        everyone = tuple(range(self.settings.world_size))
+        groups = self._replica_groups(state)
+        return {
+            name for name, t in self._flat(state, rng=False).tensors if groups.get(_tensor_key(t)) == everyone
+        }
 
     # --- reads of any rank (trainer_client.dcp) ------------------------------------------
 
@@ -1164,6 +1282,66 @@ class CheckpointClient:
 
 class _NothingToRestore(Exception):
     pass
+
+
+def _not_reshardable(
+    what: str,
+    world: int,
+    per_rank: list[tuple[Any, ...]],
+    differ: list[tuple[Any, ...]],
+    readers: list[tuple[tuple[Any, ...], str]],
+) -> str:
+    """Why a step saved by another number of ranks cannot be restored here, and what to do."""
+
+    def named(paths: list[tuple[Any, ...]]) -> str:
+        shown = ", ".join(_tree.where(p) for p in paths[:8])
+        return shown + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
+
+    parts = []
+    if per_rank:
+        parts.append(
+            f"tensors each rank saved for itself (not declared replicated), which cannot be split "
+            f"or joined: {named(per_rank)}"
+        )
+    if differ:
+        parts.append(f"values that differ between the {world} ranks: {named(differ)}")
+    if readers:
+        parts.append(
+            "data readers whose state is this rank's own position: "
+            + ", ".join(f"{_tree.where(p)} ({kind})" for p, kind in readers)
+        )
+    fix = (
+        "declare replicated tensors with client.replicate(...) (DDP wrappers in the state need no "
+        "declaration), save DTensor/FSDP2 state through torch.distributed.checkpoint with "
+        "trainer_client.dcp's StrataWriter (StrataReader reshards it), or keep the job at "
+        f"{world} ranks"
+    )
+    if readers:
+        fix += (
+            "; put each data reader in the state as trainer_client.data.AllRanksState(reader) (every "
+            "rank's position as one value, a collective at each save): the rest of the epoch is then "
+            "partitioned over the new ranks"
+        )
+    return f"{what}. A resharded restore needs state that every rank saved alike; this one holds " + (
+        "; ".join(parts) + f". To resume on another number of ranks: {fix}"
+    )
+
+
+#: Data readers whose state_dict() is one rank's position (trainer_client.data, torchdata)
+_READERS = ("ResumableDistributedSampler", "ResumableLoader", "StatefulDataLoader")
+
+
+def _per_rank_readers(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """(path, type name) of the data readers in the live state that save one rank's position
+    (not wrapped in ``AllRanksState``, whose value is every rank's)."""
+    if type(node).__name__ in _READERS:
+        yield path, type(node).__name__
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _per_rank_readers(v, (*path, k))
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            yield from _per_rank_readers(v, (*path, i))
 
 
 def _target(state: MutableMapping[str, Any], skeleton: dict[str, Any]) -> dict[str, Any]:

@@ -33,10 +33,16 @@ EXIT_RESTART_IN_PLACE = 77
 #: The sidecar refuses a trainer with this text when the operator stopped the job (its restart limit
 #: is spent); the client then exits with EXIT_LIMIT_SPENT.
 LIMIT_SPENT_MARKER = "strata: the restart limit is spent"
+#: The sidecar's refusal of a restore whose step another number of ranks saved starts with this: the
+#: client then restores it through reads of the ranks that saved it, when the state allows.
+RESHARD_MARKER = "strata: saved by another number of ranks"
 #: Key of the coordinator's (rank 0's) state under which trainer_client.dcp's StrataWriter stores DCP's
 #: global checkpoint metadata (JSON): a checkpoint holding it was saved through
 #: torch.distributed.checkpoint, and DCP's planner can load it on any number of ranks.
 DCP_METADATA_KEY = "dcp_metadata"
+#: Key under which the client saves the process's random generators beside the user's state: each
+#: rank's own streams, never a replica (a resharded restore leaves them out of its checks).
+RNG_STATE_KEY = "__strata_rng__"
 #: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
 SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 
@@ -63,6 +69,8 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
+    "RESHARD_MARKER",
+    "RNG_STATE_KEY",
     "SHM_NAME_PATTERN",
     "TOKEN_METADATA_KEY",
     "channel_options",

@@ -154,7 +154,8 @@ class RestartTracker:
     ) -> Failure | None:
         """A checkpoint saved by another number of ranks cannot be resumed unless it can be
         resharded (``reshardable``: saved through torch.distributed.checkpoint, whose planner
-        loads it on any number of ranks). ``keep``: how to keep the old size, for the message
+        loads it on any number of ranks, or replicated state every rank saved alike, which
+        ``client.resume()`` restores on any number). ``keep``: how to keep the old size, for the message
         (``{n}``: the checkpoint's number of ranks)."""
         if checkpoint_world_size is None or checkpoint_world_size == world_size or reshardable:
             return None
@@ -162,6 +163,7 @@ class RestartTracker:
             FailureKind.CONFIG,
             detail=f"the newest checkpoint was saved by {checkpoint_world_size} ranks but the job now has "
             f"{world_size}; keep {keep.format(n=checkpoint_world_size)} or start a new job name (a "
-            "checkpoint saved through torch.distributed.checkpoint with trainer_client.dcp loads on "
-            "any number of ranks)",
+            "checkpoint saved through torch.distributed.checkpoint with trainer_client.dcp, or one "
+            "whose tensors are all declared replicated with client.replicate, loads on any number "
+            "of ranks)",
         )

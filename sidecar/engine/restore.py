@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from sidecar import manifest as mf
-from sidecar.api import pb
+from sidecar.api import RESHARD_MARKER, pb
 from sidecar.budget import Reservation
 from sidecar.errors import (
     CorruptObject,
@@ -136,6 +136,12 @@ class Restorer:
         return max(own) if own else epoch.restore
 
     def _load(self, identity: Identity, target: Position) -> RestoreData:
+        world = self._saved_by(identity.job_key, target)
+        if world != identity.world_size:
+            # Before any path that serves "this rank's" snapshot (memory, peers, parity, storage):
+            # rank r of another world size saved something else. The client reads the ranks that
+            # saved it instead (open_rank), when its state allows.
+            raise FailedPrecondition(_other_world(target, world, identity.world_size))
         ahead = self._take_prefetched(identity, target)
         if ahead is not None:
             return ahead
@@ -618,17 +624,9 @@ class Restorer:
         return True
 
     def _from_storage(self, identity: Identity, target: Position, kind: str = "restore") -> RestoreData:
-        ns, job = identity.job_key
-        key = mf.commit_key(ns, job, target[1], target[0])
-        commit = mf.Commit.from_json(self.store.get(key), key)
+        commit = self._commit(identity.job_key, target)  # read once: _load asked for it too
         if commit.world_size != identity.world_size:
-            raise FailedPrecondition(
-                f"step {target[1]} was saved by {commit.world_size} ranks; this job runs "
-                f"{identity.world_size}. A restore gives each rank what that rank saved; to load "
-                "it on another number of ranks, save and load through torch.distributed.checkpoint "
-                "with trainer_client.dcp's StrataWriter and StrataReader (DTensor/FSDP2 state), "
-                "whose planner reshards"
-            )
+            raise FailedPrecondition(_other_world(target, commit.world_size, identity.world_size))
         manifest = mf.load_manifest(self.store, commit, identity.rank)
         refs = {r.step: r for r in manifest.required_commits}
 
@@ -681,6 +679,16 @@ class Restorer:
         """Drop what prefetch read (or reads) ahead for ``slot``."""
         with self.shared.lock:
             self.prefetched.pop(slot, None)
+
+
+def _other_world(target: Position, saved_by: int, world_size: int) -> str:
+    return (
+        f"{RESHARD_MARKER}: step {target[1]} was saved by {saved_by} ranks; this job runs "
+        f"{world_size}. A restore gives each rank what that rank saved; a client that can reshard "
+        "reads every rank's snapshot instead (replicated state), and DTensor/FSDP2 state saved "
+        "through torch.distributed.checkpoint loads with trainer_client.dcp's StrataReader, "
+        "whose planner reshards"
+    )
 
 
 def _peer_data(

@@ -414,8 +414,9 @@ class Launcher:
 
     def checkpoint_shape(self) -> tuple[int | None, bool]:
         """The number of ranks that saved the newest committed checkpoint (None: there is none),
-        and whether it loads on any number of ranks (saved through torch.distributed.checkpoint:
-        rank 0's MANIFEST, read only when the number differs from --nproc)."""
+        and whether it loads on any number of ranks (saved through torch.distributed.checkpoint,
+        or replicated state every rank saved alike: read only when the number differs from
+        --nproc)."""
         assert self.storage is not None
         options = {"endpoint_url": self.endpoint} if self.storage.startswith("s3://") else {}
         store = open_store(self.storage, **options)
@@ -426,7 +427,12 @@ class Launcher:
             commit = mf.read_commit(store, self.s.namespace, self.s.job, step)
             if commit.world_size == self.s.nproc:
                 return commit.world_size, False
-            return commit.world_size, mf.load_manifest(store, commit, 0).dcp
+            first = mf.load_manifest(store, commit, 0)
+            if first.dcp:
+                return commit.world_size, True
+            # every rank saved the same replicated state (client.resume() reshards it)
+            rest = [mf.load_manifest(store, commit, r) for r in range(1, commit.world_size)]
+            return commit.world_size, mf.replicated([first, *rest])
         finally:
             store.close()
 
@@ -445,7 +451,8 @@ class Launcher:
                 return 2
             if reshardable and saved_by != self.s.nproc:
                 log.info(
-                    "the newest checkpoint was saved by %s ranks; DCP's planner reshards it for %d",
+                    "the newest checkpoint was saved by %s ranks and is reshardable (through DCP, or "
+                    "replicated state client.resume() restores on any number of ranks): starting %d",
                     saved_by,
                     self.s.nproc,
                 )
