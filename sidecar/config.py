@@ -74,7 +74,7 @@ class SidecarSettings:
         20, "restores a checkpoint is expected to see; picks the bit width under --quantize auto"
     )
     restore_bits: str = _opt(
-        "1:2,3:3,20:4", "--quantize auto table: up to N restores -> B bits, as N:B pairs; 8 bits beyond"
+        "1:4", "--quantize auto table: up to N restores -> B bits, as N:B pairs; 8 bits beyond"
     )
     encode_workers: int = _opt(2, "threads that diff and quantize a snapshot")
     nice: int = _opt(

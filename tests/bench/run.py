@@ -22,7 +22,19 @@ from typing import Any
 
 from tests.bench.common import DEFAULT_RESULTS, Phases, print_table, update_results
 
-SECTIONS = ("foundation", "recovery", "checknrun", "protocol", "memory", "replicas", "peer", "operator")
+SECTIONS = (
+    "foundation",
+    "recovery",
+    "checknrun",
+    "quality",
+    "encoding",
+    "protocol",
+    "memory",
+    "replicas",
+    "peer",
+    "operator",
+    "dcp",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,8 @@ def test_blockwise_error_matches_the_full_computation(bits: int, rows: int) -> N
     full = qz.dequantize_rows(q)
     want = float(np.linalg.norm((values.astype(np.float64) - full).ravel()) / np.linalg.norm(values.ravel()))
     assert qz.quantization_error(values, q) == pytest.approx(want, rel=1e-5)
+    assert q.rel_error == pytest.approx(want, rel=1e-5)  # measured while encoding, no second pass
+    assert math.isnan(qz.QuantizedRows.from_bytes(q.to_bytes()).rel_error)
     assert qz.relative_l2_error(values, full) == pytest.approx(want, rel=1e-5)
     assert np.array_equal(qz.dequantize_block(q, 8, 16) if rows > 8 else full[8:16], full[8:16])
 

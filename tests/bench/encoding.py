@@ -1,0 +1,297 @@
+"""Bench section ``encoding``: Check-N-Run's per-row quantization on every core, with fbgemm's
+kernels as the anchor, side by side in one run.
+
+- One 1M x 64 fp32 table (``--quick``: 64k rows) of standard normal rows, 4 bits. fbgemm:
+  ``torch.ops.quantized.embedding_bag_4bit_prepack`` with ``optimized_qparams`` (its greedy range
+  search, the paper's) and without (min/max); Strata: ``quantize_rows`` (the fast search, what
+  the sidecar runs), the torch-equivalent search, and min/max. Thread counts are pinned on both
+  sides: torch at ``THREADS`` intra-op threads, Strata at ``THREADS`` workers; the 1-thread
+  figures are beside them. Errors are relative L2 of the restored table; Strata's comes with the
+  quantization (``QuantizedRows.rel_error``, from the block being encoded, no second pass).
+- ``quantize_greedy_4bit_s`` vs ``fbgemm_greedy_4bit_s``: target <= 0.25x, with
+  ``quantize_rel_l2_vs_fbgemm`` (our error over fbgemm's) <= 1.01.
+- Threads or processes: the same quantization split over 2 worker processes (the table in a
+  shared-memory segment, as a sidecar would hand a worker the snapshot's fd) vs 2 threads.
+- ``durable_quantized_*``: a full quantized checkpoint of 4 such tables (1 GiB) through a real
+  sidecar process (``--quantize 4``, file storage on local disk), from ``save()`` to durable, with
+  ``--encode-workers`` 1 and 2. Meanwhile a second connection asks the sidecar for Handshakes in
+  a loop: their latency during the encode vs idle says whether the gRPC server stays responsive.
+  The sidecar's peak RSS (``VmHWM``) says whether its memory stays bounded while it encodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import multiprocessing as mp
+import statistics
+import threading
+import time
+import uuid
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sidecar.pipeline import quantize as qz
+from tests.bench.common import Options, Phases, Row, SidecarProcess, median
+
+THREADS = 2
+DIM = 64
+BITS = 4
+
+
+def _table(rows: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((rows, DIM), dtype=np.float32)
+
+
+def _best(fn: Any, repeats: int) -> tuple[float, Any]:
+    """Median wall time of ``repeats`` calls, and the last result."""
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return median(times), out
+
+
+def _fbgemm(rows: np.ndarray, threads: int, optimized: bool, repeats: int) -> tuple[float, float]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w = torch.from_numpy(rows)
+        seconds, packed = _best(lambda: torch.ops.quantized.embedding_bag_4bit_prepack(w, optimized), repeats)
+        restored = torch.ops.quantized.embedding_bag_4bit_unpack(packed).numpy()
+    finally:
+        torch.set_num_threads(before)
+    return seconds, qz.relative_l2_error(rows, restored)
+
+
+def _ours(rows: np.ndarray, workers: int, repeats: int, **kw: Any) -> tuple[float, float, float]:
+    """(seconds, error reported with the quantization, error of the restored table)."""
+    seconds, q = _best(lambda: qz.quantize_rows(rows, BITS, workers=workers, **kw), repeats)
+    return seconds, float(q.rel_error), qz.relative_l2_error(rows, qz.dequantize_rows(q))
+
+
+def _proc_quantize(name: str, shape: tuple[int, int], start: int, stop: int) -> int:
+    """Worker process body: quantize rows [start, stop) of the shared table."""
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        rows = np.ndarray(shape, np.float32, buffer=shm.buf)[start:stop]
+        q = qz.quantize_rows(rows, BITS, workers=1)
+        del rows
+        return int(q.nbytes)
+    finally:
+        shm.close()
+
+
+def _processes(rows: np.ndarray, n: int, repeats: int) -> float:
+    shm = shared_memory.SharedMemory(create=True, size=rows.nbytes)
+    try:
+        np.ndarray(rows.shape, np.float32, buffer=shm.buf)[:] = rows
+        bounds = np.linspace(0, len(rows), n + 1, dtype=int) // 8 * 8
+        bounds[-1] = len(rows)
+        with mp.get_context("spawn").Pool(n) as pool:
+            pool.starmap(_proc_quantize, [(shm.name, rows.shape, 0, 8)] * n)  # started, imported
+            args = [(shm.name, rows.shape, int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+            seconds, _ = _best(lambda: pool.starmap(_proc_quantize, args), repeats)
+        return seconds
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def kernels(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
+    rows = _table(1 << 16 if opts.quick else 1 << 20)
+    repeats = 1 if opts.quick else 3
+    figures["encoding_table_shape"] = list(rows.shape)
+    with phases("fbgemm prepack (anchor)"):
+        t, err = _fbgemm(rows, THREADS, True, 1)  # ~19 s a call here: once
+        figures["fbgemm_greedy_4bit_s"], figures["fbgemm_greedy_4bit_rel_l2"] = t, err
+        t, err = _fbgemm(rows, THREADS, False, repeats)
+        figures["fbgemm_minmax_4bit_s"], figures["fbgemm_minmax_4bit_rel_l2"] = t, err
+        figures["fbgemm_threads"] = THREADS
+    with phases("strata quantize_rows"):
+        t, reported, err = _ours(rows, THREADS, repeats)
+        figures["quantize_greedy_4bit_s"], figures["quantize_greedy_4bit_rel_l2"] = t, err
+        figures["quantize_rel_l2_reported_vs_measured"] = reported / err
+        t, _, _ = _ours(rows, 1, repeats)
+        figures["quantize_greedy_4bit_1thread_s"] = t
+        t, _, err = _ours(rows, THREADS, 1, method="torch")
+        figures["quantize_torch_search_4bit_s"], figures["quantize_torch_search_4bit_rel_l2"] = t, err
+        t, _, err = _ours(rows, THREADS, repeats, greedy=False)
+        figures["quantize_minmax_4bit_s"], figures["quantize_minmax_4bit_rel_l2"] = t, err
+        figures["quantize_workers"] = THREADS
+    with phases("threads vs processes"):
+        figures["quantize_greedy_4bit_2proc_s"] = _processes(rows, THREADS, repeats)
+    with phases("8 bits: what the search gains"):
+        t8, q8 = _best(lambda: qz.quantize_rows(rows, 8, workers=THREADS, greedy=False), 1)
+        g8, g8q = _best(lambda: qz.quantize_rows(rows, 8, workers=THREADS, greedy=True), 1)
+        figures["quantize_8bit_minmax_s"], figures["quantize_8bit_greedy_s"] = t8, g8
+        figures["quantize_8bit_greedy_gain"] = float(q8.rel_error) / float(g8q.rel_error)
+    f = figures
+    f["quantize_vs_fbgemm_ratio"] = f["quantize_greedy_4bit_s"] / f["fbgemm_greedy_4bit_s"]
+    f["quantize_rel_l2_vs_fbgemm"] = f["quantize_greedy_4bit_rel_l2"] / f["fbgemm_greedy_4bit_rel_l2"]
+    f["quantize_thread_scaling"] = f["quantize_greedy_4bit_1thread_s"] / f["quantize_greedy_4bit_s"]
+    f["quantize_process_scaling"] = f["quantize_greedy_4bit_1thread_s"] / f["quantize_greedy_4bit_2proc_s"]
+
+
+# --- through a sidecar ---------------------------------------------------------------------------
+
+
+def _vm_hwm_mib(pid: int | None) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+class _Prober:
+    """Handshakes to the sidecar in a loop on their own connection; latencies in ms."""
+
+    def __init__(self, socket: str) -> None:
+        import grpc
+
+        from sidecar.api import PROTOCOL_VERSION, pb, pb_grpc
+
+        self._stub = pb_grpc.CheckpointerStub(grpc.insecure_channel(f"unix:{socket}"))
+        self._req = pb.HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION,
+            client_version="bench",
+            capabilities=["save.stream"],
+            identity=pb.Identity(namespace="default", job="probe", rank=0, world_size=1, generation="p/0"),
+        )
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self._stub.Handshake(self._req, timeout=60)
+        return (time.perf_counter() - t0) * 1e3
+
+    def start(self) -> None:
+        self.latencies = []
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.latencies.append(self.once())
+                self._stop.wait(0.02)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.latencies
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def durable(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
+    import torch
+
+    from trainer_client import CheckpointClient
+
+    n_rows = 1 << 14 if opts.quick else 1 << 20
+    g = torch.Generator().manual_seed(0)
+    state = {f"table{i}": torch.randn(n_rows, DIM, generator=g) for i in range(4)}
+    figures["durable_state_bytes"] = sum(t.numel() * 4 for t in state.values())
+    for workers in (1, THREADS):
+        with phases(f"full quantized checkpoint, --encode-workers {workers}"):
+            sock = str(opts.tmp / f"enc{workers}.sock")
+            side = SidecarProcess(
+                f"file://{opts.tmp}/store{workers}",
+                sock,
+                quantize=str(BITS),
+                quantize_match="table*",
+                encode_workers=workers,
+                shm_dir="/dev/shm",
+            ).start()
+            try:
+                probe = _Prober(sock)
+                idle = [probe.once() for _ in range(20)]
+                times, during = [], []
+                for trial in range(1 if opts.quick else 2):
+                    client = CheckpointClient(
+                        job=f"enc-{workers}-{trial}-{uuid.uuid4().hex[:6]}",
+                        socket=sock,
+                        capture_rng=False,
+                        resume="never",
+                    )
+                    try:
+                        client.save(0, state).durable.result(600)  # warm: buffers, segments
+                        probe.start()
+                        t0 = time.perf_counter()
+                        client.save(1, {k: v + 0 for k, v in state.items()}).durable.result(600)
+                        times.append(time.perf_counter() - t0)
+                        during += probe.stop()
+                    finally:
+                        client.close()
+                figures[f"durable_quantized_{workers}w_s"] = median(times)
+                figures[f"durable_sidecar_peak_rss_{workers}w_mib"] = _vm_hwm_mib(side.pid)
+                if workers == THREADS:
+                    figures["handshake_idle_ms_p50"] = statistics.median(idle)
+                    figures["handshake_during_encode_ms_p50"] = _pct(during, 0.5)
+                    figures["handshake_during_encode_ms_p99"] = _pct(during, 0.99)
+                    figures["handshake_during_encode_ms_max"] = max(during, default=math.nan)
+                    figures["handshake_during_encode_count"] = len(during)
+            finally:
+                side.stop()
+    figures["durable_scaling_2w_vs_1w"] = (
+        figures["durable_quantized_1w_s"] / figures[f"durable_quantized_{THREADS}w_s"]
+    )
+
+
+def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
+    kernels(opts, figures, phases)
+    durable(opts, figures, phases)
+    return _rows(figures)
+
+
+def _rows(f: dict[str, Any]) -> list[Row]:
+    def get(key: str) -> float | None:
+        v = f.get(key)
+        return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+    def target(key: str, unit: str, text: str, ok: Any) -> Row:
+        v = get(key)
+        return Row(key, v, unit, target=text, passed=None if v is None else bool(ok(v)))
+
+    return [
+        Row("fbgemm_greedy_4bit_s (optimized_qparams, 2 threads)", get("fbgemm_greedy_4bit_s"), "s"),
+        Row("quantize_greedy_4bit_s (fast search, 2 workers)", get("quantize_greedy_4bit_s"), "s"),
+        target("quantize_vs_fbgemm_ratio", "x", "<= 0.25", lambda v: v <= 0.25),
+        target("quantize_rel_l2_vs_fbgemm", "x", "<= 1.01", lambda v: v <= 1.01),
+        Row("quantize_greedy_4bit_rel_l2", get("quantize_greedy_4bit_rel_l2"), ""),
+        Row("fbgemm_greedy_4bit_rel_l2", get("fbgemm_greedy_4bit_rel_l2"), ""),
+        Row("quantize_torch_search_4bit_s (torch's search)", get("quantize_torch_search_4bit_s"), "s"),
+        Row("quantize_minmax_4bit_s / fbgemm_minmax_4bit_s", get("quantize_minmax_4bit_s"), "s"),
+        Row("fbgemm_minmax_4bit_s", get("fbgemm_minmax_4bit_s"), "s"),
+        Row("quantize_greedy_4bit_1thread_s", get("quantize_greedy_4bit_1thread_s"), "s"),
+        Row("quantize_greedy_4bit_2proc_s (2 processes)", get("quantize_greedy_4bit_2proc_s"), "s"),
+        Row("quantize_thread_scaling (1 -> 2 threads)", get("quantize_thread_scaling"), "x"),
+        Row("quantize_process_scaling (1 -> 2 processes)", get("quantize_process_scaling"), "x"),
+        Row("quantize_8bit_greedy_gain (why 8 bits skips the search)", get("quantize_8bit_greedy_gain"), "x"),
+        Row("durable_quantized_1w_s (1 GiB, --encode-workers 1)", get("durable_quantized_1w_s"), "s"),
+        Row("durable_quantized_2w_s (--encode-workers 2)", get("durable_quantized_2w_s"), "s"),
+        target("durable_scaling_2w_vs_1w", "x", "> 1 (scales with cores)", lambda v: v > 1.0),
+        Row("durable_sidecar_peak_rss_2w_mib", get("durable_sidecar_peak_rss_2w_mib"), "MiB"),
+        Row("handshake_idle_ms_p50", get("handshake_idle_ms_p50"), "ms"),
+        Row("handshake_during_encode_ms_p50", get("handshake_during_encode_ms_p50"), "ms"),
+        Row("handshake_during_encode_ms_p99", get("handshake_during_encode_ms_p99"), "ms"),
+    ]
