@@ -135,6 +135,7 @@ def kernels(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
     f = figures
     f["quantize_vs_fbgemm_ratio"] = f["quantize_greedy_4bit_s"] / f["fbgemm_greedy_4bit_s"]
     f["quantize_rel_l2_vs_fbgemm"] = f["quantize_greedy_4bit_rel_l2"] / f["fbgemm_greedy_4bit_rel_l2"]
+    f["quantize_2proc_vs_fbgemm_ratio"] = f["quantize_greedy_4bit_2proc_s"] / f["fbgemm_greedy_4bit_s"]
     f["quantize_thread_scaling"] = f["quantize_greedy_4bit_1thread_s"] / f["quantize_greedy_4bit_s"]
     f["quantize_process_scaling"] = f["quantize_greedy_4bit_1thread_s"] / f["quantize_greedy_4bit_2proc_s"]
 
@@ -237,7 +238,8 @@ def durable(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
                         client.save(0, state).durable.result(600)  # warm: buffers, segments
                         probe.start()
                         t0 = time.perf_counter()
-                        client.save(1, {k: v + 0 for k, v in state.items()}).durable.result(600)
+                        # every row changed: a new full checkpoint, every table quantized
+                        client.save(1, {k: v * 1.5 for k, v in state.items()}).durable.result(600)
                         times.append(time.perf_counter() - t0)
                         during += probe.stop()
                     finally:
@@ -284,12 +286,13 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         Row("fbgemm_minmax_4bit_s", get("fbgemm_minmax_4bit_s"), "s"),
         Row("quantize_greedy_4bit_1thread_s", get("quantize_greedy_4bit_1thread_s"), "s"),
         Row("quantize_greedy_4bit_2proc_s (2 processes)", get("quantize_greedy_4bit_2proc_s"), "s"),
+        Row("quantize_2proc_vs_fbgemm_ratio", get("quantize_2proc_vs_fbgemm_ratio"), "x"),
         Row("quantize_thread_scaling (1 -> 2 threads)", get("quantize_thread_scaling"), "x"),
         Row("quantize_process_scaling (1 -> 2 processes)", get("quantize_process_scaling"), "x"),
         Row("quantize_8bit_greedy_gain (why 8 bits skips the search)", get("quantize_8bit_greedy_gain"), "x"),
         Row("durable_quantized_1w_s (1 GiB, --encode-workers 1)", get("durable_quantized_1w_s"), "s"),
         Row("durable_quantized_2w_s (--encode-workers 2)", get("durable_quantized_2w_s"), "s"),
-        target("durable_scaling_2w_vs_1w", "x", "> 1 (scales with cores)", lambda v: v > 1.0),
+        target("durable_scaling_2w_vs_1w", "x", ">= 1.6 (scales with cores)", lambda v: v >= 1.6),
         Row("durable_sidecar_peak_rss_2w_mib", get("durable_sidecar_peak_rss_2w_mib"), "MiB"),
         Row("handshake_idle_ms_p50", get("handshake_idle_ms_p50"), "ms"),
         Row("handshake_during_encode_ms_p50", get("handshake_during_encode_ms_p50"), "ms"),
