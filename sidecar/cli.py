@@ -320,19 +320,26 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    if done.returncode != 0:
-        if "No module named" in done.stderr:
-            raise SystemExit(
-                f"strata export: writing DCP's files needs torch and the trainer client in {args.python}: "
-                "pip install 'strata-ckpt[trainer]' there, or pass --python PATH to one that has them\n"
-                + done.stderr.strip().splitlines()[-1]
-            )
-        raise SystemExit(f"strata export: {done.stderr.strip() or done.stdout.strip()}")
+    _torch_half_done(done, "export", "writing", args.python)
     print(
         f"step {step} of {args.namespace}/{args.job} ({commit.world_size} ranks) exported to {out}: "
         "load it with torch.distributed.checkpoint.load(state, storage_reader=FileSystemReader(...))"
     )
     return 0
+
+
+def _torch_half_done(done: subprocess.CompletedProcess[str], command: str, verb: str, python: str) -> None:
+    """Exit with what went wrong in the torch half of ``strata export``/``import`` (a subprocess:
+    this CLI never imports torch), naming the fix when torch or the client is missing there."""
+    if done.returncode == 0:
+        return
+    if "No module named" in done.stderr:
+        raise SystemExit(
+            f"strata {command}: {verb} DCP's files needs torch and the trainer client in {python}: "
+            "pip install 'strata-ckpt[trainer]' there, or pass --python PATH to one that has them\n"
+            + done.stderr.strip().splitlines()[-1]
+        )
+    raise SystemExit(f"strata {command}: {done.stderr.strip() or done.stdout.strip()}")
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -386,14 +393,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             server.stop(grace=5)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if done.returncode != 0:
-        if "No module named" in done.stderr:
-            raise SystemExit(
-                f"strata import: reading DCP's files needs torch and the trainer client in {args.python}: "
-                "pip install 'strata-ckpt[trainer]' there, or pass --python PATH to one that has them\n"
-                + done.stderr.strip().splitlines()[-1]
-            )
-        raise SystemExit(f"strata import: {done.stderr.strip() or done.stdout.strip()}")
+    _torch_half_done(done, "import", "reading", args.python)
     print(
         f"{source} imported as step {args.step} of {args.namespace}/{args.job}: load it on any number of "
         "ranks with torch.distributed.checkpoint.load(state, storage_reader=StrataReader(client))"
