@@ -89,6 +89,13 @@ def data(client: CheckpointClient, report: dict) -> None:
         dcp.save(state, storage_writer=StrataWriter(client, step=int(save)))
 
 
+def _close() -> None:
+    """Leave together: a rank tearing gloo down while another still talks to it can abort
+    ("terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ.get("STRATA_RANK") or os.environ["RANK"])  # `strata launch` sets RANK
@@ -102,7 +109,7 @@ def main() -> None:
         saved = full(model, opt)
         if rank == 0:
             torch.save(saved, out)
-        dist.destroy_process_group()
+        _close()
         return
     if mode == "data":
         client = CheckpointClient(capture_rng=False, resume="never", commit_timeout_s=60)
@@ -110,7 +117,7 @@ def main() -> None:
         data(client, report)
         print("REPORT " + json.dumps(report), flush=True)
         client.close()
-        dist.destroy_process_group()
+        _close()
         return
     # a loading job resumes as usual ("auto"): its prefetch finds the step saved by other ranks
     client = CheckpointClient(
@@ -159,7 +166,7 @@ def main() -> None:
             torch.save(loaded, out)
     print("REPORT " + json.dumps(report), flush=True)
     client.close()
-    dist.destroy_process_group()
+    _close()
 
 
 if __name__ == "__main__":
