@@ -76,7 +76,7 @@ class SidecarSettings:
     restore_bits: str = _opt(
         "1:4", "--quantize auto table: up to N restores -> B bits, as N:B pairs; 8 bits beyond"
     )
-    encode_workers: int = _opt(2, "threads that diff and quantize a snapshot")
+    encode_workers: int = _opt(2, "worker processes that quantize a snapshot (1: in the sidecar's own)")
     nice: int = _opt(
         19, "niceness the sidecar process adds to itself at start, so training wins contended cores (0: off)"
     )

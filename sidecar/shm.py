@@ -27,8 +27,11 @@ import re
 import stat
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from pathlib import Path
+
+import numpy as np
 
 from sidecar.api import SHM_NAME_PATTERN
 from sidecar.errors import FailedPrecondition, InvalidArgument
@@ -48,6 +51,56 @@ def check_dir(directory: str) -> str:
     return str(path)
 
 
+class Mapping(mmap.mmap):
+    """A shared mapping that keeps its file open while it lives, so a worker process can map the
+    same pages (``/proc/<pid>/fd/<fd>``, see :func:`source_of`) however the file is renamed or
+    unlinked meanwhile."""
+
+    fd: int
+
+
+def _keep_fd(mapped: Mapping, fd: int) -> Mapping:
+    mapped.fd = fd
+    weakref.finalize(mapped, os.close, fd)
+    return mapped
+
+
+def map_fd(fd: int, size: int, *, writable: bool = False) -> Mapping:
+    """A shared mapping of ``size`` bytes of ``fd``, which it owns from here (closed with it)."""
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return _keep_fd(Mapping(fd, size, mmap.MAP_SHARED, prot), fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def anonymous(size: int) -> Mapping:
+    """A writable zero-filled mapping of ``size`` bytes backed by a memfd: pages are allocated
+    as they are written (a dropped stream costs only what it carried), and a worker process can
+    map them as it maps a trainer's segment."""
+    fd = os.memfd_create("strata-stream", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return map_fd(fd, size, writable=True)
+
+
+def source_of(view: memoryview) -> tuple[int, int, int] | None:
+    """(pid, fd, byte offset) where another process of this user finds ``view``'s bytes (it
+    opens ``/proc/<pid>/fd/<fd>``), or None when they are not in a :class:`Mapping`."""
+    owner = view.obj
+    if not isinstance(owner, Mapping) or owner.closed or not view.contiguous:
+        return None
+    start = np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
+    base = np.frombuffer(owner, np.uint8).ctypes.data
+    if not view.nbytes or not base <= start <= base + len(owner) - view.nbytes:
+        return None
+    return os.getpid(), owner.fd, start - base
+
+
 class Segments:
     """Mappings of client segments by name, at most ``per_owner`` per rank.
 
@@ -61,7 +114,7 @@ class Segments:
         self.directory = directory
         self._per_owner = per_owner
         self._lock = threading.Lock()
-        self._maps: dict[object, OrderedDict[str, mmap.mmap]] = {}
+        self._maps: dict[object, OrderedDict[str, Mapping]] = {}
         with _LIVE_LOCK:
             # The PID, and a token: a restarted container's sidecar may get its predecessor's PID.
             self._id = f"{os.getpid()}.{next(_IDS)}{uuid.uuid4().hex[:6]}"
@@ -102,7 +155,7 @@ class Segments:
             )
         return memoryview(mapped)[:size]
 
-    def _map(self, name: str) -> mmap.mmap:
+    def _map(self, name: str) -> Mapping:
         path = os.path.join(self.directory, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -117,9 +170,10 @@ class Segments:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
                 raise InvalidArgument(f"shared segment {path} is not a non-empty regular file")
-            mapped = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        mapped = map_fd(fd, info.st_size)  # keeps fd: encoding workers map the same pages
         try:  # ours now, under our name: a restarted trainer restores from it
             os.rename(path, os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
         except OSError as exc:
@@ -183,7 +237,7 @@ class Segments:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
 
-    def _sweep(self, maps: OrderedDict[str, mmap.mmap], instance: str) -> None:
+    def _sweep(self, maps: OrderedDict[str, Mapping], instance: str) -> None:
         """Forget an instance's mappings and unlink any segment of it never mapped (the spare
         a crashed trainer had warmed up)."""
         for name in [n for n in maps if n.rsplit("-", 1)[0] == instance]:

@@ -226,6 +226,7 @@ class Commits:
             previous=previous,
             touched=snap.touched,
             workers=self.settings.encode_workers,
+            pool=self.shared.encode_pool,
             check_fraction=self.settings.tracking_check_fraction,
             check_confidence=self.settings.tracking_check_confidence,
             hold=hold if chain is not None else frozenset(),

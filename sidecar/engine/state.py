@@ -18,6 +18,7 @@ from sidecar.config import SidecarSettings
 from sidecar.gang import JobGang, Peers, Position
 from sidecar.metrics import Metrics
 from sidecar.pipeline.settings import quantization
+from sidecar.pipeline.workers import shared_pool
 from sidecar.shm import Segments, check_dir
 from sidecar.store.base import Store
 
@@ -38,6 +39,11 @@ class Shared:
         self.peers = peers if peers is not None else Peers([])
         self.segments = Segments(check_dir(settings.shm_dir))
         self.quant = quantization(settings)
+        #: worker processes that quantize (None: in this process); started in the background
+        #: when quantization is on, so the first save does not wait for them
+        self.encode_pool = shared_pool(settings.encode_workers)
+        if self.encode_pool is not None and self.quant.enabled and not self.quant.cast:
+            threading.Thread(target=self.encode_pool.warm, name="strata-encode-warm", daemon=True).start()
         limit, source = (
             (settings.memory_budget, "--memory-budget") if settings.memory_budget else default_limit()
         )

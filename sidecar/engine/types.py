@@ -5,7 +5,6 @@ that allocate and drop a snapshot's buffer."""
 from __future__ import annotations
 
 import json
-import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from sidecar.api import pb
 from sidecar.budget import Reservation
 from sidecar.errors import InvalidArgument
 from sidecar.gang import Position
+from sidecar.shm import anonymous
 
 #: (namespace, job, rank): one trainer rank's place in the engine
 Slot = tuple[str, str, int]
@@ -138,7 +138,8 @@ def zeroed(size: int) -> bytearray | memoryview:
     anonymous mapping), so a dropped stream costs only what it carried."""
     if size < 1 << 20:
         return bytearray(size)
-    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))  # private: the sidecar's own pages
+    # A memfd, not private anonymous memory: encoding workers map the same pages (sidecar.shm).
+    return memoryview(anonymous(size))
 
 
 def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:

@@ -32,6 +32,8 @@ import numpy as np
 import numpy.typing as npt
 
 from sidecar.pipeline import quantize as qz
+from sidecar.pipeline.workers import MIN_POOL_BYTES, EncodePool
+from sidecar.shm import source_of
 
 ENCODINGS = ("raw", "quantized", "rows-diff", "rows-diff-quantized", "cast", "rows-diff-cast")
 #: dtypes quantization and downcasting understand (the rest is always stored exactly)
@@ -160,10 +162,40 @@ def _finite(error: float) -> float | None:
 
 def _quantize(rows: U8, dtype: str, bits: int, workers: int) -> tuple[bytes, float | None]:
     values = to_f32(rows, dtype)
+    q = qz.quantize_rows(values, bits, greedy=_greedy(bits), workers=workers)
+    return q.to_bytes(), _finite(q.rel_error if values.size else 0.0)
+
+
+def _greedy(bits: int) -> bool:
     # The range search pays at <= 4 bits; at 8 it gains ~0.2% (the bench's ``encoding``
     # section measures it) for most of the encoding time, so 8 bits takes min/max.
-    q = qz.quantize_rows(values, bits, greedy=bits < 8, workers=workers)
-    return q.to_bytes(), _finite(q.rel_error if values.size else 0.0)
+    return bits < 8
+
+
+def _pooled(
+    pool: EncodePool | None,
+    data: memoryview,
+    dtype: str,
+    shape: list[int] | tuple[int, ...],
+    bits: int,
+    pick: npt.NDArray[np.intp] | None = None,
+) -> tuple[bytes, float | None] | None:
+    """What :func:`_quantize` gives for the tensor's rows (all, or those in ``pick``), from the
+    pool's worker processes; None without a pool, for a small tensor, or where the workers
+    cannot map ``data`` (the caller quantizes in process)."""
+    if pool is None:
+        return None
+    rows, dim = int(shape[0]), int(shape[1])
+    count = rows if pick is None else len(pick)
+    if count * dim * (data.nbytes // max(rows * dim, 1)) < MIN_POOL_BYTES:
+        return None
+    source = source_of(data)
+    if source is None:
+        return None
+    q = pool.quantize(source, dtype, (rows, dim), bits, greedy=_greedy(bits), rows=pick)
+    if q is None:
+        return None
+    return q.to_bytes(), _finite(q.rel_error if q.codes.size else 0.0)
 
 
 def _widen(payload: memoryview | bytes, cast: str, dim: int) -> qz.F32:
@@ -200,9 +232,11 @@ def encode(
     bits: int = 0,
     cast: str = "",
     workers: int = 1,
+    pool: EncodePool | None = None,
 ) -> Encoded:
     """Encode one tensor: rows in ``mask`` only (a diff) or all; quantized to ``bits`` or
-    downcast to ``cast`` when given.
+    downcast to ``cast`` when given; by ``pool``'s processes where ``data`` lies in a shared
+    mapping they can map (:func:`sidecar.shm.source_of`), else with ``workers`` threads.
 
     Quantization needs a float tensor with finite rows within ±65504 (float16 casts
     the same range); otherwise raises ``ValueError`` (the caller stores it exactly).
@@ -215,10 +249,16 @@ def encode(
             return Encoded("cast", [payload], 0, error, cast=cast)
         if not bits:
             return Encoded("raw", [data])
-        payload, error = _quantize(as_rows(data, shape), dtype, bits, workers)
+        done = _pooled(pool, data, dtype, shape, bits)
+        payload, error = done or _quantize(as_rows(data, shape), dtype, bits, workers)
         return Encoded("quantized", [payload], bits, error)
     rows = as_rows(data, shape)
     bitmap = np.packbits(mask, bitorder="little").tobytes()
+    if bits and not cast and pool is not None:  # the workers gather the changed rows themselves
+        pick = np.flatnonzero(mask)
+        done = _pooled(pool, data, dtype, shape, bits, pick)
+        if done is not None:
+            return Encoded("rows-diff-quantized", [bitmap, done[0]], bits, done[1], changed=len(pick))
     picked = rows[mask]
     if cast:
         payload, error = _cast(picked, dtype, cast) if len(picked) else (b"", 0.0)

@@ -31,6 +31,7 @@ from sidecar.errors import CorruptObject, NotFound
 from sidecar.pipeline import encode as enc
 from sidecar.pipeline.policy import start_new_full
 from sidecar.pipeline.settings import Quantization
+from sidecar.pipeline.workers import EncodePool
 from sidecar.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class SnapshotEncoder:
         previous: memoryview | None = None,
         touched: dict[str, bytes] | None = None,
         workers: int = 1,
+        pool: EncodePool | None = None,
         check_fraction: float = 0.001,
         check_confidence: float = 0.999,
         check_rows: int | None = None,
@@ -148,6 +150,7 @@ class SnapshotEncoder:
         self.quant = quant
         self.bits = quant.bits(restores)
         self.workers = workers
+        self.pool = pool
         self.outcome = Outcome()
         self._chain = chain
         self._write: dict[str, np.ndarray] = {}
@@ -344,6 +347,7 @@ class SnapshotEncoder:
                     bits=self.bits,
                     cast=self.quant.cast,
                     workers=self.workers,
+                    pool=self.pool,
                 )
             except ValueError as exc:
                 if t.name not in self._warned:

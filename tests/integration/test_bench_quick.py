@@ -199,7 +199,7 @@ def test_quick_encoding_section_writes_its_figures(tmp_path: Path) -> None:
         "quantize_greedy_4bit_s",
         "fbgemm_greedy_4bit_s",
         "quantize_rel_l2_vs_fbgemm",
-        "quantize_greedy_4bit_2proc_s",
+        "quantize_greedy_4bit_threads_s",
         "durable_quantized_1w_s",
         "durable_quantized_2w_s",
         "handshake_during_encode_ms_p99",

@@ -396,3 +396,50 @@ def test_a_restore_from_storage_starts_a_new_chain(make_sidecar, make_client, jo
     touch(out, 3, rows=30)
     client.save(3, out).durable.result(30)
     assert [manifest(server, job_name, s).checkpoint for s in range(4)] == ["full", "diff", "diff", "full"]
+
+
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_large_tables_are_quantized_by_worker_processes_as_the_sidecar_would(
+    make_sidecar, make_client, job_name, short_tmp, monkeypatch, shm
+):
+    """A table above the pool's threshold, saved through the trainer's segment (``on``) or
+    streamed into the sidecar's memfd (``off``): the workers quantize it, full and diff, and
+    the restore is bit for bit what one process quantizing it gives."""
+    from sidecar.pipeline import quantize as qz
+    from sidecar.pipeline.workers import MIN_POOL_BYTES, EncodePool
+
+    used: list[int] = []
+    original = EncodePool.quantize
+
+    def counted(self: EncodePool, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(EncodePool, "quantize", counted)
+    rows = MIN_POOL_BYTES // (64 * 4) * 3 + 5
+    storage = f"file://{short_tmp}/w"
+    server = make_sidecar(storage, quantize="4", quantize_match="table", policy="one-shot", encode_workers=2)
+    client = make_client(server, job_name, capture_rng=False, shm=shm)
+    table = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7))
+    client.save(0, {"table": table}).durable.result(60)
+    first = table.numpy().copy()
+    changed = torch.randperm(rows, generator=torch.Generator().manual_seed(8))[: rows // 2]
+    table[changed] += 0.25
+    client.save(1, {"table": table}).durable.result(60)
+    assert used == [True, True], "the worker processes did not quantize both checkpoints"
+    assert [t.encoding for t in manifest(server, job_name, 1).tensors] == ["rows-diff-quantized"]
+
+    want = qz.dequantize_rows(qz.quantize_rows(first, 4))
+    mask = np.zeros(rows, bool)
+    mask[changed.numpy()] = True
+    want[mask] = qz.dequantize_rows(qz.quantize_rows(table.numpy()[mask], 4))
+    out = {"table": torch.zeros(rows, 64)}
+    restore_stored(make_sidecar, make_client, storage, job_name, out)
+    assert np.array_equal(out["table"].numpy(), want)
+
+
+def restore_stored(make_sidecar: Any, make_client: Any, storage: str, job: str, out: Any) -> None:
+    client = make_client(make_sidecar(storage), job, capture_rng=False, resume="never")
+    assert client.restore(out) is not None
+    assert client.last_restore["source"] == "storage"

@@ -1,0 +1,215 @@
+"""Worker processes that quantize a snapshot's rows on every core.
+
+Threads do not scale here: the bench's ``encoding`` section measures 1.00x from 1 to 2 threads
+and ~2x from 1 to 2 processes (numpy's small per-block calls hold the GIL between loops). So
+quantization runs in a pool of worker processes, spawned (never forked from a process running
+gRPC threads), shared by every rank this sidecar serves.
+
+No table byte is pickled on the way in: a snapshot lies in a shared mapping (the trainer's
+segment, or the memfd a streamed save lands in, :mod:`sidecar.shm`), and a worker maps the same
+pages through ``/proc/<sidecar pid>/fd/<fd>``. Out come the packed codes and per-row scale and
+bias (bits/32 of the input) with the part's squared error. A tensor is cut into parts of a
+multiple of 8 rows (whole bytes of codes at every width), one per worker, joined in order: the
+result is bit for bit what :func:`sidecar.pipeline.quantize.quantize_rows` gives in one piece.
+
+When a worker cannot map the pages, that tensor is quantized in the sidecar's own process; when
+the pool breaks (a worker killed), every later one is. Either is logged once: slower, never
+different.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+import numpy.typing as npt
+
+from sidecar.pipeline import quantize as qz
+
+log = logging.getLogger(__name__)
+
+#: tensors smaller than this are quantized in the sidecar's process: a worker round trip costs
+#: more than it saves
+MIN_POOL_BYTES = 4 << 20
+
+#: (pid, fd, byte offset) of a tensor's bytes, as :func:`sidecar.shm.source_of` gives it
+Source = tuple[int, int, int]
+
+
+class EncodePool:
+    """``workers`` processes quantizing parts of tensors; started on first use."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"encode workers must be >= 1, got {workers}")
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._broken = False
+        self._unmappable = False
+
+    def _executor(self) -> ProcessPoolExecutor | None:
+        with self._lock:
+            if self._broken:
+                return None
+            if self._pool is None:
+                ctx = multiprocessing.get_context("spawn")
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=ctx, initializer=_watch_parent, initargs=(os.getpid(),)
+                )
+            return self._pool
+
+    def warm(self) -> None:
+        """Start the workers now (they import numpy: ~0.3 s each), not at the first save."""
+        pool = self._executor()
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                for f in [pool.submit(_ping) for _ in range(self.workers)]:
+                    f.result(60)
+
+    def quantize(
+        self,
+        source: Source,
+        dtype: str,
+        shape: tuple[int, int],
+        bits: int,
+        *,
+        greedy: bool,
+        rows: npt.NDArray[np.intp] | None = None,
+    ) -> qz.QuantizedRows | None:
+        """The rows of the ``dtype[shape]`` tensor at ``source`` (all, or the indices ``rows``,
+        ascending) quantized to ``bits``; None when the pool cannot (the caller encodes in
+        process). Raises ``ValueError`` as :func:`quantize_rows` does (a row it refuses)."""
+        pool = self._executor()
+        if pool is None:
+            return None
+        n = shape[0] if rows is None else len(rows)
+        # Parts of a multiple of 8 rows, one per worker (the last takes the rest).
+        per = max(8, (-(-n // self.workers) + 7) // 8 * 8)
+        futures: list[Future[qz.Part]] = []
+        try:
+            for a in range(0, max(n, 1), per):
+                b = min(a + per, n)
+                pick: npt.NDArray[np.int64] | None = None
+                first, last = a, b
+                if rows is not None and b > a:
+                    pick = np.ascontiguousarray(rows[a:b], np.int64)
+                    first, last = int(pick[0]), int(pick[-1]) + 1
+                futures.append(
+                    pool.submit(_quantize_part, source, dtype, shape, first, last, pick, bits, greedy)
+                )
+            return qz.join_parts([f.result() for f in futures])
+        except BrokenProcessPool as exc:
+            self._give_up(exc)
+            return None
+        except OSError as exc:  # this mapping only (a closed fd, /proc denied): the pool stays
+            for f in futures:
+                f.cancel()
+            if not self._unmappable:
+                log.warning("encoding workers cannot map a snapshot, quantizing in process: %s", exc)
+                self._unmappable = True
+            return None
+
+    def _give_up(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self._broken:
+                log.warning("encoding worker processes unavailable, quantizing in process: %s", exc)
+            self._broken = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+_POOLS: dict[int, EncodePool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(workers: int) -> EncodePool | None:
+    """This process's pool of ``workers`` processes (several sidecars in one process, as in
+    tests, share it), or None for 1 (quantize in the sidecar's process). Its processes stop
+    with the interpreter (``concurrent.futures`` joins them at exit)."""
+    if workers <= 1:
+        return None
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = EncodePool(workers)
+        return pool
+
+
+# --- in the worker -------------------------------------------------------------------------------
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the sidecar is gone (killed, it cannot stop its workers): a worker must not
+    outlive it holding a snapshot's pages. A poll, not PR_SET_PDEATHSIG, which fires when the
+    *thread* that spawned the worker ends."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="strata-parent-watch", daemon=True).start()
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
+def _quantize_part(
+    source: Source,
+    dtype: str,
+    shape: tuple[int, int],
+    first: int,
+    last: int,
+    pick: npt.NDArray[np.int64] | None,
+    bits: int,
+    greedy: bool,
+) -> qz.Part:
+    """Rows ``[first, last)`` of the tensor (or, with ``pick``, those rows among them)."""
+    from sidecar.pipeline.encode import to_f32  # the worker's own import, after spawn
+
+    pid, fd, offset = source
+    row_bytes = shape[1] * _ITEMSIZE[dtype]
+    if last <= first:
+        return qz.quantize_parts(np.zeros((0, shape[1]), np.float32), bits, greedy=greedy)
+    start = offset + first * row_bytes
+    size = (last - first) * row_bytes
+    page = start - start % mmap.ALLOCATIONGRANULARITY
+    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        mapped = mmap.mmap(
+            handle,
+            start + size - page,
+            mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            mmap.PROT_READ,
+            offset=page,
+        )
+    finally:
+        os.close(handle)
+    try:
+        raw = np.frombuffer(mapped, np.uint8, size, start - page).reshape(last - first, row_bytes)
+        values = to_f32(raw if pick is None else raw[pick - first], dtype)
+        part = qz.quantize_parts(values, bits, greedy=greedy)
+        del raw, values
+        return part
+    finally:
+        with contextlib.suppress(BufferError):  # views die with this frame; the GC unmaps otherwise
+            mapped.close()

@@ -1,0 +1,121 @@
+"""Quantization in worker processes: the same bytes as in the sidecar's own process, from a
+snapshot the workers map themselves (a trainer's segment or a streamed save's memfd), and a
+fallback that never changes the result."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sidecar import shm
+from sidecar.pipeline import encode as enc
+from sidecar.pipeline import quantize as qz
+from sidecar.pipeline.workers import MIN_POOL_BYTES, EncodePool
+
+DIM = 64
+ROWS = MIN_POOL_BYTES // (DIM * 4) + 77  # above the pool's threshold, not a multiple of 8
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[EncodePool]:
+    p = EncodePool(2)
+    p.warm()
+    yield p
+    p.close()
+
+
+def _memfd_table(rows: int, dtype: str, seed: int = 0) -> memoryview:
+    values = np.random.default_rng(seed).standard_normal((rows, DIM), dtype=np.float32)
+    raw = enc.from_f32(values, dtype)
+    m = shm.anonymous(raw.nbytes)
+    np.frombuffer(m, np.uint8)[:] = raw.reshape(-1)
+    return memoryview(m)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_workers_write_the_bytes_the_sidecar_process_writes(pool, dtype, bits, monkeypatch):
+    rows = ROWS * 2 if dtype != "float32" else ROWS  # 2-byte dtypes: stay above the threshold
+    data = _memfd_table(rows, dtype)
+    assert shm.source_of(data) is not None
+    done = []
+    quantize = pool.quantize
+    monkeypatch.setattr(pool, "quantize", lambda *a, **k: done.append(quantize(*a, **k)) or done[-1])
+    pooled = enc.encode(data, dtype, [rows, DIM], bits=bits, pool=pool)
+    assert len(done) == 1 and done[0] is not None, "the workers did not quantize"
+    alone = enc.encode(data, dtype, [rows, DIM], bits=bits)
+    assert pooled.encoding == alone.encoding == "quantized"
+    assert bytes(pooled.pieces[0]) == bytes(alone.pieces[0])
+    assert pooled.error == pytest.approx(alone.error, rel=1e-9)
+
+
+def test_a_diff_gathers_its_changed_rows_in_the_workers(pool):
+    data = _memfd_table(ROWS * 4, "float32", seed=1)
+    mask = np.random.default_rng(2).random(ROWS * 4) < 0.4
+    pooled = enc.encode(data, "float32", [ROWS * 4, DIM], bits=4, mask=mask, pool=pool)
+    alone = enc.encode(data, "float32", [ROWS * 4, DIM], bits=4, mask=mask)
+    assert pooled.encoding == "rows-diff-quantized" and pooled.changed == int(mask.sum())
+    assert [bytes(p) for p in pooled.pieces] == [bytes(p) for p in alone.pieces]
+    # and it restores on top of the base like any diff
+    out = bytearray(np.zeros((ROWS * 4, DIM), np.float32).tobytes())
+    enc.decode_into(
+        out, b"".join(bytes(p) for p in pooled.pieces), pooled.encoding, "float32", [ROWS * 4, DIM]
+    )
+    got = np.frombuffer(out, np.float32).reshape(ROWS * 4, DIM)
+    want = np.frombuffer(data, np.float32).reshape(ROWS * 4, DIM)
+    assert not got[~mask].any()
+    assert qz.relative_l2_error(want[mask], got[mask]) == pytest.approx(pooled.error, rel=1e-6)
+
+
+def test_a_trainer_segment_is_mapped_by_fd_after_its_name_is_gone(pool, tmp_path: Path):
+    segments = shm.Segments(str(tmp_path))
+    try:
+        values = np.random.default_rng(3).standard_normal((ROWS, DIM), dtype=np.float32)
+        (tmp_path / "strata-t1-0").write_bytes(values.tobytes())
+        view = segments.view("strata-t1-0", values.nbytes, owner=0)
+        for p in tmp_path.iterdir():
+            p.unlink()  # renamed to a held name, then gone: the workers go by fd
+        tensor = view[DIM * 4 * 8 :]  # a tensor at an offset inside the segment
+        shape = [ROWS - 8, DIM]
+        assert shm.source_of(tensor) == (os.getpid(), view.obj.fd, DIM * 4 * 8)
+        pooled = enc.encode(tensor, "float32", shape, bits=2, pool=pool)
+        alone = enc.encode(tensor, "float32", shape, bits=2)
+        assert bytes(pooled.pieces[0]) == bytes(alone.pieces[0])
+    finally:
+        segments.close()
+
+
+def test_bytes_the_workers_cannot_map_are_quantized_in_process(pool):
+    values = np.random.default_rng(4).standard_normal((ROWS, DIM), dtype=np.float32)
+    heap = memoryview(bytearray(values.tobytes()))
+    assert shm.source_of(heap) is None
+    assert pool.quantize((os.getpid(), 10**6, 0), "float32", (ROWS, DIM), 4, greedy=True) is None
+    encoded = enc.encode(heap, "float32", [ROWS, DIM], bits=4, pool=pool)
+    assert bytes(encoded.pieces[0]) == qz.quantize_rows(values, 4).to_bytes()
+    # the pool still works after a mapping it could not make
+    data = _memfd_table(ROWS, "float32")
+    assert pool.quantize(shm.source_of(data), "float32", (ROWS, DIM), 4, greedy=True) is not None
+
+
+def test_rows_the_quantizer_refuses_are_refused_from_a_worker_too(pool):
+    data = _memfd_table(ROWS, "float32")
+    arr = np.frombuffer(data.obj, np.float32).reshape(ROWS, DIM)
+    arr[ROWS - 3, 5] = np.inf
+    with pytest.raises(ValueError, match=r"NaN|inf|65504"):
+        pool.quantize(shm.source_of(data), "float32", (ROWS, DIM), 4, greedy=True)
+
+
+def test_parts_join_to_the_whole_bit_for_bit():
+    values = np.random.default_rng(5).standard_normal((1003, 24), dtype=np.float32)
+    for bits in qz.SUPPORTED_BITS:
+        whole = qz.quantize_rows(values, bits)
+        parts = [qz.quantize_parts(values[a : a + 328], bits) for a in range(0, 1003, 328)]
+        joined = qz.join_parts(parts)
+        assert joined.to_bytes() == whole.to_bytes()
+        assert joined.rel_error == pytest.approx(whole.rel_error, rel=1e-9)
+    with pytest.raises(ValueError, match="cannot join"):
+        qz.join_parts([qz.quantize_parts(values[:5], 4), qz.quantize_parts(values[5:], 4)])
