@@ -5,6 +5,7 @@ that allocate and drop a snapshot's buffer."""
 from __future__ import annotations
 
 import json
+import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -139,7 +140,10 @@ def zeroed(size: int) -> bytearray | memoryview:
     if size < 1 << 20:
         return bytearray(size)
     # A memfd, not private anonymous memory: encoding workers map the same pages (sidecar.shm).
-    return memoryview(anonymous(size))
+    try:
+        return memoryview(anonymous(size))
+    except OSError:  # no memfd (a seccomp profile that denies it): quantized in this process
+        return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
 
 
 def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:
