@@ -9,6 +9,7 @@ state lazily after the first step).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import itertools
@@ -17,7 +18,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,9 +145,14 @@ class HostBuffers:
             self.segment.pin()
         return self.segment.tensor
 
-    def ensure(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
-        """Make the buffer fit these tensors; True when it had to (re)allocate."""
-        key = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
+    def fits(self, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+        """Laid out for these tensors already (``ensure`` would not allocate)."""
+        return self._key is not None and self._key == _layout_key(tensors)
+
+    def ensure(self, tensors: list[tuple[str, torch.Tensor]], pin: bool | None = None) -> bool:
+        """Make the buffer fit these tensors; True when it had to (re)allocate. ``pin``: page-lock
+        it (default: when a tensor lives on a GPU; given where the tensors are meta ones)."""
+        key = _layout_key(tensors)
         if key == self._key:
             return False
         slots, offset = [], 0
@@ -158,7 +164,9 @@ class HostBuffers:
             nbytes = t.numel() * t.element_size()
             slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, offset))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        pin = torch.cuda.is_available() and any(t.is_cuda for _, t in tensors)
+        if pin is None:
+            pin = any(t.is_cuda for _, t in tensors)
+        pin = pin and torch.cuda.is_available()
         self.reset()  # free the old buffer before allocating the new one
         flat = self._allocate(max(offset, 1), pin)
         flat.zero_()  # pre-fault every page now, not during the first timed copy
@@ -172,20 +180,21 @@ class HostBuffers:
     @property
     def total_bytes(self) -> int:
         """Bytes of a chunked save: the tensors back to back."""
-        return sum(s.nbytes for s in self.slots)
+        return total_bytes(self.slots)
 
     @property
     def span_bytes(self) -> int:
         """Bytes of a shared-memory save: up to the end of the last tensor, padding included."""
-        return self.slots[-1].offset + self.slots[-1].nbytes if self.slots else 0
+        return span_bytes(self.slots)
 
-    def chunks(self, chunk_bytes: int) -> Iterator[bytes]:
-        """The tensors' bytes packed back to back (no alignment padding), in chunks."""
+    def chunks(self, chunk_bytes: int, slots: list[Slot] | None = None) -> Iterator[bytes]:
+        """The bytes of ``slots`` (default: the layout's) packed back to back (no alignment
+        padding), in chunks."""
         assert self.flat is not None
         raw = memoryview(self.flat.numpy().data)
         pending: list[memoryview] = []
         size = 0
-        for s in self.slots:
+        for s in self.slots if slots is None else slots:
             pos, end = s.offset, s.offset + s.nbytes
             while pos < end:
                 take = min(end - pos, chunk_bytes - size)
@@ -197,6 +206,142 @@ class HostBuffers:
                     pending, size = [], 0
         if pending:
             yield b"".join(pending)
+
+
+def _layout_key(
+    tensors: list[tuple[str, torch.Tensor]],
+) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    return tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors)
+
+
+def total_bytes(slots: list[Slot]) -> int:
+    return sum(s.nbytes for s in slots)
+
+
+def span_bytes(slots: list[Slot]) -> int:
+    return max((s.offset + s.nbytes for s in slots), default=0)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+#: The first slot of a lent buffer's layout: room for what a save sends that was not staged.
+ARENA = "\0arena"
+
+
+def lease_layout(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], sent: set[str], arena: int
+) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+    """The layout of a buffer a DCP writer stages into, as meta tensors, and each spec's slot in
+    it: the arena first, then the tensors the previous such save sent from where they were staged,
+    then the others (those DCP had another rank write). So a save whose plan is the previous one's
+    sends one run of bytes, the arena's unused end being its only gap."""
+    order = sorted(range(len(specs)), key=lambda i: specs[i][0] not in sent)  # stable
+    layout = [(ARENA, torch.empty(arena, dtype=torch.uint8, device="meta"))]
+    where = [0] * len(specs)
+    for i in order:
+        name, dtype, shape = specs[i]
+        where[i] = len(layout)
+        layout.append((name, torch.empty(shape, dtype=dtype, device="meta")))
+    return layout, where
+
+
+@dataclass
+class Placement:
+    """Where a save's tensors go in a lent buffer: ``slots`` (in the save's order, offsets
+    increasing), the indices of the tensors to copy into the arena, and the names of the layout's
+    slots sent as they were staged."""
+
+    slots: list[Slot]
+    copies: list[int]
+    sent: set[str]
+
+
+class Lease:
+    """A client staging buffer lent to a DCP writer's ``stage()`` (``CheckpointClient._lease``).
+
+    ``views`` are the staged tensors, in the order the writer gave them. The save whose state
+    holds them sends them from where they lie (``place``): their bytes are copied once, by
+    ``stage()``. Its memory stays valid while a view lives, even once the client has given the
+    buffer to another save (a revoked lease): that save then copies from the views."""
+
+    def __init__(
+        self,
+        index: int,
+        bufs: HostBuffers,
+        where: list[int],
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        estimate: int,
+        pin: bool,
+        allocated: bool,
+    ) -> None:
+        assert bufs.flat is not None
+        self.index, self.bufs, self.flat = index, bufs, bufs.flat
+        self.views = [bufs.views[w] for w in where]
+        self.specs, self.estimate, self.pin, self.allocated = specs, estimate, pin, allocated
+        self.layout = list(bufs.slots)
+        self._starts = [s.offset for s in self.layout]
+        self.arena = self.layout[0].nbytes
+        #: aligned bytes the last ``place`` needed in the arena
+        self.needed = 0
+
+    @property
+    def valid(self) -> bool:
+        """The client still holds this buffer as it was lent (not reset or laid out anew)."""
+        return self.bufs.flat is self.flat
+
+    def offset(self, t: torch.Tensor) -> int | None:
+        """Where ``t``'s bytes lie in the lent buffer, past the arena; None when they do not lie
+        there as one contiguous run (not staged, a strided view, a lazy conj/neg view)."""
+        try:
+            if (
+                t.device.type != "cpu"
+                or t.layout != torch.strided
+                or not t.numel()
+                or not t.is_contiguous()
+                or t.is_conj()
+                or t.is_neg()
+                or t.untyped_storage().data_ptr() != self.flat.data_ptr()
+            ):
+                return None
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without storage
+            return None
+        off = t.data_ptr() - self.flat.data_ptr()
+        if off < self.arena or off + t.numel() * t.element_size() > self.flat.numel():
+            return None
+        return off
+
+    def place(self, tensors: list[tuple[str, torch.Tensor]]) -> Placement | None:
+        """Slots for ``tensors`` in the lent buffer: those lying in it (in increasing order) where
+        they lie, the others copied into the arena (they must come first); None when the arena
+        is too small (``needed`` says what it takes)."""
+        slots: list[Slot] = []
+        copies: list[int] = []
+        sent: set[str] = set()
+        pos, fits, self.needed = 0, True, 0
+        for i, (name, t) in enumerate(tensors):
+            if dtype_name(t.dtype) not in ITEMSIZE:
+                raise TypeError(
+                    f"{name}: dtype {t.dtype} cannot be checkpointed; supported: {', '.join(ITEMSIZE)}"
+                )
+            nbytes = t.numel() * t.element_size()
+            off = self.offset(t) if nbytes else pos
+            if off is not None and off >= pos:
+                slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, off))
+                if nbytes:
+                    sent.add(self.layout[bisect.bisect_right(self._starts, off) - 1].name)
+                    pos = off + nbytes
+                continue
+            start = _aligned(pos)
+            self.needed += _aligned(nbytes)
+            if start + nbytes > self.arena:
+                fits = False
+                continue
+            slots.append(Slot(name, t.dtype, tuple(t.shape), nbytes, start))
+            copies.append(i)
+            pos = start + nbytes
+        return Placement(slots, copies, sent) if fits else None
 
 
 class Stager:
@@ -211,8 +356,13 @@ class Stager:
         self._stream: torch.cuda.Stream | None = None
         self.event: torch.cuda.Event | None = None
 
-    def copy(self, buffers: HostBuffers, tensors: list[tuple[str, torch.Tensor]], indices: list[int]) -> None:
-        views = buffers.views
+    def copy(
+        self,
+        views: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+        tensors: list[tuple[str, torch.Tensor]],
+        indices: list[int],
+    ) -> None:
+        """Copy ``tensors[i]`` into ``views[i]`` for each i of ``indices``."""
         cuda = [i for i in indices if tensors[i][1].is_cuda]
         with torch.no_grad():
             for i in indices:

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -56,11 +56,17 @@ from trainer_client._preempt import SigtermWatch
 from trainer_client._staging import (
     Gate,
     HostBuffers,
+    Lease,
+    Placement,
     SegmentFactory,
+    Slot,
     Stager,
     as_numpy_bytes,
     dtype_name,
+    lease_layout,
+    span_bytes,
     torch_dtype,
+    total_bytes,
 )
 from trainer_client._tracking import RowTracker
 from trainer_client.config import ClientSettings
@@ -80,6 +86,9 @@ _DDP = torch.nn.parallel.DistributedDataParallel
 log = logging.getLogger("strata.client")
 _RNG_KEY = RNG_STATE_KEY
 CLIENT_VERSION = "0.1.0"
+#: Seconds a DCP writer's stage() waits for the previous save (already sent) to be committed
+#: before staging outside this client's buffers (see CheckpointClient._lease).
+LEASE_WAIT_S = 2.0
 #: Seconds between the in-place restart instruction and the client ending the process itself
 #: (STRATA_RESTART_GRACE_S): a training thread that reaches save() meanwhile exits through
 #: RestartInPlace instead.
@@ -168,10 +177,19 @@ class CheckpointClient:
         self._metadata = ((TOKEN_METADATA_KEY, s.token),) if s.token else ()
         self.server_info = self._handshake()
         self._stager = Stager()
+        self._lease_stager = Stager()  # a DCP writer's stage(), on the training thread (see _lease)
         self._segments = self._shared_memory()
         self._buffers = self._new_buffers()
         #: index into _buffers of the snapshot the sidecar keeps (shared memory: never stage into it)
         self._held: int | None = None
+        #: buffers a save is sending from, until it is committed or failed (by index), and buffers
+        #: lent to a DCP writer's stage() whose save has not taken them yet; under _stage_lock
+        self._busy: dict[int, HostBuffers] = {}
+        self._leases: dict[int, Lease] = {}
+        #: what the last lent save taught: the staged tensors it sent in place (laid out first
+        #: next time) and the most bytes it needed in the arena
+        self._lease_sent: set[str] = set()
+        self._lease_extra = 0
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="strata-send")
         self._waiter = ThreadPoolExecutor(2, thread_name_prefix="strata-durable")
         self._lock = threading.Lock()
@@ -210,6 +228,9 @@ class CheckpointClient:
             # replicated tensors other ranks saved for this one in the last save
             "last_replica_check_s": 0.0,
             "last_replica_bytes_skipped": 0,
+            # bytes the last save copied into its staging buffers (a DCP async save: only what its
+            # writer's stage() had not staged there, such as DCP's pickled values)
+            "last_copied_bytes": 0,
         }
         #: objects declared replicated (replicate()), with their group
         self._declared: list[tuple[Any, tuple[int, ...]]] = []
@@ -349,10 +370,13 @@ class CheckpointClient:
         if self.settings.shm == "on":
             raise SaveFailed(f"shared-memory save failed and STRATA_SHM=on forbids streaming: {why}")
         log.warning("shared-memory saves off (%s); saves stream over gRPC from now on", why)
-        for b in self._buffers:
-            b.reset()
-        self._segments, self._held = None, None
-        self._buffers = self._new_buffers()
+        with self._stage_lock:
+            for b in self._buffers:
+                b.reset()
+            self._segments, self._held = None, None
+            self._buffers = self._new_buffers()
+            self._busy.clear()
+            self._leases.clear()
 
     def close(self, wait: bool = True) -> None:
         """Finish (or drop) outstanding saves and close the connection."""
@@ -427,7 +451,8 @@ class CheckpointClient:
             for i in free:
                 try:
                     with self._stage_lock:
-                        if i < len(self._buffers):  # shared memory may have been turned off meanwhile
+                        # shared memory may have been turned off meanwhile; a save may be using it
+                        if i < len(self._buffers) and i not in self._busy and i not in self._leases:
                             self._buffers[i].ensure(tensors)
                 except OSError as exc:  # no room in the tmpfs: save() reports it, on its thread
                     log.debug("could not pre-fault staging buffer %d: %s", i, exc)
@@ -650,7 +675,8 @@ class CheckpointClient:
     def _save(self, step: int, state: MutableMapping[str, Any], plain: bool = False) -> SaveHandle:
         """``plain``: save ``state`` exactly as given (trainer_client.dcp's writer): no RNG states
         added, no replica plan (every tensor is this rank's own), no row tracking, and every tensor
-        copied before this returns (no overlap with the next optimizer step)."""
+        staged before this returns (no overlap with the next optimizer step): copied, or, where it
+        lies in a buffer lent to the writer's ``stage()`` (``_lease``), sent from there."""
         t0 = time.perf_counter()
         with self._lock:
             # Busy while the previous snapshot streams or uploads: the sidecar holds one in
@@ -702,23 +728,43 @@ class CheckpointClient:
                 r.nbytes for r in entries if r.owner != self.settings.rank
             )
             flat = _tree.Flat(full.skeleton, [full.tensors[i] for i in plan.own])
-        index = 0 if self._held is None else 1 - self._held
         self._wait_warm()
-        try:
-            with self._stage_lock:
-                self._buffers[index].ensure(flat.tensors)
-        except OSError as exc:  # the shared tmpfs is full or gone
-            self._stop_shared_memory(f"cannot allocate the staging segment there: {exc}")
-            index = 0
-            self._buffers[index].ensure(flat.tensors)
-        bufs = self._buffers[index]
+        views: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]
+        taken = self._take_lease(flat) if plain and self._leases else None
+        lent = taken[0] if taken is not None else None
+        if taken is not None:
+            # Staged by a DCP writer's stage() into this buffer: sent from there, not copied again.
+            lease, placement = taken
+            index, bufs, slots, copies = lease.index, lease.bufs, placement.slots, placement.copies
+            views = {i: _view(bufs, slots[i]) for i in copies}
+        else:
+            index = 0 if self._held is None else 1 - self._held
+            try:
+                with self._stage_lock:
+                    self._revoke(index)
+                    self._buffers[index].ensure(flat.tensors)
+                    self._busy[index] = self._buffers[index]
+            except OSError as exc:  # the shared tmpfs is full or gone
+                self._stop_shared_memory(f"cannot allocate the staging segment there: {exc}")
+                index = 0
+                with self._stage_lock:
+                    self._buffers[index].ensure(flat.tensors)
+                    self._busy[index] = self._buffers[index]
+            bufs = self._buffers[index]
+            slots, views = bufs.slots, bufs.views
+            copies = list(range(len(flat.tensors)))
         touched = {} if plain else self._tracker.cut(flat.tensors)
         deferred: list[int] = []
         if self._overlap and not plain:
             keys = self._deferrable(state)
             deferred = [i for i, (_, t) in enumerate(flat.tensors) if _tensor_key(t) in keys]
         later = set(deferred)
-        self._stager.copy(bufs, flat.tensors, [i for i in range(len(flat.tensors)) if i not in later])
+        try:
+            self._stager.copy(views, flat.tensors, [i for i in copies if i not in later])
+        except BaseException:
+            self._settle(index, bufs)
+            raise
+        self.stats["last_copied_bytes"] = sum(slots[i].nbytes for i in copies)
         if deferred:
             self._gate.close()
         stall = time.perf_counter() - t0
@@ -733,6 +779,9 @@ class CheckpointClient:
                 self._send,
                 handle,
                 index,
+                bufs,
+                slots,
+                lent,
                 flat,
                 deferred,
                 _tree.encode_skeleton(flat.skeleton),
@@ -774,6 +823,9 @@ class CheckpointClient:
         self,
         handle: SaveHandle,
         index: int,
+        bufs: HostBuffers,
+        slots: list[Slot],
+        lent: Lease | None,
         flat: _tree.Flat,
         deferred: list[int],
         tree: bytes,
@@ -783,11 +835,10 @@ class CheckpointClient:
         touched: dict[int, bytes],
         replicas: list[pb.ReplicaRef],
     ) -> None:
-        bufs = self._buffers[index]
         try:
             if deferred:
                 try:
-                    self._stager.copy(bufs, flat.tensors, deferred)
+                    self._stager.copy(bufs.views, flat.tensors, deferred)
                 finally:
                     self._gate.open()
                 handle.staged.set_result(None)
@@ -795,7 +846,17 @@ class CheckpointClient:
             save_id = uuid.uuid4().hex[:16]
             try:
                 ack = self._save_rpc(
-                    handle.step, save_id, bufs, bufs.shared, tree, stall, skipped, roles, touched, replicas
+                    handle.step,
+                    save_id,
+                    bufs,
+                    bufs.shared,
+                    tree,
+                    stall,
+                    skipped,
+                    roles,
+                    touched,
+                    replicas,
+                    slots,
                 )
             except grpc.RpcError as exc:
                 if not (bufs.shared and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
@@ -806,20 +867,29 @@ class CheckpointClient:
                     "step %d: shared-memory save refused (%s); streaming it", handle.step, exc.details()
                 )
                 ack = self._save_rpc(
-                    handle.step, save_id, bufs, False, tree, stall, skipped, roles, touched, replicas
+                    handle.step, save_id, bufs, False, tree, stall, skipped, roles, touched, replicas, slots
                 )
                 if "cannot open" in (exc.details() or "") or "does not accept" in (exc.details() or ""):
                     self._stop_shared_memory(exc.details() or "refused")
                 else:
                     self._forget_segments()
+            if not bufs.shared:
+                self._settle(index, bufs)  # streamed: the sidecar holds a copy of every byte
             if bufs.shared:
                 # Warm the other segment now, off the training thread, so the next save's stall
-                # is a copy and not an allocation.
+                # is a copy and not an allocation (a DCP writer's next stage(): its layout).
                 with self._stage_lock:
-                    self._buffers[1 - index].ensure(flat.tensors)
+                    other = 1 - index
+                    if other < len(self._buffers) and other not in self._busy and other not in self._leases:
+                        if lent is None:
+                            self._buffers[other].ensure(flat.tensors)
+                        else:
+                            layout, _ = self._lease_layout(lent.specs, lent.estimate)
+                            self._buffers[other].ensure(layout, pin=lent.pin)
         except Exception as exc:
             if bufs.shared:
                 bufs.reset()  # the sidecar may still read it: never stage into it again
+            self._settle(index, bufs)
             self._fail(handle, exc)
             self._waiter.submit(self._report_skip, handle.step, f"save failed: {exc}")
             return
@@ -831,9 +901,105 @@ class CheckpointClient:
 
     def _forget_segments(self) -> None:
         """The sidecar lost its mappings (it restarted): start over with new segments."""
-        for b in self._buffers:
-            b.reset()
-        self._held = None
+        with self._stage_lock:
+            for b in self._buffers:
+                b.reset()  # a lent one too: its writer's save then copies from its views
+            self._held = None
+
+    def _settle(self, index: int, bufs: HostBuffers, held: bool = False) -> None:
+        """The save staged in ``bufs`` is over (``held``: committed, the sidecar keeps it)."""
+        with self._stage_lock:
+            if self._busy.get(index) is bufs:
+                del self._busy[index]
+            if (
+                held
+                and bufs.segment is not None
+                and index < len(self._buffers)
+                and self._buffers[index] is bufs
+            ):
+                self._held = index  # the sidecar keeps this one in memory
+
+    def _revoke(self, index: int) -> None:
+        """Take back buffer ``index`` if it is lent (under _stage_lock): a stage() staged into it
+        but its save has not taken it. That stage's views keep their memory; its save copies
+        from them."""
+        if self._leases.pop(index, None) is not None:
+            self._buffers[index].reset()
+
+    # --- staging for a DCP writer (trainer_client.dcp) -------------------------------------
+
+    def _lease_layout(
+        self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], estimate: int
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+        # A power of two: a plan whose pickled values grow a little keeps its layout.
+        arena = 1 << max(12, (max(estimate, self._lease_extra) - 1).bit_length())
+        return lease_layout(specs, self._lease_sent, arena)
+
+    def _lease(self, tensors: list[tuple[str, torch.Tensor]], estimate: int) -> Lease | None:
+        """Stage ``tensors`` (named uniquely) into a free staging buffer of this client, lent to the
+        caller (a DCP writer's ``stage()``): the save whose state holds the returned views sends
+        them from where they lie, so their bytes are copied once, here (see ``_take_lease``).
+        ``estimate``: bytes that save may send that are not staged here (DCP's pickled values),
+        for the arena the buffer keeps for them. None when every buffer is held by the sidecar
+        or in use by a save: the caller stages elsewhere, and its save copies."""
+        self._wait_warm()
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        layout, where = self._lease_layout(specs, estimate)
+        pin = any(t.is_cuda for _, t in tensors)
+        if not self._free_for_lease():
+            # On a rank other than DCP's coordinator, the previous save's DCP future resolves once
+            # the step is committed, but this client hears so a moment later (from its sidecar):
+            # wait that moment for a save already sent rather than stage elsewhere.
+            last, inflight = self._last, self._inflight
+            if last is not None and inflight is not None and inflight.done():
+                futures_wait([last.durable], timeout=LEASE_WAIT_S)
+        with self._stage_lock:
+            free = self._free_for_lease()
+            if not free:
+                return None
+            # One not lent, best one laid out for this already (the previous save warmed it);
+            # else one lent to a stage() whose save never took it (a failed save).
+            index = min(free, key=lambda i: (i in self._leases, not self._buffers[i].fits(layout)))
+            self._revoke(index)
+            bufs = self._buffers[index]
+            try:
+                allocated = bufs.ensure(layout, pin=pin)
+            except OSError as exc:  # the tmpfs is full: the save copies, and reports it there
+                log.debug("could not allocate a staging buffer for a DCP stage(): %s", exc)
+                return None
+            lease = Lease(index, bufs, where, specs, estimate, pin, allocated)
+            self._leases[index] = lease
+        # Outside the lock: a save that takes the buffer back meanwhile leaves this memory alone.
+        self._lease_stager.copy(lease.views, tensors, list(range(len(tensors))))
+        self._lease_stager.synchronize()  # stage() returns with the bytes on the host
+        return lease
+
+    def _free_for_lease(self) -> list[int]:
+        return [i for i in range(len(self._buffers)) if i != self._held and i not in self._busy]
+
+    def _take_lease(self, flat: _tree.Flat) -> tuple[Lease, Placement] | None:
+        """The lent buffer ``flat``'s tensors lie in, and where each goes in it, or None (the
+        save copies them as usual). A lease whose arena is too small for what was not staged is
+        given back, its tensors cloned first (the usual copy then reuses the buffer)."""
+        with self._stage_lock:
+            for index, lease in list(self._leases.items()):
+                if not any(lease.offset(t) is not None for _, t in flat.tensors):
+                    continue
+                del self._leases[index]
+                if not lease.valid or self._buffers[index] is not lease.bufs:
+                    return None
+                placement = lease.place(flat.tensors)
+                self._lease_extra = max(self._lease_extra, lease.needed)
+                if placement is None:
+                    log.info("a DCP save needs %d bytes beside its staged tensors: copying it", lease.needed)
+                    flat.tensors[:] = [
+                        (n, t.clone() if lease.offset(t) is not None else t) for n, t in flat.tensors
+                    ]
+                    return None
+                self._busy[index] = lease.bufs
+                self._lease_sent = placement.sent
+                return lease, placement
+        return None
 
     def _save_rpc(
         self,
@@ -847,13 +1013,14 @@ class CheckpointClient:
         roles: list[str],
         touched: dict[int, bytes],
         replicas: list[pb.ReplicaRef],
+        slots: list[Slot],
     ) -> pb.SaveAck:
         delay, deadline = 0.05, time.monotonic() + self.settings.rpc_timeout_s
         while True:
             try:
                 return self._stub.Save(
                     self._requests(
-                        bufs, shared, step, save_id, tree, stall, skipped, roles, touched, replicas
+                        bufs, shared, step, save_id, tree, stall, skipped, roles, touched, replicas, slots
                     ),
                     timeout=self.settings.rpc_timeout_s,
                     metadata=self._metadata,
@@ -879,6 +1046,7 @@ class CheckpointClient:
         roles: list[str],
         touched: dict[int, bytes],
         replicas: list[pb.ReplicaRef],
+        slots: list[Slot],
     ) -> Iterator[pb.SaveRequest]:
         header = pb.SaveHeader(
             protocol_version=PROTOCOL_VERSION,
@@ -895,7 +1063,7 @@ class CheckpointClient:
                     role=role,
                     touched_rows=touched.get(i, b""),
                 )
-                for i, (s, role) in enumerate(zip(bufs.slots, roles, strict=True))
+                for i, (s, role) in enumerate(zip(slots, roles, strict=True))
             ],
             tree=tree,
             stall_seconds=stall,
@@ -904,18 +1072,18 @@ class CheckpointClient:
         )
         if shared:
             assert bufs.segment is not None
-            header.shm.CopyFrom(pb.SharedSegment(name=bufs.segment.name, size=bufs.span_bytes))
+            header.shm.CopyFrom(pb.SharedSegment(name=bufs.segment.name, size=span_bytes(slots)))
         yield pb.SaveRequest(header=header)
         if shared:
             fault_point("client.stream.chunk", step)  # between header and footer, as chunks would be
         else:
-            for chunk in bufs.chunks(self.settings.chunk_bytes):
+            for chunk in bufs.chunks(self.settings.chunk_bytes, slots):
                 fault_point("client.stream.chunk", step)
                 yield pb.SaveRequest(chunk=chunk)
         # Every byte is sent, the footer is not: the sidecar must drop this stream. (A point after
         # the last yield would fire only if gRPC happened to resume the generator once more.)
         fault_point("client.stream.footer", step)
-        total = bufs.span_bytes if shared else bufs.total_bytes
+        total = span_bytes(slots) if shared else total_bytes(slots)
         yield pb.SaveRequest(footer=pb.SaveFooter(total_bytes=total))
 
     def _await_durable(self, handle: SaveHandle, index: int, bufs: HostBuffers, save_id: str) -> None:
@@ -935,14 +1103,14 @@ class CheckpointClient:
                     time.sleep(0.2)
                     continue
                 if status.state == pb.COMMIT_STATE_COMMITTED:
-                    if bufs.segment is not None and bufs in self._buffers:  # this save used it
-                        self._held = index  # the sidecar keeps this one in memory
+                    self._settle(index, bufs, held=True)  # before durable: the next stage() may reuse
                     self._tracker.committed()
                     self._durable_step = max(handle.step, self._durable_step or handle.step)
                     handle.durable.set_result(Committed(handle.step, status.commit_key))
                     return
                 if status.state == pb.COMMIT_STATE_FAILED:
                     # The sidecar released the snapshot before reporting: its segment is free.
+                    self._settle(index, bufs)
                     self._fail(handle, SaveFailed(status.message))
                     return
                 if time.monotonic() >= deadline:
@@ -952,6 +1120,7 @@ class CheckpointClient:
         except Exception as exc:
             if bufs.shared:
                 bufs.reset()  # unknown whether the sidecar still reads it
+            self._settle(index, bufs)
             self._fail(handle, exc)
 
     def _fail(self, handle: SaveHandle, exc: BaseException) -> None:
@@ -1282,6 +1451,11 @@ class CheckpointClient:
 
 class _NothingToRestore(Exception):
     pass
+
+
+def _view(bufs: HostBuffers, s: Slot) -> torch.Tensor:
+    assert bufs.flat is not None
+    return bufs.flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
 
 def _not_reshardable(

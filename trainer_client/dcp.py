@@ -12,7 +12,8 @@ host buffers, shared memory, the sidecar's diffs and uploads, one job-level COMM
     state = {"model": model_sd, "optim": optim_sd}
     writer = StrataWriter(client)                                    # one for the job
     dcp.save(state, storage_writer=writer, checkpoint_id=step)      # returns once committed
-    # or, staged into reused host buffers (the only stall), the rest in the background:
+    # or staged once, into the client's reused staging buffers (the only stall and the only
+    # copy: the save sends the tensors from there), the rest in the background:
     future = dcp.async_save(state, storage_writer=writer, checkpoint_id=step, process_group=group)
 
     # any number of ranks: the newest committed step (or StrataReader(client, step=...))
@@ -44,9 +45,8 @@ from __future__ import annotations
 import io
 import logging
 import os
-import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ from torch.futures import Future
 from sidecar.api import DCP_METADATA_KEY
 from trainer_client import _tree
 from trainer_client._dcp_metadata import Location, MetadataError, decode, encode, item_key
+from trainer_client._staging import Lease
 from trainer_client.client import CheckpointClient, _NothingToRestore
 from trainer_client.errors import RestoreError, SaveFailed
 
@@ -102,9 +103,13 @@ class StrataWriter(StorageWriter, AsyncStager):
     and one save of it in flight: wait for an ``async_save``'s future before the next save.
 
     As an ``AsyncStager`` (``dcp.async_save`` uses the writer for staging when no stager is
-    given), ``stage()`` copies the local tensors (DTensor shards included) into host buffers
-    reused across saves, which is all the training thread waits for; planning, the copy into
-    the sidecar's buffers and the upload run in DCP's background thread.
+    given), ``stage()`` copies the local tensors (DTensor shards included) once, straight into
+    the client's staging buffers (the shared-memory segment the sidecar reads), which is all the
+    training thread waits for; planning, the send and the upload run in DCP's background thread,
+    and the save sends the staged tensors from where ``stage()`` put them, without copying them
+    again. Only when no buffer of the client is free (with shared memory: the sidecar holds the
+    last committed snapshot in one, a save still in flight uses the other) does ``stage()`` copy
+    into fresh memory instead (``last_stage_reused`` is then False), and that save copies again.
     """
 
     _synchronize_after_execute = False  # stage() is synchronous: nothing to wait for
@@ -116,14 +121,12 @@ class StrataWriter(StorageWriter, AsyncStager):
         self._coordinator = False
         #: the coordinator's own items, saved in finish() with the Metadata
         self._pending: dict[str, torch.Tensor] | None = None
-        #: staging buffer sets (path -> tensor): free ones, and lent ones by storage address
-        self._lock = threading.Lock()
-        self._free_sets: list[dict[tuple[Any, ...], torch.Tensor]] = []
-        self._lent: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}
+        #: the client buffer the newest stage() staged into (None: fresh memory)
+        self._lease: Lease | None = None
         #: the handle of the newest save (the coordinator's is durable when finish() returns)
         self.last_handle: Any = None
         #: seconds the newest stage() took (what dcp.async_save stalls the training thread for),
-        #: and whether it copied into buffers an earlier save used (no allocation)
+        #: and whether it copied into the client's buffers without allocating them
         self.last_stage_s = 0.0
         self.last_stage_reused = False
 
@@ -194,13 +197,21 @@ class StrataWriter(StorageWriter, AsyncStager):
             results.append(
                 WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=Location(rank, key, nbytes))
             )
+        lease = self._lease
+        if lease is not None:
+            # The client sends a staged tensor from where stage() put it when the save lists the
+            # staged tensors in the order they lie there, after what it copies into the room
+            # before them: DCP's pickled values (made at planning, after stage(); a few KiB) and
+            # any tensor not lying whole and contiguous there (a custom planner's narrowed views
+            # or new tensors: a save names each tensor as one run of bytes). DCP's default planner
+            # writes each staged tensor whole.
+            order = {key: lease.offset(t) for key, t in items.items()}
+            items = {key: items[key] for key in sorted(items, key=lambda k: _placement_order(order[k]))}
         if self._coordinator:
             self._pending = items  # saved with the Metadata, in finish()
         else:
-            try:
-                self.last_handle = self._save({ITEMS_KEY: items})
-            finally:
-                self._release(items.values())
+            self._lease = None
+            self.last_handle = self._save({ITEMS_KEY: items})
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -208,21 +219,17 @@ class StrataWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._pending is None:
             raise RuntimeError("StrataWriter.finish() before write_data() on the coordinator")
-        items, self._pending = self._pending, None
-        try:
-            locations: dict[MetadataIndex, Location] = {}
-            for per_rank in results:
-                for wr in per_rank:
-                    if not isinstance(wr.storage_data, Location):
-                        raise TypeError(
-                            f"{wr.index}: written by another storage writer "
-                            f"({type(wr.storage_data).__name__})"
-                        )
-                    locations[wr.index] = wr.storage_data
-            text = encode(metadata, locations)
-            handle = self._save({ITEMS_KEY: items, METADATA_KEY: text})
-        finally:
-            self._release(items.values())
+        items, self._pending, self._lease = self._pending, None, None
+        locations: dict[MetadataIndex, Location] = {}
+        for per_rank in results:
+            for wr in per_rank:
+                if not isinstance(wr.storage_data, Location):
+                    raise TypeError(
+                        f"{wr.index}: written by another storage writer ({type(wr.storage_data).__name__})"
+                    )
+                locations[wr.index] = wr.storage_data
+        text = encode(metadata, locations)
+        handle = self._save({ITEMS_KEY: items, METADATA_KEY: text})
         self.last_handle = handle
         handle.result(self.client.settings.commit_timeout_s + 30)  # raises SaveFailed
         log.info("step %d committed through DCP (%d items)", self.step, len(locations))
@@ -244,71 +251,78 @@ class StrataWriter(StorageWriter, AsyncStager):
     # --- AsyncStager ----------------------------------------------------------------------
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``state_dict`` whose tensors (DTensors' local shards) lie in host buffers
-        reused across saves: safe to train on once this returns. A set of buffers is reused
-        once the save that used it has copied out of it; until then a save gets another set."""
+        """A copy of ``state_dict`` whose tensors (DTensors' local shards) lie in the client's
+        staging buffers, where its save sends them from: safe to train on once this returns.
+
+        The one copy of a DCP async save: the client lends a buffer the sidecar no longer holds
+        and no save is using (the double buffering of ``CheckpointClient``), so the save that
+        follows never overwrites a snapshot still being sent or kept. When there is none, the
+        tensors are copied into fresh memory (``last_stage_reused`` False) and that save copies
+        them again, as a save of live tensors does."""
         t0 = time.perf_counter()
-        with self._lock:
-            buffers = self._free_sets.pop() if self._free_sets else {}
-        self.last_stage_reused = bool(buffers)
-        staged = _stage(state_dict, (), buffers)
+        found: list[tuple[str, torch.Tensor]] = []
+
+        def collect(path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+            found.append((repr(path), t))  # a unique name: the layout remembers tensors by it
+            return t
+
+        _walk(state_dict, (), collect)
+        lease = self.client._lease(found, _arena_estimate(state_dict))
+        if lease is not None:
+            staged = iter(lease.views)
+        else:  # fresh memory; the save copies it into the client's buffers
+            staged = iter([torch.empty(t.shape, dtype=t.dtype).copy_(t) for _, t in found])
+        out = _walk(state_dict, (), lambda _, t: next(staged))
+        self._lease = lease
+        self.last_stage_reused = lease is not None and not lease.allocated
         self.last_stage_s = time.perf_counter() - t0
-        with self._lock:
-            for t in buffers.values():
-                if t.numel():  # an empty tensor has no storage of its own to recognise
-                    self._lent[t.untyped_storage().data_ptr()] = buffers
-            while len({id(b) for b in self._lent.values()}) > 4:  # saves that never copied out
-                oldest = next(iter(self._lent.values()))
-                self._lent = {k: v for k, v in self._lent.items() if v is not oldest}
-        return staged
+        return out
 
     def synchronize_staging(self) -> None:
         return None
 
     def close(self) -> None:
-        with self._lock:
-            self._free_sets.clear()
-            self._lent.clear()
-
-    def _release(self, tensors: Iterable[torch.Tensor]) -> None:
-        """The save copied out of these tensors: their staging set is free again."""
-        with self._lock:
-            if not self._lent:
-                return
-            for t in tensors:
-                if not t.numel():
-                    continue
-                try:
-                    ptr = t.untyped_storage().data_ptr()
-                except RuntimeError:
-                    continue
-                found = self._lent.get(ptr)
-                if found is None:
-                    continue
-                self._lent = {k: v for k, v in self._lent.items() if v is not found}
-                self._free_sets.append(found)
+        self._lease = None
 
 
-def _stage(obj: Any, path: tuple[Any, ...], buffers: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+#: Bytes DCP's pickled form of a plain value takes, about (torch.save's zip container: ~1.3 KiB).
+_PICKLED_VALUE_BYTES = 2048
+
+
+def _walk(
+    obj: Any, path: tuple[Any, ...], leaf: Callable[[tuple[Any, ...], torch.Tensor], torch.Tensor]
+) -> Any:
+    """``obj`` with each tensor (a DTensor's local shard, detached) replaced by ``leaf(path, it)``."""
     if isinstance(obj, DTensor):
-        local = _stage(obj.to_local(), path, buffers)
+        local = leaf(path, obj.to_local().detach())
         # The same DTensor over the staged shard (its spec: mesh, placements, global shape).
         return DTensor(local, obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        buf = buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype)
-            buffers[path] = buf
-        buf.copy_(src)
-        return buf
+        return leaf(path, obj.detach())
     if isinstance(obj, Mapping):
-        return {k: _stage(v, (*path, k), buffers) for k, v in obj.items()}
+        return {k: _walk(v, (*path, k), leaf) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_stage(v, (*path, i), buffers) for i, v in enumerate(obj)]
+        return [_walk(v, (*path, i), leaf) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(_stage(v, (*path, i), buffers) for i, v in enumerate(obj))
+        return tuple(_walk(v, (*path, i), leaf) for i, v in enumerate(obj))
     return obj  # plain values: DCP pickles them at planning time, off the training thread
+
+
+def _arena_estimate(obj: Any) -> int:
+    """Bytes a save of ``obj`` sends beside its tensors, about: DCP pickles each plain value (a
+    list of plain values, a tuple: one value)."""
+    if isinstance(obj, torch.Tensor):
+        return 0
+    if isinstance(obj, Mapping):
+        return sum(_arena_estimate(v) for v in obj.values())
+    if isinstance(obj, list) and any(isinstance(v, Mapping | list | torch.Tensor) for v in obj):
+        return sum(_arena_estimate(v) for v in obj)
+    return _PICKLED_VALUE_BYTES + (64 * len(obj) if isinstance(obj, list | tuple) else 0)
+
+
+def _placement_order(offset: int | None) -> int:
+    """Sort key of an item: what the client copies (None) first, then by offset."""
+    return -1 if offset is None else offset
 
 
 class StrataReader(StorageReader):

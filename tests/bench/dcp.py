@@ -8,14 +8,14 @@ writing to a local directory; DCP's writer writes to another one on the same dis
 Side by side in one run, alternating save by save (which one goes first alternates too):
 
 - ``dcp.async_save(..., storage_writer=StrataWriter(client))``: the writer is the stager, staging
-  into host buffers reused across saves;
+  once, into the client's shared-memory segments (reused across saves), which the save sends from;
 - ``dcp.async_save(..., storage_writer=FileSystemWriter(dir))``: DCP's default stager.
 
 The stall is the time ``async_save`` holds the training thread (until it returns), per rank and
 save, after one warm-up save of each: ``dcp_via_strata_stall_s`` (median, with its 95% interval
 ``_ci_low_s`` / ``_ci_high_s``) against ``dcp_filesystem_stall_s`` (same). Target: Strata's upper
-bound below DCP's median. Each save's background part (planning, the copies into the sidecar's
-segment or DCP's files) finishes before the next save begins.
+bound below DCP's median. Each save's background part (planning, the send to the sidecar, or
+DCP's files) finishes before the next save begins.
 
 Resharded restore: the newest step of each (saved by ``RANKS`` ranks) is loaded by one process as a
 1-rank FSDP2 job (every shard of every tensor read and assembled by DCP's planner), alternating

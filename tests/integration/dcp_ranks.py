@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 from trainer_client import CheckpointClient
+from trainer_client._staging import Stager
 from trainer_client.data import AllRanksState, ResumableDistributedSampler, ResumableLoader
 from trainer_client.dcp import StrataReader, StrataWriter, committed_step
 
@@ -70,6 +72,21 @@ def _cloned(value: object) -> object:
     if isinstance(value, list | tuple):
         return type(value)(_cloned(v) for v in value)
     return value
+
+
+def count_background_copies() -> list[int]:
+    """Bytes of tensors (not DCP's pickled values, uint8) the client's staging copies off the main
+    thread, i.e. in DCP's background thread after stage(): [total], reset by the caller."""
+    copied = [0]
+    original = Stager.copy
+
+    def counting(self, views, tensors, indices):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            copied[0] += sum(tensors[i][1].nbytes for i in indices if tensors[i][1].dtype != torch.uint8)
+        return original(self, views, tensors, indices)
+
+    Stager.copy = counting  # type: ignore[method-assign]
+    return copied
 
 
 def data(client: CheckpointClient, report: dict) -> None:
@@ -134,7 +151,7 @@ def main() -> None:
         saved[1] = full(model, opt)
         # A process group of its own: the save's collectives run in DCP's thread while training goes on.
         group = dist.new_group(backend="gloo")
-        reused = []
+        reused, copied, background = [], [], count_background_copies()
         for step in (2, 3):
             train(model, opt, step, rank)
             saved[step] = full(model, opt)
@@ -145,7 +162,10 @@ def main() -> None:
             reused.append(writer.last_stage_reused)
             train(model, opt, 10 + step, rank)  # mutates what was staged: the checkpoint must not see it
             future.result()
+            copied.append(background[0])
+            background[0] = 0
         report["stage_reused"] = reused
+        report["copied_after_stage"] = copied
         if rank == 0:
             torch.save(saved, out)
     else:

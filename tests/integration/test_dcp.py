@@ -77,8 +77,10 @@ def test_fsdp2_saved_on_four_ranks_loads_on_two_and_three(make_sidecar, job_name
     wrote = run_ranks(server.socket_path, job_name, "dcp/0", 4, "save", str(saved_file))
     saved = torch.load(saved_file, weights_only=True)
     assert mf.committed_steps(server.store, "default", job_name) == [1, 2, 3]
-    # the second async save staged into the buffers the first one used (no allocation)
+    # the second async save staged into a segment the first one warmed for it (no allocation),
+    # and neither save copied a tensor again after stage() (on DCP's coordinator or the others)
     assert [r["stage_reused"] for r in wrote] == [[False, True]] * 4
+    assert [r["copied_after_stage"] for r in wrote] == [[0, 0]] * 4
     commit = mf.read_commit(server.store, "default", job_name, 3)
     assert commit.world_size == 4
     # one commit per step: the coordinator's snapshot carries DCP's metadata (what makes it
@@ -317,3 +319,210 @@ def test_a_plain_dcp_checkpoint_is_imported_and_loads_on_three_ranks(make_sideca
         cli.main(["import", *other, "--from", str(evil)])
     assert not marker.exists()
     assert mf.committed_steps(server.store, "default", job_name + "-evil") == []
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """This process as a 1-rank gloo job (FSDP2 shards over a 1-rank mesh: DTensor state)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_state(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> dict:
+    """One training step, then the sharded state DCP saves."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(4, 64, generator=g)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def local_tensors(state: dict) -> list[torch.Tensor]:
+    """The tensors a rank writes, in the state's order (a DTensor's: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    out: list[torch.Tensor] = []
+
+    def walk(v: object) -> None:
+        if isinstance(v, DTensor):
+            out.append(v.to_local())
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                walk(x)
+
+    walk(state)
+    return out
+
+
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_an_async_save_copies_the_state_once_into_the_buffer_it_is_sent_from(
+    one_rank, make_sidecar, make_client, job_name, monkeypatch, shm
+):
+    """dcp.async_save through StrataWriter copies each tensor once: stage() (the training thread's
+    stall) copies the FSDP2 shards and Adam's state straight into the client's staging buffer
+    (with shared memory: the segment the sidecar reads), and the save sends them from there: the
+    client copies only DCP's pickled values, and every tensor sent lies exactly where stage()
+    wrote it. A stage() while no buffer is free (shared memory: one held by the sidecar, one
+    still being sent) stages into fresh memory and says so; the save in flight is not
+    overwritten. Each step loads back bit for bit."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer_client._staging import Stager
+    from trainer_client.dcp import StrataWriter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    client = make_client(make_sidecar(), job_name, capture_rng=False, resume="never", shm=shm)
+    assert (client._segments is not None) == (shm == "on")
+    writer = StrataWriter(client)
+
+    # bytes of the state's tensors the client's staging copies, by thread (DCP's pickled values,
+    # uint8 tensors, not counted)
+    copied = {"training": 0, "background": 0}
+    original_copy = Stager.copy
+
+    def counting_copy(self, views, tensors, indices):
+        where = "training" if threading.current_thread() is threading.main_thread() else "background"
+        copied[where] += sum(tensors[i][1].nbytes for i in indices if tensors[i][1].dtype != torch.uint8)
+        return original_copy(self, views, tensors, indices)
+
+    monkeypatch.setattr(Stager, "copy", counting_copy)
+    sends = []  # per save: the buffer it sends from, where its tensors lie there, its header
+    original_requests = client._requests
+    sending = threading.Event()  # cleared: the save streams wait before their header
+    sending.set()
+    streaming = threading.Event()
+
+    def recording_requests(bufs, *args):
+        streaming.set()
+        sending.wait(30)
+        for msg in original_requests(bufs, *args):
+            if msg.WhichOneof("msg") == "header":
+                sends.append((bufs, args[-1], msg.header))
+            yield msg
+
+    monkeypatch.setattr(client, "_requests", recording_requests)
+    staged: list[dict] = []
+    original_stage = writer.stage
+    monkeypatch.setattr(writer, "stage", lambda sd: staged.append(original_stage(sd)) or staged[-1])
+
+    expected: dict[int, list[torch.Tensor]] = {}
+    reused = []
+    for step in (1, 2, 3):
+        state = fsdp2_state(model, opt, step)
+        expected[step] = [t.clone() for t in local_tensors(state)]
+        copied.update(training=0, background=0)
+        future = dcp.async_save(state, storage_writer=writer, checkpoint_id=step)
+        reused.append(writer.last_stage_reused)
+        fsdp2_state(model, opt, 100 + step)  # training mutates the state: the checkpoint must not see it
+        future.result(timeout=60)
+
+        views = local_tensors(staged[-1])
+        state_bytes = sum(t.nbytes for t in views)
+        # one copy of the tensors, by stage(); the save copied DCP's pickled values only
+        assert copied == {"training": state_bytes, "background": 0}
+        assert 0 < client.stats["last_copied_bytes"] < 32 * 1024
+        # every tensor is sent from where stage() wrote it (shared memory: the sidecar reads it there)
+        bufs, slots, header = sends[-1]
+        staged_at = {(v.data_ptr() - bufs.flat.data_ptr(), v.nbytes) for v in views}
+        assert {(s.offset, s.nbytes) for s in slots if s.dtype != torch.uint8} == staged_at
+        if shm == "on":
+            assert header.shm.name == bufs.segment.name
+            assert {(m.offset, m.nbytes) for m in header.tensors if m.dtype != "uint8"} == staged_at
+    # the first allocates; the others stage into a buffer the save before used or warmed for them
+    assert reused == [False, True, True]
+
+    # No buffer free: step 4's is being sent (held back here; shared memory: the sidecar holds
+    # step 3's in the other).
+    sending.clear()
+    streaming.clear()
+    four = fsdp2_state(model, opt, 4)
+    expected[4] = [t.clone() for t in local_tensors(four)]
+    future = dcp.async_save(four, storage_writer=writer, checkpoint_id=4)
+    assert streaming.wait(30)
+    five = writer.stage(fsdp2_state(model, opt, 5))  # nowhere free: fresh memory, step 4 untouched
+    assert writer.last_stage_reused is False
+    flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.nbytes) for b in client._buffers]
+    assert not any(lo <= v.data_ptr() < hi for v in local_tensors(five) for lo, hi in flats)
+    sending.set()
+    future.result(timeout=60)
+
+    for step, tensors in expected.items():
+        target = fsdp2_state(model, opt, 1000 + step)  # other values, the same layout
+        dcp.load(target, storage_reader=StrataReader(client, step=step))
+        assert_bitwise_equal(local_tensors(target), tensors)
+
+
+def test_a_buffer_lent_to_a_save_that_never_sent_it_is_taken_back_intact(
+    one_rank, make_sidecar, make_client, job_name
+):
+    """A DCP save that fails before sending (here: in planning) leaves its staged buffer lent; the
+    next stage() takes it back (a new allocation, said so) and that step saves whole. And a
+    stage() whose save has not sent yet when another stage() takes its buffer keeps what it
+    staged: that save copies it from there."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer_client.dcp import ITEMS_KEY, StrataWriter, _items
+
+    class FailingPlanner(DefaultSavePlanner):
+        def create_local_plan(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("planning failed")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    client = make_client(make_sidecar(), job_name, capture_rng=False, resume="never")
+    writer = StrataWriter(client)
+    reused, expected = [], {}
+    for step, planner in ((1, None), (2, FailingPlanner()), (3, None)):
+        state = fsdp2_state(model, opt, step)
+        expected[step] = [t.clone() for t in local_tensors(state)]
+        future = dcp.async_save(state, storage_writer=writer, checkpoint_id=step, planner=planner)
+        reused.append(writer.last_stage_reused)
+        if planner is None:
+            future.result(timeout=60)
+        else:
+            with pytest.raises(CheckpointException, match="planning failed"):
+                future.result(timeout=60)
+    assert reused == [False, True, False]  # step 3: step 2's buffer taken back, laid out anew
+    for step in (1, 3):
+        target = fsdp2_state(model, opt, 1000 + step)
+        dcp.load(target, storage_reader=StrataReader(client, step=step))
+        assert_bitwise_equal(local_tensors(target), expected[step])
+
+    # Two stage()s before either save sends: the second takes the first's buffer back.
+    staged = [writer.stage(fsdp2_state(model, opt, 10 + i)) for i in range(2)]
+    values = [[t.clone() for t in local_tensors(s)] for s in staged]
+    for step, s in zip((4, 5), staged, strict=True):
+        items = {f"t{i}": t for i, t in enumerate(local_tensors(s))}
+        client._save_plain(step, {ITEMS_KEY: items}).result(60)
+        header, tensors = client._read_rank(0, step)
+        saved = _items(header, tensors, f"step {step}")
+        assert_bitwise_equal([saved[k] for k in items], values[step - 4])
