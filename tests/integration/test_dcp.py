@@ -21,7 +21,7 @@ from sidecar import cli
 from sidecar import manifest as mf
 from sidecar.reporting import stored_commit_items
 from trainer_client import RestoreError
-from trainer_client.dcp import StrataReader, committed_step
+from trainer_client.dcp import StrataReader, StrataWriter, committed_step
 
 RANKS = Path(__file__).with_name("dcp_ranks.py")
 
@@ -526,3 +526,60 @@ def test_a_buffer_lent_to_a_save_that_never_sent_it_is_taken_back_intact(
         header, tensors = client._read_rank(0, step)
         saved = _items(header, tensors, f"step {step}")
         assert_bitwise_equal([saved[k] for k in items], values[step - 4])
+
+
+def test_dcp_items_named_by_quantize_match_are_stored_quantized(
+    one_rank, make_sidecar, make_client, job_name
+):
+    """``--quantize-match`` names DCP items by ``dcp.<fqn>@<chunk offsets>``: an embedding table's
+    shard is stored at 4 bits with its error in the manifest, and loads back within it; the rest
+    of the model and the optimizer state stay exact."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sidecar.pipeline import quantize as qz
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+            self.table = torch.nn.Embedding(4096, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + self.table(torch.arange(len(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    server = make_sidecar(quantize="4", quantize_match="dcp.model.table.weight*")
+    client = make_client(server, job_name, capture_rng=False, resume="never")
+    state = fsdp2_state(model, opt, 1)
+    before = {k: v.full_tensor().clone() for k, v in state["model"].items()}
+    optim_before = {
+        name: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in per.items()}
+        for name, per in state["optim"]["state"].items()
+    }
+    dcp.save(state, storage_writer=StrataWriter(client), checkpoint_id=7)
+
+    m = mf.load_manifest(server.store, mf.read_commit(server.store, "default", job_name, 7), 0)
+    lossy = {t.name: t for t in m.tensors if t.bits}
+    assert list(lossy) == ["dcp.model.table.weight@0,0"], [t.name for t in m.tensors]
+    error = lossy["dcp.model.table.weight@0,0"].rel_l2_error
+    assert error is not None and 0 < error < 0.1
+
+    target = fsdp2_state(model, opt, 2)  # moved on: the load must bring step 7 back
+    dcp.load(target, storage_reader=StrataReader(client, step=7))
+    for name, value in target["model"].items():
+        got = value.full_tensor()
+        if name == "table.weight":
+            want = qz.dequantize_rows(qz.quantize_rows(before[name].numpy(), 4))
+            assert torch.equal(got, torch.from_numpy(want))  # what the sidecar stored, exactly
+            assert qz.relative_l2_error(before[name].numpy(), got.numpy()) == pytest.approx(error, rel=1e-5)
+        else:
+            assert torch.equal(got, before[name]), name
+    for name, per_param in target["optim"]["state"].items():
+        for key, v in per_param.items():
+            got = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(got, optim_before[name][key]), (name, key)  # Adam's state: exact
