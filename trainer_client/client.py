@@ -231,6 +231,9 @@ class CheckpointClient:
             # bytes the last save copied into its staging buffers (a DCP async save: only what its
             # writer's stage() had not staged there, such as DCP's pickled values)
             "last_copied_bytes": 0,
+            # seconds the last DCP stage() waited to hear that the previous save committed (a
+            # rank other than DCP's coordinator hears it a moment after DCP's future resolves)
+            "last_stage_wait_s": 0.0,
         }
         #: objects declared replicated (replicate()), with their group
         self._declared: list[tuple[Any, tuple[int, ...]]] = []
@@ -396,8 +399,10 @@ class CheckpointClient:
         self._closed.set()
         self._attach.cancel()
         self._channel.close()
-        for b in self._buffers:
-            b.reset()
+        with self._stage_lock:
+            self._leases.clear()
+            for b in self._buffers:
+                b.reset()
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -753,45 +758,51 @@ class CheckpointClient:
             bufs = self._buffers[index]
             slots, views = bufs.slots, bufs.views
             copies = list(range(len(flat.tensors)))
-        touched = {} if plain else self._tracker.cut(flat.tensors)
         deferred: list[int] = []
-        if self._overlap and not plain:
-            keys = self._deferrable(state)
-            deferred = [i for i, (_, t) in enumerate(flat.tensors) if _tensor_key(t) in keys]
-        later = set(deferred)
+        # From here to the submit, a failure (a bad tensor, close() meanwhile, an interrupt) must
+        # free the buffer marked busy above, or no later save or stage() could use it again.
         try:
+            touched = {} if plain else self._tracker.cut(flat.tensors)
+            if self._overlap and not plain:
+                keys = self._deferrable(state)
+                deferred = [i for i, (_, t) in enumerate(flat.tensors) if _tensor_key(t) in keys]
+            later = set(deferred)
             self._stager.copy(views, flat.tensors, [i for i in copies if i not in later])
+            self.stats["last_copied_bytes"] = sum(slots[i].nbytes for i in copies)
+            if deferred:
+                self._gate.close()
+            stall = time.perf_counter() - t0
+            handle.stall_s = stall
+            self.stats["saves"] += 1
+            self.stats["last_stall_s"] = stall
+            if self.stats["saves"] == 1:
+                self.stats["first_save_stall_s"] = stall
+            tree = _tree.encode_skeleton(flat.skeleton)
+            roles = _roles(state, flat.tensors)
+            with self._lock:
+                skipped, self._skipped_unreported = self._skipped_unreported, 0
+                self._inflight = self._sender.submit(
+                    self._send,
+                    handle,
+                    index,
+                    bufs,
+                    slots,
+                    lent,
+                    flat,
+                    deferred,
+                    tree,
+                    stall,
+                    skipped,
+                    roles,
+                    touched,
+                    replicas,
+                )
+                self._last = handle
         except BaseException:
+            if deferred:
+                self._gate.open()
             self._settle(index, bufs)
             raise
-        self.stats["last_copied_bytes"] = sum(slots[i].nbytes for i in copies)
-        if deferred:
-            self._gate.close()
-        stall = time.perf_counter() - t0
-        handle.stall_s = stall
-        self.stats["saves"] += 1
-        self.stats["last_stall_s"] = stall
-        if self.stats["saves"] == 1:
-            self.stats["first_save_stall_s"] = stall
-        with self._lock:
-            skipped, self._skipped_unreported = self._skipped_unreported, 0
-            self._inflight = self._sender.submit(
-                self._send,
-                handle,
-                index,
-                bufs,
-                slots,
-                lent,
-                flat,
-                deferred,
-                _tree.encode_skeleton(flat.skeleton),
-                stall,
-                skipped,
-                _roles(state, flat.tensors),
-                touched,
-                replicas,
-            )
-            self._last = handle
         if not deferred:
             # CPU copies are complete; GPU copies are ordered before later compute by the stream wait.
             # (A send that failed at once has set it already, in _send.)
@@ -878,14 +889,19 @@ class CheckpointClient:
             if bufs.shared:
                 # Warm the other segment now, off the training thread, so the next save's stall
                 # is a copy and not an allocation (a DCP writer's next stage(): its layout).
-                with self._stage_lock:
-                    other = 1 - index
-                    if other < len(self._buffers) and other not in self._busy and other not in self._leases:
-                        if lent is None:
-                            self._buffers[other].ensure(flat.tensors)
-                        else:
-                            layout, _ = self._lease_layout(lent.specs, lent.estimate)
-                            self._buffers[other].ensure(layout, pin=lent.pin)
+                # Best effort: the sidecar has this save, a full tmpfs here must not fail it.
+                try:
+                    with self._stage_lock:
+                        other = 1 - index
+                        free = other not in self._busy and other not in self._leases
+                        if other < len(self._buffers) and free:
+                            if lent is None:
+                                self._buffers[other].ensure(flat.tensors)
+                            else:
+                                layout, _ = self._lease_layout(lent.specs, lent.estimate)
+                                self._buffers[other].ensure(layout, pin=lent.pin)
+                except OSError as exc:
+                    log.debug("could not warm the next staging segment: %s", exc)
         except Exception as exc:
             if bufs.shared:
                 bufs.reset()  # the sidecar may still read it: never stage into it again
@@ -952,7 +968,9 @@ class CheckpointClient:
             # wait that moment for a save already sent rather than stage elsewhere.
             last, inflight = self._last, self._inflight
             if last is not None and inflight is not None and inflight.done():
+                t0 = time.perf_counter()
                 futures_wait([last.durable], timeout=LEASE_WAIT_S)
+                self.stats["last_stage_wait_s"] = time.perf_counter() - t0
         with self._stage_lock:
             free = self._free_for_lease()
             if not free:
@@ -969,10 +987,17 @@ class CheckpointClient:
                 return None
             lease = Lease(index, bufs, where, specs, estimate, pin, allocated)
             self._leases[index] = lease
-        # Outside the lock: a save that takes the buffer back meanwhile leaves this memory alone.
-        self._lease_stager.copy(lease.views, tensors, list(range(len(tensors))))
-        self._lease_stager.synchronize()  # stage() returns with the bytes on the host
+            # Under the lock: a reset meanwhile (close(), a save taking the buffer back) would
+            # unregister page-locked memory a GPU copy is still writing into.
+            self._lease_stager.copy(lease.views, tensors, list(range(len(tensors))))
+            self._lease_stager.synchronize()  # stage() returns with the bytes on the host
         return lease
+
+    def _return_lease(self, lease: Lease) -> None:
+        """A lease whose save never came (its writer closed): the buffer is free again."""
+        with self._stage_lock:
+            if self._leases.get(lease.index) is lease:
+                del self._leases[lease.index]
 
     def _free_for_lease(self) -> list[int]:
         return [i for i in range(len(self._buffers)) if i != self._held and i not in self._busy]
@@ -980,7 +1005,8 @@ class CheckpointClient:
     def _take_lease(self, flat: _tree.Flat) -> tuple[Lease, Placement] | None:
         """The lent buffer ``flat``'s tensors lie in, and where each goes in it, or None (the
         save copies them as usual). A lease whose arena is too small for what was not staged is
-        given back, its tensors cloned first (the usual copy then reuses the buffer)."""
+        given back: the usual copy then lays the buffer out anew, in new memory (a reset never
+        frees memory a view still holds), so the staged views stay intact while it copies them."""
         with self._stage_lock:
             for index, lease in list(self._leases.items()):
                 if not any(lease.offset(t) is not None for _, t in flat.tensors):
@@ -992,9 +1018,7 @@ class CheckpointClient:
                 self._lease_extra = max(self._lease_extra, lease.needed)
                 if placement is None:
                     log.info("a DCP save needs %d bytes beside its staged tensors: copying it", lease.needed)
-                    flat.tensors[:] = [
-                        (n, t.clone() if lease.offset(t) is not None else t) for n, t in flat.tensors
-                    ]
+                    lease.bufs.reset()
                     return None
                 self._busy[index] = lease.bufs
                 self._lease_sent = placement.sent

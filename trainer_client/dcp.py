@@ -123,6 +123,8 @@ class StrataWriter(StorageWriter, AsyncStager):
         self._pending: dict[str, torch.Tensor] | None = None
         #: the client buffer the newest stage() staged into (None: fresh memory)
         self._lease: Lease | None = None
+        #: where stage() copies when the client has no buffer to lend (reused while shapes hold)
+        self._spare: list[torch.Tensor] = []
         #: the handle of the newest save (the coordinator's is durable when finish() returns)
         self.last_handle: Any = None
         #: seconds the newest stage() took (what dcp.async_save stalls the training thread for),
@@ -270,8 +272,12 @@ class StrataWriter(StorageWriter, AsyncStager):
         lease = self.client._lease(found, _arena_estimate(state_dict))
         if lease is not None:
             staged = iter(lease.views)
-        else:  # fresh memory; the save copies it into the client's buffers
-            staged = iter([torch.empty(t.shape, dtype=t.dtype).copy_(t) for _, t in found])
+            self._spare = []  # a lease per save from here on, most likely
+        else:  # a spare set reused from save to save; the save copies it into the client's buffers
+            spare = self._spare
+            if [(t.shape, t.dtype) for t in spare] != [(t.shape, t.dtype) for _, t in found]:
+                spare = self._spare = [torch.empty(t.shape, dtype=t.dtype) for _, t in found]
+            staged = iter([s.copy_(t) for s, (_, t) in zip(spare, found, strict=True)])
         out = _walk(state_dict, (), lambda _, t: next(staged))
         self._lease = lease
         self.last_stage_reused = lease is not None and not lease.allocated
@@ -282,7 +288,9 @@ class StrataWriter(StorageWriter, AsyncStager):
         return None
 
     def close(self) -> None:
-        self._lease = None
+        lease, self._lease, self._spare = self._lease, None, []
+        if lease is not None:  # staged, never saved: the client's buffer is free again
+            self.client._return_lease(lease)
 
 
 #: Bytes DCP's pickled form of a plain value takes, about (torch.save's zip container: ~1.3 KiB).

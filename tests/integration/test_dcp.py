@@ -583,3 +583,27 @@ def test_dcp_items_named_by_quantize_match_are_stored_quantized(
         for key, v in per_param.items():
             got = v.full_tensor() if hasattr(v, "full_tensor") else v
             assert torch.equal(got, optim_before[name][key]), (name, key)  # Adam's state: exact
+
+
+def test_a_save_that_fails_before_it_is_sent_frees_its_staging_buffer(
+    make_sidecar, make_client, job_name, monkeypatch
+):
+    """A failure between taking a staging buffer and handing the save to the sender (here: the
+    roles) frees the buffer again: a buffer left marked busy could never be lent to a stage()."""
+    import trainer_client.client as client_module
+
+    client = make_client(make_sidecar(), job_name, capture_rng=False, resume="never")
+    state = {"w": torch.randn(256, 256)}
+    client.save(1, state).durable.result(30)
+
+    def boom(*_: object) -> list[str]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(client_module, "_roles", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        client.save(2, state)
+    assert client._busy == {}
+    monkeypatch.undo()
+    for step in (3, 4):
+        client.save(step, state).durable.result(30)
+    assert committed_step(client) == 4
