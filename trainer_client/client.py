@@ -1192,7 +1192,16 @@ class CheckpointClient:
         """Load a committed step (newest by default) into ``state`` in place. A step another
         number of ranks saved loads when its state is replicated (DDP, ``replicate()``) and its
         plain values are the same on every rank; otherwise RestoreError names what cannot be
-        resharded (docs/dcp.md)."""
+        resharded (docs/dcp.md).
+
+        State holding DTensors (FSDP2, tensor parallelism: a module, optimizer or state dict
+        of them) is loaded with ``torch.distributed.checkpoint`` from a step saved through
+        ``trainer_client.dcp.StrataWriter``, resharded by DCP's planner to this job's ranks:
+        pass the same state ``dcp.save`` was given (every rank takes part)."""
+        if _holds_dtensor(state):
+            from trainer_client.dcp import load_resume  # imports this module
+
+            return load_resume(self, state, step)
         req = pb.RestoreRequest(protocol_version=PROTOCOL_VERSION, identity=self._identity)
         if step is not None:
             req.step = step
@@ -1713,6 +1722,26 @@ def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
         if isinstance(sub, torch.nn.Embedding | torch.nn.EmbeddingBag)
     }
     return ["embedding" if _tensor_key(t) in tables else "" for _, t in tensors]
+
+
+def _holds_dtensor(state: Any) -> bool:
+    """Whether ``state`` holds a DTensor: as a value, a module's parameter or an optimizer's."""
+    from torch.distributed.tensor import DTensor
+
+    def walk(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return isinstance(v, DTensor)
+        if isinstance(v, torch.nn.Module):
+            return any(isinstance(p, DTensor) for p in v.parameters())
+        if isinstance(v, torch.optim.Optimizer):
+            return any(isinstance(p, DTensor) for g in v.param_groups for p in g["params"])
+        if isinstance(v, Mapping):
+            return any(walk(x) for x in v.values())
+        if isinstance(v, list | tuple):
+            return any(walk(x) for x in v)
+        return False
+
+    return walk(state)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[int, int]:

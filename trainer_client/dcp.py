@@ -451,6 +451,38 @@ class StrataReader(StorageReader):
             return False
 
 
+def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
+    """``client.restore(state)`` for state holding DTensors: ``dcp.load`` through a
+    :class:`StrataReader` (``step``, or the step this attempt restores); the step loaded.
+    RestoreError (from a nothing-to-restore cause, which ``resume()`` takes as a fresh start)
+    when the job has no committed checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    if step is None:
+        try:
+            header, _ = client._read_rank(0, header_only=True)
+        except RestoreError as exc:
+            if isinstance(exc.__cause__, _NothingToRestore):
+                raise RestoreError(f"{exc} (loading DTensor state through DCP)") from exc.__cause__
+            raise
+        step = int(header.step)
+    reader = StrataReader(client, step=step)
+    dcp.load(state, storage_reader=reader)
+    assert reader.position is not None
+    client.last_restore = {
+        "step": reader.position[1],
+        "source": "dcp",
+        "fallback_reason": "",
+        "bytes": 0,
+        "shared_memory": False,
+        "replica_sources": {},
+        "saved_by": reader.world_size,
+        # each rank's snapshot that was read: where it came from (memory, peer, storage)
+        "sources": dict(reader.sources),
+    }
+    return reader.position[1]
+
+
 def committed_step(client: CheckpointClient) -> int | None:
     """The step a ``StrataReader(client)`` loads (the step this attempt restores: the newest
     committed one when the job started; later, the newest this attempt committed), or None when

@@ -249,15 +249,22 @@ Rule = Callable[[Sequence[float]], bool]
 
 
 def simulate(
-    policy: str, masks: list[list[np.ndarray]], bits: int, dense: int, rule: Rule = start_new_full
+    policy: str,
+    masks: list[list[np.ndarray]],
+    bits: int,
+    dense: int,
+    rule: Rule = start_new_full,
+    diff_bits: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """(bytes written per interval, bytes a restore of the newest step reads), the initial full first.
-    ``rule`` decides for the intermittent policy (the sidecar's by default)."""
+    ``rule`` decides for the intermittent policy (the sidecar's by default); ``diff_bits`` prices
+    diffs at another width than full checkpoints (default: the same)."""
     rows = len(masks[0][0])
     shape = [rows, DIM]
 
     def size(kind: str, changed: int) -> int:
-        return enc.encoded_bytes(kind, shape, 4, changed, bits)
+        width = bits if kind == "quantized" or diff_bits is None else diff_bits
+        return enc.encoded_bytes(kind, shape, 4, changed, width)
 
     full = TABLES * size("quantized" if bits else "raw", 0) + dense
     diff_kind = "rows-diff-quantized" if bits else "rows-diff"
@@ -494,6 +501,22 @@ def price_regime(runs: dict[float, Recording], figures: dict[str, Any]) -> list[
             writes, full
         ) / long_run(fixed[k_long], full)
     lines.append(f"     {f'intermittent @ auto {auto} bit':<26}" + "".join(f"{c:>16}" for c in cells))
+    # Priced only (no such encoding is built): full checkpoints at auto's bits and diffs at fewer,
+    # which would need each diff row's change since the full quantized instead of its value for
+    # the accuracy to hold (the quality section's logloss_diag_diffs*). The frontier says what
+    # that design could reach.
+    for b in (4, 3, 2):
+        if b >= auto:
+            continue
+        cells = []
+        for fraction, run in runs.items():
+            reference = TABLES * run.rows * DIM * 4 + run.dense
+            writes, _ = simulate("intermittent", run.masks, auto, run.dense, diff_bits=b)
+            w = figures[f"write_reduction_full{auto}_diff{b}_at_{pct(fraction)}pct"] = reference / float(
+                np.mean(writes)
+            )
+            cells.append(f"{w:7.1f}")
+        lines.append(f"     {f'  priced: diffs @ {b} bit':<26}" + "".join(f"{c:>16}" for c in cells))
     lines.append(
         f"     the intermittent policy's rule, writes x at auto's {auto} bits ({planned} planned restores): "
         "over the run / over whole cycles (the long run); k: diffs per cycle"

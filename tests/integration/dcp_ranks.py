@@ -4,6 +4,7 @@ Strata's StrataWriter / StrataReader; run by tests/integration/test_dcp.py, one 
     python dcp_ranks.py save OUT      # train, dcp.save step 1, dcp.async_save steps 2 and 3
     python dcp_ranks.py load OUT STEP NEXT  # dcp.load STEP ("newest": the attempt's restore step),
                                             # then dcp.save step NEXT
+    python dcp_ranks.py resume OUT - NEXT   # the same through client.resume(state)
     python dcp_ranks.py plain OUT DIR       # train, then plain dcp.save with FileSystemWriter(DIR)
     python dcp_ranks.py data OUT STEP NEXT BATCHES  # a data reader's position in AllRanksState:
                                             # dcp.load STEP ("-": none), read BATCHES batches
@@ -169,16 +170,22 @@ def main() -> None:
         if rank == 0:
             torch.save(saved, out)
     else:
-        step = None if sys.argv[3] == "newest" else int(sys.argv[3])
+        step = None if sys.argv[3] in ("newest", "-") else int(sys.argv[3])
         model, opt = build(123, world)  # other values everywhere
         msd, osd = get_state_dict(model, opt)  # creates Adam's state, which the load fills
         state = {"model": msd, "optim": osd}
         report["committed"] = committed_step(client)
-        reader = StrataReader(client, step=step)
-        dcp.load(state, storage_reader=reader)
+        if mode == "resume":  # the client's own resume, on DTensor state: DCP under the hood
+            assert client.resume(state) == report["committed"]
+            done = client.last_restore
+            assert done is not None
+            report.update(step=done["step"], saved_by=done["saved_by"], sources=done["sources"])
+        else:
+            reader = StrataReader(client, step=step)
+            dcp.load(state, storage_reader=reader)
+            report.update(step=reader.position[1], saved_by=reader.world_size, sources=reader.sources)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         loaded = full(model, opt)
-        report.update(step=reader.position[1], saved_by=reader.world_size, sources=reader.sources)
         # The next checkpoint of this (resharded) job: every rank's is a full one.
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, storage_writer=StrataWriter(client, step=int(sys.argv[4])))

@@ -90,8 +90,8 @@ def test_fsdp2_saved_on_four_ranks_loads_on_two_and_three(make_sidecar, job_name
     [item] = stored_commit_items(server.store, "default", job_name, "file://x", [(commit.attempt, 3)])
     assert item["reshardable"] is True and item["world_size"] == 4
 
-    # 4 -> 2: the newest step (an async save), held in this sidecar's memory.
-    two = run_ranks(server.socket_path, job_name, "dcp/1", 2, "load", str(tmp_path / "two.pt"), "newest", "4")
+    # 4 -> 2: the newest step (an async save), held in this sidecar's memory, by client.resume()
+    two = run_ranks(server.socket_path, job_name, "dcp/1", 2, "resume", str(tmp_path / "two.pt"), "-", "4")
     assert [r["step"] for r in two] == [3, 3] and [r["saved_by"] for r in two] == [4, 4]
     assert [r["committed"] for r in two] == [3, 3]
     assert_bitwise_equal(torch.load(tmp_path / "two.pt", weights_only=True), saved[3])
