@@ -501,6 +501,17 @@ def price_regime(runs: dict[float, Recording], figures: dict[str, Any]) -> list[
             writes, full
         ) / long_run(fixed[k_long], full)
     lines.append(f"     {f'intermittent @ auto {auto} bit':<26}" + "".join(f"{c:>16}" for c in cells))
+    # The consecutive policy at auto's bits beside it: writes only the rows of one interval, at
+    # the price of storage and of restores that replay the chain (up to MAX_DIFFS diffs).
+    cells = []
+    for fraction, run in runs.items():
+        reference = TABLES * run.rows * DIM * 4 + run.dense
+        writes, storage = simulate("consecutive", run.masks, auto, run.dense)
+        p = pct(fraction)
+        w = figures[f"write_reduction_auto_consecutive_at_{p}pct"] = reference / float(np.mean(writes))
+        s = figures[f"storage_reduction_auto_consecutive_at_{p}pct"] = reference / float(np.mean(storage))
+        cells.append(f"{w:7.1f} / {s:5.1f}")
+    lines.append(f"     {f'consecutive @ auto {auto} bit':<26}" + "".join(f"{c:>16}" for c in cells))
     # Priced only (no such encoding is built): full checkpoints at auto's bits and diffs at fewer,
     # which would need each diff row's change since the full quantized instead of its value for
     # the accuracy to hold (the quality section's logloss_diag_diffs*). The frontier says what
