@@ -30,6 +30,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,7 +52,7 @@ def check_dir(directory: str) -> str:
     return str(path)
 
 
-class Mapping(mmap.mmap):
+class FdMapping(mmap.mmap):
     """A shared mapping that keeps its file open while it lives, so a worker process can map the
     same pages (``/proc/<pid>/fd/<fd>``, see :func:`source_of`) however the file is renamed or
     unlinked meanwhile."""
@@ -59,26 +60,29 @@ class Mapping(mmap.mmap):
     fd: int
 
 
-def _keep_fd(mapped: Mapping, fd: int) -> Mapping:
+def _keep_fd(mapped: FdMapping, fd: int) -> FdMapping:
     mapped.fd = fd
     weakref.finalize(mapped, os.close, fd)
     return mapped
 
 
-def map_fd(fd: int, size: int, *, writable: bool = False) -> Mapping:
+def map_fd(fd: int, size: int, *, writable: bool = False) -> FdMapping:
     """A shared mapping of ``size`` bytes of ``fd``, which it owns from here (closed with it)."""
     try:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return _keep_fd(Mapping(fd, size, mmap.MAP_SHARED, prot), fd)
+        return _keep_fd(FdMapping(fd, size, mmap.MAP_SHARED, prot), fd)
     except BaseException:
         os.close(fd)
         raise
 
 
-def anonymous(size: int) -> Mapping:
+def anonymous(size: int) -> FdMapping:
     """A writable zero-filled mapping of ``size`` bytes backed by a memfd: pages are allocated
     as they are written (a dropped stream costs only what it carried), and a worker process can
-    map them as it maps a trainer's segment."""
+    map them as it maps a trainer's segment. OSError where there is no memfd (not Linux, or a
+    seccomp profile that denies it)."""
+    if not hasattr(os, "memfd_create"):
+        raise OSError("memfd_create is not available on this platform")
     fd = os.memfd_create("strata-stream", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -88,17 +92,29 @@ def anonymous(size: int) -> Mapping:
     return map_fd(fd, size, writable=True)
 
 
-def source_of(view: memoryview) -> tuple[int, int, int] | None:
-    """(pid, fd, byte offset) where another process of this user finds ``view``'s bytes (it
-    opens ``/proc/<pid>/fd/<fd>``), or None when they are not in a :class:`Mapping`."""
+class Source(NamedTuple):
+    """Where another process of this user finds bytes of a :class:`FdMapping`: it opens
+    ``/proc/<pid>/fd/<fd>`` and checks that it is still the file (``dev``, ``ino``)."""
+
+    pid: int
+    fd: int
+    offset: int
+    dev: int
+    ino: int
+
+
+def source_of(view: memoryview) -> Source | None:
+    """Where ``view``'s bytes are for another process, or None when they are not in a
+    :class:`FdMapping`."""
     owner = view.obj
-    if not isinstance(owner, Mapping) or owner.closed or not view.contiguous:
+    if not isinstance(owner, FdMapping) or owner.closed or not view.contiguous or not view.nbytes:
         return None
-    start = np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
+    start = np.frombuffer(view, np.uint8).ctypes.data
     base = np.frombuffer(owner, np.uint8).ctypes.data
-    if not view.nbytes or not base <= start <= base + len(owner) - view.nbytes:
+    if not base <= start <= base + len(owner) - view.nbytes:
         return None
-    return os.getpid(), owner.fd, start - base
+    info = os.fstat(owner.fd)
+    return Source(os.getpid(), owner.fd, start - base, info.st_dev, info.st_ino)
 
 
 class Segments:
@@ -114,7 +130,7 @@ class Segments:
         self.directory = directory
         self._per_owner = per_owner
         self._lock = threading.Lock()
-        self._maps: dict[object, OrderedDict[str, Mapping]] = {}
+        self._maps: dict[object, OrderedDict[str, FdMapping]] = {}
         with _LIVE_LOCK:
             # The PID, and a token: a restarted container's sidecar may get its predecessor's PID.
             self._id = f"{os.getpid()}.{next(_IDS)}{uuid.uuid4().hex[:6]}"
@@ -155,7 +171,7 @@ class Segments:
             )
         return memoryview(mapped)[:size]
 
-    def _map(self, name: str) -> Mapping:
+    def _map(self, name: str) -> FdMapping:
         path = os.path.join(self.directory, name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -237,7 +253,7 @@ class Segments:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
 
-    def _sweep(self, maps: OrderedDict[str, Mapping], instance: str) -> None:
+    def _sweep(self, maps: OrderedDict[str, FdMapping], instance: str) -> None:
         """Forget an instance's mappings and unlink any segment of it never mapped (the spare
         a crashed trainer had warmed up)."""
         for name in [n for n in maps if n.rsplit("-", 1)[0] == instance]:

@@ -177,7 +177,9 @@ class Admission:
                     # refusing. The next checkpoint of this rank is then a full one.
                     self.held.drop_committed_locked(identity, what)
                     memory = self.memory.reserve("snapshot", offset, what)
-                buffer = zeroed(offset)
+                # Shareable with the encoding workers when there are some and it may be quantized.
+                pool = self.shared.encode_pool is not None and self.shared.quant.enabled
+                buffer = zeroed(offset, shareable=pool)
             else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
                 buffer = self.shared.segments.view(segment[0], offset, identity.slot)
             snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer, memory=memory)

@@ -5,6 +5,7 @@ that allocate and drop a snapshot's buffer."""
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from sidecar.budget import Reservation
 from sidecar.errors import InvalidArgument
 from sidecar.gang import Position
 from sidecar.shm import anonymous
+
+log = logging.getLogger(__name__)
 
 #: (namespace, job, rank): one trainer rank's place in the engine
 Slot = tuple[str, str, int]
@@ -134,16 +137,18 @@ def drop_buffer(snap: Snapshot) -> None:
         snap.memory.release()
 
 
-def zeroed(size: int) -> bytearray | memoryview:
+def zeroed(size: int, shareable: bool = False) -> bytearray | memoryview:
     """A writable zero-filled buffer whose pages are mapped as the stream fills them (an
-    anonymous mapping), so a dropped stream costs only what it carried."""
+    anonymous mapping), so a dropped stream costs only what it carried. ``shareable``: in a
+    memfd, which encoding worker processes map too (sidecar.shm), where there is one."""
     if size < 1 << 20:
         return bytearray(size)
-    # A memfd, not private anonymous memory: encoding workers map the same pages (sidecar.shm).
-    try:
-        return memoryview(anonymous(size))
-    except OSError:  # no memfd (a seccomp profile that denies it): quantized in this process
-        return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
+    if shareable:
+        try:
+            return memoryview(anonymous(size))
+        except OSError as exc:  # no memfd (not Linux, a seccomp profile): quantized in process
+            log.debug("no memfd for a streamed save: %s", exc)
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
 
 
 def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:

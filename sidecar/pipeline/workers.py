@@ -27,12 +27,14 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import numpy.typing as npt
 
 from sidecar.pipeline import quantize as qz
+from sidecar.shm import Source
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,8 @@ log = logging.getLogger(__name__)
 #: more than it saves
 MIN_POOL_BYTES = 4 << 20
 
-#: (pid, fd, byte offset) of a tensor's bytes, as :func:`sidecar.shm.source_of` gives it
-Source = tuple[int, int, int]
+#: a broken pool (a worker killed, by the OOM killer say) is started again this much later
+RETRY_S = 60.0
 
 
 class EncodePool:
@@ -53,27 +55,40 @@ class EncodePool:
         self.workers = workers
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
-        self._broken = False
+        #: when the pool last broke (monotonic): in-process until RETRY_S later, then a new pool
+        self._broken_at: float | None = None
         self._unmappable = False
+        #: tensors quantized in the sidecar's process because the pool could not (for tests, logs)
+        self.fallbacks = 0
 
     def _executor(self) -> ProcessPoolExecutor | None:
         with self._lock:
-            if self._broken:
-                return None
+            if self._broken_at is not None:
+                if time.monotonic() - self._broken_at < RETRY_S:
+                    return None
+                self._broken_at = None
+                log.info("starting encoding worker processes again")
             if self._pool is None:
                 ctx = multiprocessing.get_context("spawn")
-                self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=ctx, initializer=_watch_parent, initargs=(os.getpid(),)
-                )
+                try:
+                    self._pool = ProcessPoolExecutor(
+                        self.workers, mp_context=ctx, initializer=_watch_parent, initargs=(os.getpid(),)
+                    )
+                except (OSError, ImportError, NotImplementedError) as exc:  # no semaphores, say
+                    self._broken_locked(exc)
+                    return None
             return self._pool
 
     def warm(self) -> None:
         """Start the workers now (they import numpy: ~0.3 s each), not at the first save."""
         pool = self._executor()
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                for f in [pool.submit(_ping) for _ in range(self.workers)]:
-                    f.result(60)
+        if pool is None:
+            return
+        try:
+            for f in [pool.submit(_ping) for _ in range(self.workers)]:
+                f.result(60)
+        except Exception as exc:  # a pool that cannot start: the saves quantize in process
+            self._give_up(exc)
 
     def quantize(
         self,
@@ -87,47 +102,67 @@ class EncodePool:
     ) -> qz.QuantizedRows | None:
         """The rows of the ``dtype[shape]`` tensor at ``source`` (all, or the indices ``rows``,
         ascending) quantized to ``bits``; None when the pool cannot (the caller encodes in
-        process). Raises ``ValueError`` as :func:`quantize_rows` does (a row it refuses)."""
+        process). Raises ``ValueError`` as :func:`quantize_rows` does (a row it refuses).
+        Returns only once no part of it runs any more: the caller may drop the snapshot."""
         pool = self._executor()
         if pool is None:
+            self.fallbacks += 1
             return None
         n = shape[0] if rows is None else len(rows)
         # Parts of a multiple of 8 rows, one per worker (the last takes the rest).
         per = max(8, (-(-n // self.workers) + 7) // 8 * 8)
         futures: list[Future[qz.Part]] = []
         try:
-            for a in range(0, max(n, 1), per):
-                b = min(a + per, n)
-                pick: npt.NDArray[np.int64] | None = None
-                first, last = a, b
-                if rows is not None and b > a:
-                    pick = np.ascontiguousarray(rows[a:b], np.int64)
-                    first, last = int(pick[0]), int(pick[-1]) + 1
-                futures.append(
-                    pool.submit(_quantize_part, source, dtype, shape, first, last, pick, bits, greedy)
-                )
+            try:
+                for a in range(0, max(n, 1), per):
+                    b = min(a + per, n)
+                    pick: npt.NDArray[np.int64] | None = None
+                    first, last = a, b
+                    if rows is not None and b > a:
+                        pick = np.ascontiguousarray(rows[a:b], np.int64)
+                        first, last = int(pick[0]), int(pick[-1]) + 1
+                    futures.append(
+                        pool.submit(_quantize_part, source, dtype, shape, first, last, pick, bits, greedy)
+                    )
+            except (OSError, RuntimeError) as exc:  # a worker could not be spawned (a pids limit)
+                raise BrokenProcessPool(f"cannot start a worker: {exc}") from exc
             return qz.join_parts([f.result() for f in futures])
         except BrokenProcessPool as exc:
             self._give_up(exc)
+            self.fallbacks += 1
             return None
         except OSError as exc:  # this mapping only (a closed fd, /proc denied): the pool stays
-            for f in futures:
-                f.cancel()
             if not self._unmappable:
                 log.warning("encoding workers cannot map a snapshot, quantizing in process: %s", exc)
                 self._unmappable = True
+            self.fallbacks += 1
             return None
+        finally:  # on an error, parts still queued or running must not outlive the call
+            for f in futures:
+                f.cancel()
+            futures_wait(futures)
 
     def _give_up(self, exc: BaseException) -> None:
         with self._lock:
-            if not self._broken:
-                log.warning("encoding worker processes unavailable, quantizing in process: %s", exc)
-            self._broken = True
+            self._broken_locked(exc)
             pool, self._pool = self._pool, None
         if pool is not None:
+            survivors = list((getattr(pool, "_processes", None) or {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
+            # A killed worker may have died holding the task queue's lock: the others would wait
+            # on it forever, and so would the interpreter's exit joining them (gh-94777).
+            for p in survivors:
+                with contextlib.suppress(Exception):
+                    p.kill()
+
+    def _broken_locked(self, exc: BaseException) -> None:
+        log.warning(
+            "encoding worker processes unavailable, quantizing in process for %.0f s: %s", RETRY_S, exc
+        )
+        self._broken_at = time.monotonic()
 
     def close(self) -> None:
+        """Stop the workers (tests; a sidecar's stop with the interpreter at exit)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -186,22 +221,23 @@ def _quantize_part(
     """Rows ``[first, last)`` of the tensor (or, with ``pick``, those rows among them)."""
     from sidecar.pipeline.encode import to_f32  # the worker's own import, after spawn
 
-    pid, fd, offset = source
     row_bytes = shape[1] * _ITEMSIZE[dtype]
     if last <= first:
         return qz.quantize_parts(np.zeros((0, shape[1]), np.float32), bits, greedy=greedy)
-    start = offset + first * row_bytes
+    start = source.offset + first * row_bytes
     size = (last - first) * row_bytes
     page = start - start % mmap.ALLOCATIONGRANULARITY
-    handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    handle = os.open(f"/proc/{source.pid}/fd/{source.fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        mapped = mmap.mmap(
-            handle,
-            start + size - page,
-            mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            mmap.PROT_READ,
-            offset=page,
-        )
+        info = os.fstat(handle)
+        if (info.st_dev, info.st_ino) != (source.dev, source.ino):  # the fd now names another file
+            raise OSError(f"fd {source.fd} of process {source.pid} no longer holds the snapshot")
+        # A diff's rows are scattered: fault in only the pages they lie on.
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if pick is None else 0)
+        try:
+            mapped = mmap.mmap(handle, start + size - page, flags, mmap.PROT_READ, offset=page)
+        except ValueError as exc:  # beyond the file's end: not the snapshot it was
+            raise OSError(f"cannot map the snapshot: {exc}") from None
     finally:
         os.close(handle)
     try:

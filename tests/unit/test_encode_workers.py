@@ -5,6 +5,7 @@ fallback that never changes the result."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def test_a_trainer_segment_is_mapped_by_fd_after_its_name_is_gone(pool, tmp_path
             p.unlink()  # renamed to a held name, then gone: the workers go by fd
         tensor = view[DIM * 4 * 8 :]  # a tensor at an offset inside the segment
         shape = [ROWS - 8, DIM]
-        assert shm.source_of(tensor) == (os.getpid(), view.obj.fd, DIM * 4 * 8)
+        source = shm.source_of(tensor)
+        assert source is not None and source[:3] == (os.getpid(), view.obj.fd, DIM * 4 * 8)
         pooled = enc.encode(tensor, "float32", shape, bits=2, pool=pool)
         alone = enc.encode(tensor, "float32", shape, bits=2)
         assert bytes(pooled.pieces[0]) == bytes(alone.pieces[0])
@@ -93,20 +95,54 @@ def test_bytes_the_workers_cannot_map_are_quantized_in_process(pool):
     values = np.random.default_rng(4).standard_normal((ROWS, DIM), dtype=np.float32)
     heap = memoryview(bytearray(values.tobytes()))
     assert shm.source_of(heap) is None
-    assert pool.quantize((os.getpid(), 10**6, 0), "float32", (ROWS, DIM), 4, greedy=True) is None
+    data = _memfd_table(ROWS, "float32")
+    good = shm.source_of(data)
+    assert good is not None
+    gone = good._replace(fd=10**6)  # not an open fd
+    assert pool.quantize(gone, "float32", (ROWS, DIM), 4, greedy=True) is None
+    other = good._replace(ino=good.ino + 1)  # the fd now names another file
+    assert pool.quantize(other, "float32", (ROWS, DIM), 4, greedy=True) is None
     encoded = enc.encode(heap, "float32", [ROWS, DIM], bits=4, pool=pool)
     assert bytes(encoded.pieces[0]) == qz.quantize_rows(values, 4).to_bytes()
     # the pool still works after a mapping it could not make
+    assert pool.quantize(good, "float32", (ROWS, DIM), 4, greedy=True) is not None
+
+
+@pytest.mark.parametrize("bad_row", [3, ROWS - 3])  # in the first part, in the last
+def test_rows_the_quantizer_refuses_are_refused_from_a_worker_too(pool, bad_row):
     data = _memfd_table(ROWS, "float32")
+    arr = np.frombuffer(data.obj, np.float32).reshape(ROWS, DIM)
+    arr[bad_row, 5] = np.inf
+    with pytest.raises(ValueError, match=r"NaN|inf|65504"):
+        pool.quantize(shm.source_of(data), "float32", (ROWS, DIM), 4, greedy=True)
+    arr[bad_row, 5] = 0.0  # and the pool goes on
     assert pool.quantize(shm.source_of(data), "float32", (ROWS, DIM), 4, greedy=True) is not None
 
 
-def test_rows_the_quantizer_refuses_are_refused_from_a_worker_too(pool):
+def test_a_killed_worker_sends_the_sidecar_in_process_until_the_pool_is_started_again(monkeypatch):
+    import signal
+
+    from sidecar.pipeline import workers
+
     data = _memfd_table(ROWS, "float32")
-    arr = np.frombuffer(data.obj, np.float32).reshape(ROWS, DIM)
-    arr[ROWS - 3, 5] = np.inf
-    with pytest.raises(ValueError, match=r"NaN|inf|65504"):
-        pool.quantize(shm.source_of(data), "float32", (ROWS, DIM), 4, greedy=True)
+    source = shm.source_of(data)
+    want = enc.encode(data, "float32", [ROWS, DIM], bits=4).pieces[0]
+    pool = EncodePool(2)
+    try:
+        pids = {pool._executor().submit(os.getpid).result() for _ in range(8)}  # type: ignore[union-attr]
+        os.kill(next(iter(pids)), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not pool._pool._broken and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)  # until the pool has seen it (else the other worker may do the job)
+        assert pool.quantize(source, "float32", (ROWS, DIM), 4, greedy=True) is None
+        # meanwhile the encoding happens in process, the same bytes
+        assert bytes(enc.encode(data, "float32", [ROWS, DIM], bits=4, pool=pool).pieces[0]) == bytes(want)
+        assert pool.fallbacks == 2
+        monkeypatch.setattr(workers, "RETRY_S", 0.0)  # the back-off is over: a new pool
+        q = pool.quantize(source, "float32", (ROWS, DIM), 4, greedy=True)
+        assert q is not None and q.to_bytes() == bytes(want)
+    finally:
+        pool.close()
 
 
 def test_parts_join_to_the_whole_bit_for_bit():
