@@ -83,6 +83,11 @@ class Engine:
                 gang.cond.notify_all()
         self.commits.shutdown()
         self.shared.uploads.shutdown(wait=True)
+        if self.shared.encode_pool is not None:
+            # Its workers stop now, not at the interpreter's exit (a sidecar run inside another
+            # process, a multiprocessing child say, would wait for them forever); another sidecar
+            # of this process that quantizes later starts a new pool.
+            self.shared.encode_pool.close()
         self.segments.close()
         self.redundancy.close()
         self.peers.close()

@@ -26,7 +26,7 @@ import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -127,6 +127,9 @@ class EncodePool:
             except (OSError, RuntimeError) as exc:  # a worker could not be spawned (a pids limit)
                 raise BrokenProcessPool(f"cannot start a worker: {exc}") from exc
             return qz.join_parts([f.result() for f in futures])
+        except CancelledError:  # closed meanwhile (another sidecar of this process stopped)
+            self.fallbacks += 1
+            return None
         except BrokenProcessPool as exc:
             self._give_up(exc)
             self.fallbacks += 1
@@ -162,7 +165,7 @@ class EncodePool:
         self._broken_at = time.monotonic()
 
     def close(self) -> None:
-        """Stop the workers (tests; a sidecar's stop with the interpreter at exit)."""
+        """Stop the workers (a sidecar's stop); a later call starts new ones."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
