@@ -423,7 +423,10 @@ class CheckpointClient:
 
     def _adopt(self, state: MutableMapping[str, Any]) -> None:
         """The state is known: stage its optimizers in the background (``overlap="auto"``) and
-        pre-fault the staging buffers for it, off the training thread."""
+        pre-fault the staging buffers for it, off the training thread. State holding DTensors
+        is saved through DCP (``StrataWriter``), which stages its own way: nothing to adopt."""
+        if _holds_dtensor(state):
+            return
         if self.settings.overlap == "auto":
             for optimizer in _optimizers(state):
                 self.register_optimizer(optimizer)

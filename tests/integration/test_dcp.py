@@ -607,3 +607,31 @@ def test_a_save_that_fails_before_it_is_sent_frees_its_staging_buffer(
     for step in (3, 4):
         client.save(step, state).durable.result(30)
     assert committed_step(client) == 4
+
+
+def test_resume_on_dtensor_state_starts_fresh_then_loads_through_dcp(
+    one_rank, make_sidecar, make_client, job_name
+):
+    """``client.resume()`` on FSDP2 state: nothing committed yet is a fresh start (None), and a
+    step saved through ``StrataWriter`` comes back through DCP, with ``last_restore`` saying so."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)  # resume="auto"
+    assert client.resume(fsdp2_state(model, opt, 1)) is None
+    saved = fsdp2_state(model, opt, 2)
+    want = [t.clone() for t in local_tensors(saved)]
+    dcp.save(saved, storage_writer=StrataWriter(client), checkpoint_id=5)
+
+    later = make_client(server, job_name, capture_rng=False)  # a restarted trainer
+    state = fsdp2_state(model, opt, 3)  # moved on
+    assert later.resume(state) == 5
+    assert_bitwise_equal(local_tensors(state), want)
+    assert later.last_restore is not None
+    assert later.last_restore["source"] == "dcp" and later.last_restore["saved_by"] == 1
