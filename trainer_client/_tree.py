@@ -150,7 +150,13 @@ class _Encoder:
     def tensor(self, t: torch.Tensor, path: Path) -> dict[str, Any]:
         # Subclasses (DTensor, UninitializedParameter, ...) carry meaning raw bytes would lose.
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise StateError(f"{where(path)}: cannot checkpoint tensor subclass {type(t).__qualname__}")
+            hint = (
+                " (FSDP2 / DTensor state: save it with torch.distributed.checkpoint and "
+                "trainer_client.dcp.StrataWriter; client.resume() loads it back)"
+                if type(t).__name__ == "DTensor"
+                else ""
+            )
+            raise StateError(f"{where(path)}: cannot checkpoint tensor subclass {type(t).__qualname__}{hint}")
         if t.layout != torch.strided:
             raise StateError(f"{where(path)}: cannot checkpoint a {t.layout} tensor; only dense tensors")
         if t.is_quantized:

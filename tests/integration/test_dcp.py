@@ -627,6 +627,8 @@ def test_resume_on_dtensor_state_starts_fresh_then_loads_through_dcp(
     assert client.resume(fsdp2_state(model, opt, 1)) is None
     saved = fsdp2_state(model, opt, 2)
     want = [t.clone() for t in local_tensors(saved)]
+    with pytest.raises(ValueError, match=r"0\.weight.*DTensor.*StrataWriter"):
+        client.save(5, saved)  # client.save takes no DTensors: the message says what does
     dcp.save(saved, storage_writer=StrataWriter(client), checkpoint_id=5)
 
     later = make_client(server, job_name, capture_rng=False)  # a restarted trainer
