@@ -1,10 +1,14 @@
 """One memory budget for everything the sidecar holds of its own.
 
-Charged here: snapshots received over gRPC (their buffers), restore buffers (read from storage,
-or decoded from held lossy forms), restores read ahead, and encode scratch (quantized and diffed
-payloads while they upload). Not charged: shared-memory segments. The trainer creates and first
-touches them, so their pages belong to the trainer container's memory limit and to the emptyDir's
-``sizeLimit``: two segments per rank, each the rank's snapshot size.
+Charged here: snapshots received over gRPC (their buffers), what a save's header makes the
+sidecar hold (``metadata``: its state tree parsed and as its MANIFEST carries it, its tensor
+list), restore buffers (read from storage, or decoded from held lossy forms), restores read
+ahead, and encode scratch (quantized and diffed payloads while they upload). Not charged:
+shared-memory segments. The trainer creates and first touches them, so their pages belong to the
+trainer container's memory limit and to the emptyDir's ``sizeLimit``: two segments per rank,
+each the rank's snapshot size. What no reservation covers is bounded by a limit instead: one
+gRPC message (--max-message-bytes), a state tree (--max-tree-bytes, before it is parsed), the
+tensors of one save (--max-tensors), names and dimensions (sidecar.engine.admission).
 
 A reservation that does not fit is refused with RESOURCE_EXHAUSTED, naming what asked, what is
 held and the limit; nothing waits for memory, so nothing deadlocks on it. The limit comes from
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 #: Share of the container's limit the budget may use by default; the rest is the process itself
 #: (interpreter, boto3, gRPC buffers, numpy temporaries outside the encoders' accounting).
 DEFAULT_FRACTION = 0.75
-KINDS = ("snapshot", "restore", "prefetch", "encode", "redundancy")
+KINDS = ("snapshot", "metadata", "restore", "prefetch", "encode", "redundancy")
 
 
 def cgroup_memory_limit(root: str = "/sys/fs/cgroup", proc_self: str = "/proc/self/cgroup") -> int | None:

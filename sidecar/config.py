@@ -38,6 +38,12 @@ class SidecarSettings:
     max_message_bytes: int = _opt(64 << 20, "largest gRPC message accepted or sent")
     max_snapshot_bytes: int = _opt(64 << 30, "largest snapshot one save may carry")
     max_held_snapshots: int = _opt(2, "snapshots held in memory per rank (committed + in flight)")
+    max_tree_bytes: int = _opt(
+        16 << 20,
+        "largest state tree (the JSON of a save's non-tensor values) one save may carry; parsing it "
+        "is charged to --memory-budget as well (up to ~32x its bytes until parsed)",
+    )
+    max_tensors: int = _opt(100_000, "most tensors (replicated ones included) one save may declare")
     memory_budget: int = _opt(
         0,
         "bytes of the sidecar's own memory (snapshots received over gRPC, restore buffers, encode "
@@ -183,7 +189,14 @@ class SidecarSettings:
             raise ValueError(
                 "--tcp-port needs --token (STRATA_TOKEN): on a host-network pod 127.0.0.1 is the node's"
             )
-        for name in ("object_bytes", "upload_concurrency", "max_message_bytes", "max_snapshot_bytes"):
+        for name in (
+            "object_bytes",
+            "upload_concurrency",
+            "max_message_bytes",
+            "max_snapshot_bytes",
+            "max_tree_bytes",
+            "max_tensors",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         check_encoding_settings(self)

@@ -40,6 +40,8 @@ class StepNews:
     #: rank -> MANIFEST key (hinted or local) and, when local, its body
     manifests: dict[int, str] = field(default_factory=dict)
     bodies: dict[int, bytes] = field(default_factory=dict)
+    #: ranks whose MANIFEST is known durable (their bodies go once the step is settled here)
+    durable: set[int] = field(default_factory=set)
     #: the COMMIT key a hint named (unverified) and the verified reference
     hinted_commit: str = ""
     committed: mf.CommitRef | None = None

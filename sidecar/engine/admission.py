@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import sys
 
 from sidecar import manifest as mf
 from sidecar.api.dtypes import expected_nbytes
+from sidecar.budget import Reservation
+from sidecar.config import SidecarSettings
 from sidecar.errors import (
     Aborted,
     AlreadyExists,
@@ -31,6 +35,17 @@ from .state import Shared
 from .types import Identity, Snapshot, TensorSpec, zeroed
 
 log = logging.getLogger(__name__)
+
+#: Deepest nesting of a state tree: every reader of it (json, the client's decoder) recurses.
+MAX_TREE_DEPTH = 128
+#: Longest tensor name (UTF-8 bytes), and most dimensions of one tensor.
+MAX_NAME_BYTES = 1024
+MAX_DIMS = 64
+#: Parsing JSON can take ~24x its bytes (a list of empty objects): reserved before parsing.
+PARSE_FACTOR = 32
+#: What one declared tensor costs besides its name and bitmap: its entries (declared and
+#: stored, with digests) and its lines in the MANIFEST, as measured, with room to spare.
+TENSOR_COST = 2048
 
 
 class Admission:
@@ -70,12 +85,17 @@ class Admission:
         at the tensors' offsets, and the snapshot is complete once admitted. ``replicas``: the
         state's replicated tensors (those another rank owns are not in ``tensors``).
         """
+        metadata: list[Reservation] = []  # the header's share of the budget, kept once admitted
         try:
             return self._admit(
-                protocol_version, identity, step, save_id, tensors, tree, segment, replicas or []
+                protocol_version, identity, step, save_id, tensors, tree, segment, replicas or [], metadata
             )
         except StrataError:
+            _release(metadata)
             self.metrics.checkpoints.labels(identity.job, "refused").inc()
+            raise
+        except BaseException:
+            _release(metadata)
             raise
 
     def _admit(
@@ -88,6 +108,7 @@ class Admission:
         tree: bytes,
         segment: tuple[str, int] | None,
         replicas: list[mf.ReplicaEntry],
+        metadata: list[Reservation],
     ) -> Snapshot:
         identity.validate()
         self.attempts.greet(identity, protocol_version)
@@ -96,6 +117,7 @@ class Admission:
             raise InvalidArgument(f"step must be >= 0, got {step}")
         if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
             raise InvalidArgument(f"save_id {save_id!r} must be 1-64 letters, digits or '-'")
+        check_header_limits(self.settings, tensors, replicas, tree)
         entries: list[mf.TensorEntry] = []
         names: set[str] = set()
         offset = 0
@@ -137,10 +159,7 @@ class Admission:
                 f"--quantize-match {','.join(self.shared.quant.patterns)!r} matches no tensor of this save "
                 f"(names look like {', '.join(e.name for e in entries[:3])})"
             )
-        try:
-            tree_value = json.loads(tree) if tree else None
-        except ValueError as exc:
-            raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
+        tree_value = self._read_header(identity, step, tensors, replicas, tree, metadata)
         epoch = self.attempts.epoch_for(identity)
         if epoch.restore is not None and step <= epoch.restore[1]:
             raise AlreadyExists(
@@ -184,6 +203,7 @@ class Admission:
                 buffer = self.shared.segments.view(segment[0], offset, identity.slot)
             snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer, memory=memory)
             snap.attempt, snap.generation = epoch.attempt, epoch.generation
+            snap.metadata = metadata[0] if metadata else None
             snap.touched = {t.name: t.touched for t in tensors if t.touched}
             snap.replicas = list(replicas)
             if segment is not None:
@@ -195,6 +215,41 @@ class Admission:
             identity, epoch.attempt
         )  # saving: whatever a dropped stream said no longer holds
         return snap
+
+    def _read_header(
+        self,
+        identity: Identity,
+        step: int,
+        tensors: list[TensorSpec],
+        replicas: list[mf.ReplicaEntry],
+        tree: bytes,
+        metadata: list[Reservation],
+    ) -> object:
+        """The state tree, checked whole, with what the header costs the sidecar charged to the
+        budget (appended to ``metadata``): before parsing, the most parsing may take; after, what
+        the tree and the tensor list are measured to hold until the snapshot is dropped."""
+        what = (
+            f"the state tree ({len(tree)} bytes) and {len(tensors) + len(replicas)} tensor entries "
+            f"of step {step} (rank {identity.rank})"
+        )
+        entries = header_cost(tensors, replicas)
+        metadata.append(self._reserve_metadata(identity, PARSE_FACTOR * len(tree) + entries, what))
+        value, held = parse_tree(tree)
+        if held + entries <= metadata[0].nbytes:
+            metadata[0].shrink(held + entries)
+        else:
+            metadata.pop().release()
+            metadata.append(self._reserve_metadata(identity, held + entries, what))
+        return value
+
+    def _reserve_metadata(self, identity: Identity, nbytes: int, what: str) -> Reservation:
+        try:
+            return self.memory.reserve("metadata", nbytes, what, retry=True)
+        except ResourceExhausted:  # the rank's committed copy in memory is a cache: give it up first
+            with self.shared.lock:
+                self.held.drop_committed_locked(identity, what)
+            self.held.update_gauge()
+            return self.memory.reserve("metadata", nbytes, what)
 
     def write_chunk(self, snap: Snapshot, data: bytes) -> None:
         end = snap.received + len(data)
@@ -233,6 +288,86 @@ class Admission:
         log.warning("save of step %d (rank %d) aborted: %s", snap.step, snap.identity.rank, reason)
         self.held.release(snap)
         snap.done.set()
+
+
+def _release(reservations: list[Reservation]) -> None:
+    for r in reservations:
+        r.release()
+
+
+def check_header_limits(
+    settings: SidecarSettings, tensors: list[TensorSpec], replicas: list[mf.ReplicaEntry], tree: bytes
+) -> None:
+    """Bound what a header may declare before anything of it is looked at further."""
+    count = len(tensors) + len(replicas)
+    if count > settings.max_tensors:
+        raise InvalidArgument(
+            f"save declares {count} tensors and replicas, more than --max-tensors {settings.max_tensors}"
+        )
+    for kind, name, dims in [("tensor", t.name, len(t.shape)) for t in tensors] + [
+        ("replicated tensor", r.name, len(r.shape)) for r in replicas
+    ]:
+        size = len(name.encode("utf-8", "surrogatepass"))
+        if size > MAX_NAME_BYTES:
+            raise InvalidArgument(
+                f"{kind} {name[:64]!r}...: name of {size} bytes, more than the limit of "
+                f"{MAX_NAME_BYTES} bytes"
+            )
+        if dims > MAX_DIMS:
+            raise InvalidArgument(f"{kind} {name!r}: {dims} dimensions, more than the limit of {MAX_DIMS}")
+    if len(tree) > settings.max_tree_bytes:
+        raise InvalidArgument(
+            f"state tree of {len(tree)} bytes exceeds --max-tree-bytes {settings.max_tree_bytes} "
+            "(large values belong in tensors)"
+        )
+
+
+def header_cost(tensors: list[TensorSpec], replicas: list[mf.ReplicaEntry]) -> int:
+    """Bytes the sidecar holds for a header's tensor list while the snapshot lives."""
+    return sum(TENSOR_COST + 3 * len(t.name) + len(t.touched) for t in tensors) + sum(
+        TENSOR_COST + 3 * len(r.name) for r in replicas
+    )
+
+
+def _constant(name: str) -> object:
+    raise InvalidArgument(f"state tree holds {name}, which is not JSON (tag non-finite floats)")
+
+
+def parse_tree(tree: bytes) -> tuple[object, int]:
+    """A save's state tree, strict JSON (no NaN or Infinity, every number finite) at most
+    MAX_TREE_DEPTH deep, and the bytes it makes the sidecar hold: the parsed value, the MANIFEST
+    that carries it (indented, ASCII) and the copies made while writing that."""
+    if not tree:
+        return None, 0
+    try:
+        value = json.loads(tree, parse_constant=_constant)
+    except RecursionError:
+        raise InvalidArgument(f"state tree nested deeper than {MAX_TREE_DEPTH} levels") from None
+    except ValueError as exc:
+        raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
+    python = 0  # the parsed objects
+    text = len(tree)  # the MANIFEST's copy: the bytes, plus indentation and escapes
+    stack: list[tuple[object, int]] = [(value, 0)]  # iterative: depth is what is being checked
+    while stack:
+        node, depth = stack.pop()
+        python += sys.getsizeof(node)
+        if isinstance(node, (dict, list)):
+            if depth >= MAX_TREE_DEPTH:
+                raise InvalidArgument(f"state tree nested deeper than {MAX_TREE_DEPTH} levels")
+            children = node.values() if isinstance(node, dict) else node
+            text += len(node) * (depth + 8)
+            for key in node if isinstance(node, dict) else ():
+                python += sys.getsizeof(key)
+                text += 0 if key.isascii() else 6 * len(key)
+            stack.extend((child, depth + 1) for child in children)
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise InvalidArgument("state tree holds a number that is not finite (too large for a double)")
+            text += 24  # repr() may be longer than the text it came from (1e15)
+        elif isinstance(node, str) and not node.isascii():
+            text += 6 * len(node)
+    # Writing a MANIFEST copies the tree (dataclasses.asdict) and holds its text twice (str, bytes).
+    return value, 2 * python + 2 * text
 
 
 def _check_replicas(

@@ -148,6 +148,7 @@ class Commits:
                 news = gang.news(snap.position)
                 news.manifests[ident.rank] = ref.key
                 news.bodies[ident.rank] = built[0].to_json()  # the bytes write_manifest stored
+                news.durable.add(ident.rank)
                 gang.cond.notify_all()
             self.shared.hint(gang, snap.position, manifest=pb.ManifestHint(rank=ident.rank, key=ref.key))
             fault_point("sidecar.commit.before", snap.step)
@@ -205,6 +206,10 @@ class Commits:
         finally:
             if scratch is not None:
                 scratch.release()
+            with gang.cond:  # settled here: the MANIFEST bodies of the step are not needed any more
+                news = gang.news(snap.position)
+                for rank in range(ident.world_size) if ident.rank == 0 else (ident.rank,):
+                    news.bodies.pop(rank, None)
             snap.done.set()
         if snap.state == "committed" and ident.rank == 0:
             self.reports.heartbeat(ident.slot)
@@ -376,6 +381,7 @@ class Commits:
                     return None
                 with gang.cond:
                     gang.news(position).bodies[rank] = body
+                    gang.news(position).durable.add(rank)
             assert body is not None
             out[rank] = (key, body)
         return out
@@ -480,7 +486,7 @@ class Commits:
         gang = self.shared.gang(identity.job_key)
         with gang.cond:
             news = gang.news((attempt, step))
-            if identity.rank in news.manifests and news.bodies.get(identity.rank):
+            if identity.rank in news.manifests and identity.rank in news.durable:
                 return  # this rank's MANIFEST is durable: the step does not wait for it
             news.skipped.setdefault(identity.rank, reason)
             gang.cond.notify_all()

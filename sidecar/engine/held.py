@@ -20,7 +20,7 @@ from sidecar.gang import Position
 from sidecar.pipeline.plan import Chain
 
 from .state import Shared
-from .types import Identity, JobKey, Slot, Snapshot, drop_buffer
+from .types import Identity, JobKey, Slot, Snapshot, drop_buffer, outcome_of
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,14 @@ class Held:
             held = self.slots.get(snap.identity.slot, [])
             if snap in held:
                 held.remove(snap)
-            drop_buffer(snap)
+            self._drop_locked(snap)
         self.update_gauge()
+
+    def _drop_locked(self, snap: Snapshot) -> None:
+        """Give up what ``snap`` holds; its outcome stays known, without its tree and tensors."""
+        drop_buffer(snap)
+        if self.outcomes.get(snap.save_id) is snap:
+            self.outcomes[snap.save_id] = outcome_of(snap)
 
     def keep_newest_committed(self, snap: Snapshot) -> None:
         """Only the newest committed snapshot of a rank stays in memory."""
@@ -70,7 +76,7 @@ class Held:
             for old in committed:
                 if old is not newest:
                     held.remove(old)
-                    drop_buffer(old)
+                    self._drop_locked(old)
         self.update_gauge()
 
     def drop_committed_locked(self, identity: Identity, what: str) -> None:
@@ -79,7 +85,7 @@ class Held:
         held = self.slots.get(identity.slot, [])
         for old in [s for s in held if s.state == "committed" and s.memory is not None]:
             held.remove(old)
-            drop_buffer(old)
+            self._drop_locked(old)
             log.info("rank %d: dropped step %d from memory to fit %s", identity.rank, old.step, what)
 
     def drop_fenced(self, job_key: JobKey, fences: mf.Fences) -> None:
@@ -91,7 +97,7 @@ class Held:
                 for snap in list(held):
                     if snap.state == "committed" and not fences.valid(*snap.position):
                         held.remove(snap)
-                        drop_buffer(snap)
+                        self._drop_locked(snap)
                 refs = self.chain_refs.get(slot, {})
                 if any(not fences.valid(r.attempt, r.step) for r in refs.values()):
                     self.chains.pop(slot, None)

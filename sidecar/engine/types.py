@@ -4,6 +4,7 @@ that allocate and drop a snapshot's buffer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import mmap
@@ -100,6 +101,8 @@ class Snapshot:
     replicas: list[mf.ReplicaEntry] = field(default_factory=list)
     #: its buffer's share of the memory budget (streamed saves; shared segments are the trainer's)
     memory: Reservation | None = None
+    #: the share of its header (tree, tensor list) in the memory budget, shared segments too
+    metadata: Reservation | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -133,8 +136,26 @@ class RestoreData:
 
 def drop_buffer(snap: Snapshot) -> None:
     snap.buffer = bytearray()
-    if snap.memory is not None:
-        snap.memory.release()
+    for memory in (snap.memory, snap.metadata):
+        if memory is not None:
+            memory.release()
+
+
+def outcome_of(snap: Snapshot) -> Snapshot:
+    """What a dropped snapshot leaves for the trainer's WaitCommitted: its final state without
+    its tree, tensor lists or bytes (up to a thousand of them are remembered)."""
+    return dataclasses.replace(
+        snap,
+        tensors=[],
+        tree=None,
+        buffer=bytearray(),
+        objects=[],
+        touched={},
+        stored=[],
+        replicas=[],
+        memory=None,
+        metadata=None,
+    )
 
 
 def zeroed(size: int, shareable: bool = False) -> bytearray | memoryview:

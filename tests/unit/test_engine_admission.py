@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine, Identity, TensorSpec
-from sidecar.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from sidecar.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from sidecar.metrics import Metrics
 from sidecar.store import open_store
 
@@ -92,3 +92,48 @@ def test_a_rank_holds_at_most_max_held_snapshots(engine):
     assert refused(engine) == 1
     for snap in (first, second):
         engine.abort(snap, "test over")
+
+
+@pytest.mark.parametrize(
+    ("tensors", "tree", "message"),
+    [
+        ([W] * 3, b"", "3 tensors and replicas, more than --max-tensors 2"),
+        ([TensorSpec("w" * 1025, "float32", (4,), 16)], b"", "name of 1025 bytes"),
+        ([TensorSpec("w", "float32", (1,) * 65, 4)], b"", "65 dimensions"),
+        ([W], b"[" * 129 + b"]" * 129, "state tree nested deeper than 128"),
+        ([W], b"[" * 5000 + b"]" * 5000, "state tree nested deeper than 128"),
+        ([W], b'{"a": NaN}', "state tree holds NaN"),
+        ([W], b"[Infinity]", "state tree holds Infinity"),
+        ([W], b'{"a": [1e999]}', "state tree holds a number that is not finite"),
+        ([W], b'"' + b"x" * 20000 + b'"', "state tree of 20002 bytes exceeds --max-tree-bytes 16384"),
+    ],
+)
+def test_header_limits_and_strict_trees(tensors, tree, message):
+    settings = SidecarSettings(
+        storage="memory://unit", shm_dir="", memory_budget=1 << 30, max_tensors=2, max_tree_bytes=16384
+    )
+    engine = Engine(settings, open_store(f"memory://limits-{uuid.uuid4().hex}"), Metrics())
+    try:
+        with pytest.raises(InvalidArgument, match=message):
+            engine.begin_save(2, SOLO, 1, "a", tensors, tree)
+        assert refused(engine) == 1 and engine.memory.used == 0
+    finally:
+        engine.close()
+
+
+def test_a_tree_is_charged_while_its_snapshot_is_held_and_one_too_big_is_refused():
+    settings = SidecarSettings(storage="memory://unit", shm_dir="", memory_budget=1 << 20)
+    engine = Engine(settings, open_store(f"memory://charged-{uuid.uuid4().hex}"), Metrics())
+    try:
+        tree = b'{"opt": [' + b",".join(b'{"lr": 0.1}' for _ in range(1000)) + b"]}"
+        snap = engine.begin_save(2, SOLO, 1, "a", [W], tree)
+        charged = engine.memory.held()["metadata"]
+        assert charged > len(tree)  # the parsed tree and its MANIFEST copy, not just the bytes
+        engine.abort(snap, "test over")
+        assert engine.memory.held()["metadata"] == 0
+        # Parsing may take ~30x its bytes: a tree that could never fit is refused unparsed.
+        with pytest.raises(FailedPrecondition, match=r"state tree .*--memory-budget"):
+            engine.begin_save(2, SOLO, 2, "b", [W], b"[" + b"{}," * 20_000 + b"{}]")
+        assert engine.memory.used == 0
+    finally:
+        engine.close()

@@ -56,11 +56,16 @@ def test_only_the_newest_committed_snapshot_stays_and_its_buffer_is_released(mak
 def test_release_and_outcomes(make_shared):
     held = Held(make_shared())
     s = snap(RANK0, 1, "uploading")
+    s.tree = {"big": list(range(1000))}
+    s.metadata = held.shared.memory.reserve("metadata", 500, "s1's tree")
     hold(held, s)
     held.remember(s)
     held.release(s)
-    assert held.snapshots() == [] and gauge(held) == 0
-    assert held.wait_committed("s1", 0) is s  # the outcome outlives the buffer
+    assert held.snapshots() == [] and gauge(held) == 0 and held.shared.memory.used == 0
+    # The outcome outlives the buffer, but not the tree nor the tensor lists (1024 are kept).
+    outcome = held.wait_committed("s1", 0)
+    assert outcome is not None and (outcome.step, outcome.state, outcome.done) == (1, "uploading", s.done)
+    assert outcome.tree is None and s.tree is not None  # the snapshot itself is left as it was
     assert held.wait_committed("unknown", 0) is None
     for i in range(1030):
         held.remember(snap(RANK0, 100 + i, "committed"))

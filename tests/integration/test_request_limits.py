@@ -1,0 +1,198 @@
+"""What one request may make the sidecar hold, and how a bad one is answered, through a real
+sidecar over real gRPC: state trees and tensor lists are bounded by documented limits and
+charged to the memory budget, a tree is checked whole (depth, strict JSON) before the save is
+acknowledged, a failure after the acknowledgement fails the step for every rank at once, and a
+malformed job name in a read-only call is INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
+
+MiB = 1 << 20
+GENERATION = "limits/0"
+
+
+def identity(job: str, rank: int = 0, world: int = 1) -> pb.Identity:
+    return pb.Identity(namespace="default", job=job, rank=rank, world_size=world, generation=GENERATION)
+
+
+def stream(
+    job: str, step: int, tree: bytes, tensors: list[pb.TensorMeta] | None = None
+) -> list[pb.SaveRequest]:
+    tensors = (
+        tensors if tensors is not None else [pb.TensorMeta(name="w", dtype="float32", shape=[4], nbytes=16)]
+    )
+    total = sum(t.nbytes for t in tensors)
+    head = pb.SaveHeader(
+        protocol_version=PROTOCOL_VERSION,
+        identity=identity(job),
+        step=step,
+        save_id=f"s{step}",
+        tensors=tensors,
+        tree=tree,
+    )
+    return [
+        pb.SaveRequest(header=head),
+        pb.SaveRequest(chunk=bytes(total)),
+        pb.SaveRequest(footer=pb.SaveFooter(total_bytes=total)),
+    ]
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details() or ""
+
+
+@pytest.fixture
+def stub(make_sidecar):
+    server = make_sidecar()
+    channel = grpc.insecure_channel(f"unix:{server.socket_path}", options=channel_options(64 * MiB))
+    yield pb_grpc.CheckpointerStub(channel), server
+    channel.close()
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize(
+    ("tree", "match"),
+    [
+        (nested(5000), "nested deeper than"),  # past the interpreter's recursion limit
+        (nested(200), "nested deeper than 128"),  # parses, but no reader should have to recurse that far
+        (b'{"lr": NaN}', "NaN"),
+        (b'{"lr": -Infinity}', "-Infinity"),
+        (b'{"lr": 1e400}', "not finite"),  # parses to inf: no MANIFEST could hold it
+    ],
+    ids=["deep", "deeper-than-the-limit", "nan", "infinity", "overflow"],
+)
+def test_a_bad_tree_is_invalid_argument_before_the_save_is_acknowledged(stub, job_name, tree, match):
+    s, server = stub
+    code, details = status_of(lambda: s.Save(iter(stream(job_name, 1, tree)), timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "state tree" in details and match in details, details
+    assert server.engine.snapshots() == [] and server.engine.memory.used == 0
+    s.Save(iter(stream(job_name, 2, b'{"lr": 0.1}')), timeout=30)  # still serving
+    done = s.WaitCommitted(
+        pb.WaitCommittedRequest(identity=identity(job_name), step=2, save_id="s2", timeout_seconds=30)
+    )
+    assert done.state == pb.COMMIT_STATE_COMMITTED, done.message
+
+
+def test_a_header_past_the_tensor_limit_is_refused_naming_it(stub, job_name):
+    s, server = stub
+    many = [pb.TensorMeta(name=f"t{i}", dtype="uint8", shape=[1], nbytes=1) for i in range(200_000)]
+    code, details = status_of(lambda: s.Save(iter(stream(job_name, 1, b"{}", many)), timeout=60))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "200000 tensors" in details and "--max-tensors" in details, details
+    assert server.engine.snapshots() == []
+
+
+def test_names_and_trees_past_their_limits_are_refused_naming_them(stub, job_name):
+    s, _ = stub
+    long_name = [pb.TensorMeta(name="n" * 5000, dtype="float32", shape=[4], nbytes=16)]
+    code, details = status_of(lambda: s.Save(iter(stream(job_name, 1, b"{}", long_name)), timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "1024 bytes" in details, details
+    many_dims = [pb.TensorMeta(name="w", dtype="float32", shape=[1] * 100, nbytes=4)]
+    code, details = status_of(lambda: s.Save(iter(stream(job_name, 1, b"{}", many_dims)), timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "100 dimensions" in details, details
+    big = b'["' + b"x" * (17 * MiB) + b'"]'  # over the default --max-tree-bytes (16 MiB)
+    code, details = status_of(lambda: s.Save(iter(stream(job_name, 1, big)), timeout=30))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-tree-bytes" in details, details
+
+
+# --- the memory budget, measured on a sidecar process ------------------------------------
+
+
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of ``pid`` in MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def _explosive(nbytes: int) -> bytes:
+    """A JSON list of empty objects: each 3 bytes on the wire, ~70 bytes once parsed."""
+    n = max(1, nbytes // 3)
+    return b"[" + b"{}," * (n - 1) + b"{}]"
+
+
+def test_big_trees_are_charged_to_the_budget_and_the_sidecar_stays_within_it(tmp_path, short_tmp, job_name):
+    budget = 64 * MiB
+    sock = short_tmp / "b.sock"
+    strata = str(Path(sys.executable).parent / "strata")
+    proc = subprocess.Popen(
+        [
+            strata,
+            "sidecar",
+            "--storage",
+            f"file://{tmp_path / 'store'}",
+            "--socket",
+            str(sock),
+            "--metrics-port",
+            "0",
+            "--shm-dir",
+            "",
+            "--encode-workers",
+            "1",
+            "--memory-budget",
+            str(budget),
+        ],
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    channel = grpc.insecure_channel(f"unix:{sock}", options=channel_options(64 * MiB))
+    try:
+        s = pb_grpc.CheckpointerStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=60)
+
+        def save(step: int, tree: bytes) -> str:
+            """ "committed", or the status and details of a refusal."""
+            try:
+                s.Save(iter(stream(job_name, step, tree)), timeout=120)
+            except grpc.RpcError as exc:
+                return f"{exc.code().name}: {exc.details()}"
+            done = s.WaitCommitted(
+                pb.WaitCommittedRequest(
+                    identity=identity(job_name), step=step, save_id=f"s{step}", timeout_seconds=120
+                ),
+                timeout=130,
+            )
+            return "committed" if done.state == pb.COMMIT_STATE_COMMITTED else done.message
+
+        assert save(1, b'{"lr": 0.1}') == "committed"  # warm: gRPC, the store, the committer
+        time.sleep(0.5)  # let the interpreter settle before the baseline (not an assertion)
+        baseline, _ = _rss_mib(proc.pid)
+        outcomes = [save(step, _explosive(4 * MiB)) for step in range(2, 6)]
+        outcomes += [save(step, _explosive(256 * 1024)) for step in range(6, 10)]
+        assert proc.poll() is None
+        _, peak = _rss_mib(proc.pid)
+        # The budget plus a generous fixed margin for what is not charged (gRPC's copy of one
+        # message, allocator slack): far below what holding the trees would take.
+        assert peak - baseline < budget / MiB + 96, (baseline, peak, outcomes)
+        for outcome in outcomes[:4]:  # 4 MiB of "{}" needs more than the whole 64 MiB budget
+            assert outcome != "committed" and "--memory-budget" in outcome, outcome
+        assert outcomes[4:] == ["committed"] * 4  # small ones fit (charged, then given back)
+        assert save(10, b'{"lr": 0.2}') == "committed"
+    finally:
+        channel.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
