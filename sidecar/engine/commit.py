@@ -156,30 +156,19 @@ class Commits:
                 commit_ref = self._commit_as_rank0(snap, gang)
             else:
                 commit_ref = self._await_commit(snap, gang)
-        except (StrataError, OSError) as exc:
+        except Exception as exc:  # a bug as well: never let a waiter here or on another rank hang
+            expected = isinstance(exc, (StrataError, OSError))
             if isinstance(exc, StorageError):
                 self.metrics.storage_errors.labels(job, "put").inc()
             self.metrics.checkpoints.labels(job, "failed").inc()
-            snap.state, snap.message = "failed", f"step {snap.step} not committed: {exc}"
-            log.error("rank %d: %s", ident.rank, snap.message)
+            why = str(exc) if expected else f"internal error: {exc!r}"
+            snap.state, snap.message = "failed", f"step {snap.step} not committed: {why}"
+            if expected:
+                log.error("rank %d: %s", ident.rank, snap.message)
+            else:
+                log.exception("rank %d: unexpected error persisting step %d", ident.rank, snap.step)
             self.held.release(snap)
-            if not snap.manifest_durable and not isinstance(exc, Aborted):
-                # Tell the other ranks' commit not to wait for this one (a durable MANIFEST
-                # is never withdrawn: the step may still commit without this sidecar).
-                try:
-                    self.skip(ident, snap.attempt, snap.step, snap.message)
-                except (StrataError, OSError) as marker_exc:
-                    log.debug("could not leave the skip marker: %s", marker_exc)
-            elif ident.rank == 0:  # no COMMIT will come: ranks waiting for it here and elsewhere stop
-                with gang.cond:
-                    gang.news(snap.position).skipped.setdefault(0, snap.message)
-                    gang.cond.notify_all()
-                self.shared.hint(gang, snap.position, skip=pb.SkipHint(rank=0, reason=snap.message))
-        except Exception as exc:  # never let a bug leave a waiter hanging
-            log.exception("rank %d: unexpected error persisting step %d", ident.rank, snap.step)
-            self.metrics.checkpoints.labels(job, "failed").inc()
-            snap.state, snap.message = "failed", f"internal error: {exc!r}"
-            self.held.release(snap)
+            self._fail_for_gang(snap, gang, aborted=isinstance(exc, Aborted))
         else:
             assert encoder is not None
             out = encoder.outcome
@@ -215,6 +204,22 @@ class Commits:
             self.reports.heartbeat(ident.slot)
             # After the trainer hears "committed": retention is not on the path to durable.
             self._collect_garbage(snap, gang)
+
+    def _fail_for_gang(self, snap: Snapshot, gang: JobGang, aborted: bool) -> None:
+        """``snap`` failed after its save was acknowledged: tell the job's other ranks at once."""
+        ident = snap.identity
+        if not snap.manifest_durable and not aborted:
+            # Tell the other ranks' commit not to wait for this one (a durable MANIFEST
+            # is never withdrawn: the step may still commit without this sidecar).
+            try:
+                self.skip(ident, snap.attempt, snap.step, snap.message)
+            except Exception as marker_exc:  # the hint went out first; storage is the fallback
+                log.warning("could not leave the skip marker: %s", marker_exc)
+        elif ident.rank == 0:  # no COMMIT will come: ranks waiting for it here and elsewhere stop
+            with gang.cond:
+                gang.news(snap.position).skipped.setdefault(0, snap.message)
+                gang.cond.notify_all()
+            self.shared.hint(gang, snap.position, skip=pb.SkipHint(rank=0, reason=snap.message))
 
     def _encoder(self, snap: Snapshot) -> SnapshotEncoder:
         """Full or diff against the rank's newest committed snapshot, if it is still held."""

@@ -46,7 +46,7 @@ from .attempts import Attempts
 from .held import Held
 from .redundancy import Redundancy
 from .state import Shared
-from .types import Identity, JobKey, RestoreData, Slot, Snapshot, restore_header
+from .types import Identity, JobKey, RestoreData, Slot, Snapshot, check_job, restore_header
 
 log = logging.getLogger(__name__)
 
@@ -664,6 +664,7 @@ class Restorer:
     # --- queries -----------------------------------------------------------------------------
 
     def list_checkpoints(self, namespace: str, job: str) -> list[tuple[mf.Commit, bool]]:
+        check_job(namespace, job)
         out = []
         for attempt, step in mf.valid_commits(self.store, namespace, job):
             commit = mf.read_commit(self.store, namespace, job, step, attempt)
@@ -671,6 +672,9 @@ class Restorer:
         return out
 
     def describe(self, namespace: str, job: str, step: int, rank: int) -> tuple[mf.Commit, bytes]:
+        check_job(namespace, job)
+        if step < 0 or rank < 0:
+            raise InvalidArgument(f"step and rank must be >= 0, got step {step}, rank {rank}")
         commit = mf.read_commit(self.store, namespace, job, step)
         ref = commit.manifest_for(rank)
         return commit, self.store.get(ref.key)

@@ -27,6 +27,14 @@ Slot = tuple[str, str, int]
 JobKey = tuple[str, str]
 
 
+def check_job(namespace: str, job: str) -> JobKey:
+    """A job a request names, or INVALID_ARGUMENT saying which name is malformed."""
+    try:
+        return (mf.check_name("namespace", namespace), mf.check_name("job", job))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class Identity:
     namespace: str
@@ -39,11 +47,7 @@ class Identity:
     generation: str = ""
 
     def validate(self) -> None:
-        try:
-            mf.check_name("namespace", self.namespace)
-            mf.check_name("job", self.job)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+        check_job(self.namespace, self.job)
         if self.world_size < 1 or self.rank >= self.world_size:
             raise InvalidArgument(f"rank {self.rank} is outside world size {self.world_size}")
 

@@ -14,8 +14,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
+from sidecar import faults
+from sidecar import manifest as mf
 from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
+from trainer_client import SaveFailed
 
 MiB = 1 << 20
 GENERATION = "limits/0"
@@ -109,6 +113,47 @@ def test_names_and_trees_past_their_limits_are_refused_naming_them(stub, job_nam
     big = b'["' + b"x" * (17 * MiB) + b'"]'  # over the default --max-tree-bytes (16 MiB)
     code, details = status_of(lambda: s.Save(iter(stream(job_name, 1, big)), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-tree-bytes" in details, details
+
+
+def test_describe_and_list_with_a_malformed_name_are_invalid_argument(stub):
+    s, _ = stub
+    for job in ("Bad Name", "evil/../x", ""):
+        code, details = status_of(
+            lambda job=job: s.ListCheckpoints(pb.ListCheckpointsRequest(namespace="default", job=job))
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "job" in details, (job, details)
+        code, details = status_of(
+            lambda job=job: s.DescribeCheckpoint(
+                pb.DescribeCheckpointRequest(namespace="default", job=job, step=1, rank=0)
+            )
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "job" in details, (job, details)
+    code, details = status_of(
+        lambda: s.DescribeCheckpoint(pb.DescribeCheckpointRequest(namespace="NS", job="ok", step=1))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in details, details
+
+
+def test_a_failure_after_the_acknowledgement_fails_the_step_for_the_other_rank_at_once(
+    make_sidecar, make_client, job_name
+):
+    """An unexpected error while persisting (here an injected one) leaves a skip for the gang:
+    rank 0 stops waiting at once instead of at the commit timeout."""
+    server = make_sidecar(commit_timeout_s=600)
+    ranks = [make_client(server, job_name, rank=r, world_size=2, generation="lim/0") for r in range(2)]
+    faults.arm("sidecar.upload.object@1=raise")
+    try:
+        with pytest.raises(SaveFailed, match="fault injected"):
+            ranks[1].save(1, {"w": torch.ones(4)}).durable.result(60)
+    finally:
+        faults.arm(None)
+    # Bounded wait far below the commit timeout: the failure must come from rank 1's skip.
+    with pytest.raises(SaveFailed, match=r"rank\(s\) \[1\] did not save it"):
+        ranks[0].save(1, {"w": torch.zeros(4)}).durable.result(60)
+    assert not mf.is_committed(server.store, "default", job_name, 1)
+    for r in range(2):  # the next step commits as usual
+        handle = ranks[r].save(2, {"w": torch.full((4,), float(r))})
+    assert handle.durable.result(60).step == 2
 
 
 # --- the memory budget, measured on a sidecar process ------------------------------------
