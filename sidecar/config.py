@@ -46,8 +46,9 @@ class SidecarSettings:
     max_tensors: int = _opt(100_000, "most tensors (replicated ones included) one save may declare")
     memory_budget: int = _opt(
         0,
-        "bytes of the sidecar's own memory (snapshots received over gRPC, restore buffers, encode "
-        "scratch) it may hold; beyond, requests are refused with RESOURCE_EXHAUSTED (0: 0.75 x its "
+        "bytes of the sidecar's own memory (snapshots received over gRPC, save headers and their state "
+        "trees, restore buffers, encode scratch) it may hold; beyond, requests are refused with "
+        "RESOURCE_EXHAUSTED (0: 0.75 x its "
         "container's cgroup memory limit, else of the machine's RAM). Shared-memory segments are the "
         "trainer's and do not count",
     )
