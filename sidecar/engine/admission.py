@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Iterable
 
 from sidecar import manifest as mf
 from sidecar.api.dtypes import expected_nbytes
@@ -41,6 +42,8 @@ MAX_TREE_DEPTH = 128
 #: Longest tensor name (UTF-8 bytes), and most dimensions of one tensor.
 MAX_NAME_BYTES = 1024
 MAX_DIMS = 64
+#: Longest dtype or role of a tensor (both are short words: "bfloat16", "embedding").
+MAX_WORD = 64
 #: Parsing JSON can take ~24x its bytes (a list of empty objects): reserved before parsing.
 PARSE_FACTOR = 32
 #: What one declared tensor costs besides its name and bitmap: its entries (declared and
@@ -315,6 +318,12 @@ def check_header_limits(
             )
         if dims > MAX_DIMS:
             raise InvalidArgument(f"{kind} {name!r}: {dims} dimensions, more than the limit of {MAX_DIMS}")
+    for t in tensors:  # echoed in errors and kept in the MANIFEST: short words
+        for field, text in (("dtype", t.dtype), ("role", t.role)):
+            if len(text) > MAX_WORD:
+                raise InvalidArgument(
+                    f"tensor {t.name!r}: {field} of {len(text)} characters, more than the limit of {MAX_WORD}"
+                )
     if len(tree) > settings.max_tree_bytes:
         raise InvalidArgument(
             f"state tree of {len(tree)} bytes exceeds --max-tree-bytes {settings.max_tree_bytes} "
@@ -347,27 +356,48 @@ def parse_tree(tree: bytes) -> tuple[object, int]:
         raise InvalidArgument(f"state tree is not valid JSON: {exc}") from None
     python = 0  # the parsed objects
     text = len(tree)  # the MANIFEST's copy: the bytes, plus indentation and escapes
-    stack: list[tuple[object, int]] = [(value, 0)]  # iterative: depth is what is being checked
+    size = sys.getsizeof
+    stack: list[tuple[dict[str, object] | list[object], int]] = []  # iterative: depth is checked
+    if isinstance(value, (dict, list)):
+        stack.append((value, 0))
+    else:
+        python, text = _leaf(value, python, text)
     while stack:
         node, depth = stack.pop()
-        python += sys.getsizeof(node)
-        if isinstance(node, (dict, list)):
-            if depth >= MAX_TREE_DEPTH:
-                raise InvalidArgument(f"state tree nested deeper than {MAX_TREE_DEPTH} levels")
-            children = node.values() if isinstance(node, dict) else node
-            text += len(node) * (depth + 8)
-            for key in node if isinstance(node, dict) else ():
-                python += sys.getsizeof(key)
-                text += 0 if key.isascii() else 6 * len(key)
-            stack.extend((child, depth + 1) for child in children)
-        elif isinstance(node, float):
-            if not math.isfinite(node):
-                raise InvalidArgument("state tree holds a number that is not finite (too large for a double)")
-            text += 24  # repr() may be longer than the text it came from (1e15)
-        elif isinstance(node, str) and not node.isascii():
-            text += 6 * len(node)
+        if depth >= MAX_TREE_DEPTH:
+            raise InvalidArgument(f"state tree nested deeper than {MAX_TREE_DEPTH} levels")
+        python += size(node)
+        text += len(node) * (depth + 8)
+        if type(node) is dict:
+            for key in node:
+                python += size(key)
+                if not key.isascii():
+                    text += 6 * len(key)
+            children: Iterable[object] = node.values()
+        else:
+            children = node
+        for child in children:
+            kind = type(child)
+            if kind is dict or kind is list:
+                stack.append((child, depth + 1))  # type: ignore[arg-type]
+            elif kind is int or kind is bool or child is None:
+                python += size(child)
+            else:
+                python, text = _leaf(child, python, text)
     # Writing a MANIFEST copies the tree (dataclasses.asdict) and holds its text twice (str, bytes).
     return value, 2 * python + 2 * text
+
+
+def _leaf(value: object, python: int, text: int) -> tuple[int, int]:
+    """``parse_tree``'s sums past a string or number."""
+    python += sys.getsizeof(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgument("state tree holds a number that is not finite (too large for a double)")
+        text += 24  # repr() may be longer than the text it came from (1e15)
+    elif isinstance(value, str) and not value.isascii():
+        text += 6 * len(value)
+    return python, text
 
 
 def _check_replicas(

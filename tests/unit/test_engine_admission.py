@@ -100,6 +100,8 @@ def test_a_rank_holds_at_most_max_held_snapshots(engine):
         ([W] * 3, b"", "3 tensors and replicas, more than --max-tensors 2"),
         ([TensorSpec("w" * 1025, "float32", (4,), 16)], b"", "name of 1025 bytes"),
         ([TensorSpec("w", "float32", (1,) * 65, 4)], b"", "65 dimensions"),
+        ([TensorSpec("w", "f" * 100, (4,), 16)], b"", "dtype of 100 characters, more than the limit of 64"),
+        ([TensorSpec("w", "float32", (4,), 16, role="r" * 65)], b"", "role of 65 characters"),
         ([W], b"[" * 129 + b"]" * 129, "state tree nested deeper than 128"),
         ([W], b"[" * 5000 + b"]" * 5000, "state tree nested deeper than 128"),
         ([W], b'{"a": NaN}', "state tree holds NaN"),
