@@ -39,6 +39,9 @@ from .types import Identity, JobKey, Slot, Snapshot
 
 log = logging.getLogger(__name__)
 
+#: Longest reason a skip keeps (in memory per step, in its hint and its marker).
+MAX_REASON = 1024
+
 
 class Commits:
     def __init__(self, shared: Shared, held: Held, reports: Reports, redundancy: Redundancy) -> None:
@@ -488,6 +491,7 @@ class Commits:
             )
 
     def skip(self, identity: Identity, attempt: int, step: int, reason: str) -> None:
+        reason = reason[:MAX_REASON]  # kept per step (and sent to peers): a trainer's text, bounded
         gang = self.shared.gang(identity.job_key)
         with gang.cond:
             news = gang.news((attempt, step))
@@ -495,9 +499,9 @@ class Commits:
                 return  # this rank's MANIFEST is durable: the step does not wait for it
             news.skipped.setdefault(identity.rank, reason)
             gang.cond.notify_all()
-        self.shared.hint(gang, (attempt, step), skip=pb.SkipHint(rank=identity.rank, reason=reason[:1024]))
+        self.shared.hint(gang, (attempt, step), skip=pb.SkipHint(rank=identity.rank, reason=reason))
         key = mf.skip_key(identity.namespace, identity.job, step, attempt, identity.rank)
-        self.store.put(key, reason.encode()[:4096])
+        self.store.put(key, reason.encode())
         log.info("rank %d will not save step %d: %s", identity.rank, step, reason)
 
     def rank_gone(self, identity: Identity, attempt: int, reason: str) -> None:

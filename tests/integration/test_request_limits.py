@@ -241,3 +241,14 @@ def test_big_trees_are_charged_to_the_budget_and_the_sidecar_stays_within_it(tmp
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_a_skip_reason_is_kept_bounded(stub, job_name):
+    s, server = stub
+    ident = identity(job_name)
+    s.ReportSkip(pb.ReportSkipRequest(identity=ident, step=3, reason="r" * (8 * MiB)), timeout=30)
+    gang = server.engine.gang(("default", job_name))
+    (news,) = [n for (_, step), n in gang.steps.items() if step == 3]
+    assert 0 < len(news.skipped[0]) <= 1024, len(news.skipped[0])
+    marker = mf.skip_key("default", job_name, 3, next(iter(gang.steps))[0], 0)
+    assert len(server.store.get(marker)) <= 4096
