@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import operator
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ from sidecar.api import (
     DCP_METADATA_KEY,
     EXIT_RESTART_IN_PLACE,
     LIMIT_SPENT_MARKER,
+    MAX_STEP,
     PROTOCOL_VERSION,
     RESHARD_MARKER,
     RNG_STATE_KEY,
@@ -609,6 +611,7 @@ class CheckpointClient:
     def save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` at ``step``; returns once the synchronous copy is done. After
         SIGTERM (``save_on_sigterm``) it saves, waits for durable and raises :class:`Preempted`."""
+        _check_step(step)
         if self._restart_generation:
             raise RestartInPlace(self._restart_generation)
         if self._sigterm.fired:
@@ -685,6 +688,7 @@ class CheckpointClient:
         added, no replica plan (every tensor is this rank's own), no row tracking, and every tensor
         staged before this returns (no overlap with the next optimizer step): copied, or, where it
         lies in a buffer lent to the writer's ``stage()`` (``_lease``), sent from there."""
+        _check_step(step)
         t0 = time.perf_counter()
         with self._lock:
             # Busy while the previous snapshot streams or uploads: the sidecar holds one in
@@ -1483,6 +1487,17 @@ class CheckpointClient:
                 log.info("restore refused for now (%s); retrying", exc.details())
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
+
+
+def _check_step(step: Any) -> None:
+    """Steps are non-negative ints that storage keys spell in 12 digits: refused here, before
+    anything is staged, rather than saved where no listing would find them."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = -1
+    if isinstance(step, bool) or not 0 <= value <= MAX_STEP:
+        raise ValueError(f"step must be an int from 0 to {MAX_STEP} (keys hold 12 digits), got {step!r}")
 
 
 class _NothingToRestore(Exception):
