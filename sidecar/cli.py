@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ examples:
   strata verify --storage file:///var/lib/strata --job recsys --all      # every committed step
   strata export --storage file:///var/lib/strata --job llm --format dcp --out /tmp/llm-dcp
   strata import --storage file:///var/lib/strata --job llm2 --from /tmp/llm-dcp --step 1000
+  strata markers --storage file:///var/lib/strata --job recsys                 # steps marked unusable
+  strata markers --storage file:///var/lib/strata --job recsys --clear --step 120
 The storage flags also read STRATA_STORAGE, STRATA_S3_ENDPOINT, STRATA_NAMESPACE and STRATA_JOB.
 """
 
@@ -401,6 +404,111 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- markers and EPOCH repair: what a restore skips, and fences a damaged record hides -----------
+
+
+def cmd_markers(args: argparse.Namespace) -> int:
+    """List the job's UNUSABLE markers (why, who, when), or clear them (--clear, --step)."""
+    store = _open(args)
+    steps = None if not args.step else set(args.step)
+    if args.clear:
+        gone = mf.clear_markers(store, args.namespace, args.job, steps)
+        for mk in gone:
+            print(f"cleared: {mk.describe()}")
+        if not gone:
+            print(f"no unusable markers to clear for {args.namespace}/{args.job}")
+        return 0
+    markers = [
+        mk for mk in mf.unusable_markers(store, args.namespace, args.job) if steps is None or mk.step in steps
+    ]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(mk) for mk in markers], indent=1))
+        return 0
+    if not markers:
+        print(f"no unusable markers for {args.namespace}/{args.job}")
+        return 0
+    print(f"{'STEP':>12}  {'ATTEMPT':>7}  {'CAUSE':<8}  {'MARKED':<23}  BY / DETAIL")
+    for mk in markers:
+        when = _when(mk.at) if mk.at else "-"
+        print(f"{mk.step:>12}  {mk.attempt:>7}  {mk.cause:<8}  {when:<23}  {mk.by or '-'}")
+        print(f"{'':>12}  {'':>7}  {'':<8}  {'':<23}  {mk.detail}")
+    return 0
+
+
+def cmd_repair_epoch(args: argparse.Namespace) -> int:
+    """Rewrite a damaged EPOCH record from the history of the records before it and the restore
+    step the operator names (the one that attempt restored)."""
+    store = _open(args)
+    fences = mf.read_fences(store, args.namespace, args.job)
+    try:
+        damage = mf.epoch_damage(store, args.namespace, args.job, args.attempt)
+    except ObjectNotFound:
+        raise SystemExit(
+            f"strata repair-epoch: attempt {args.attempt} has no EPOCH record; nothing written"
+        ) from None
+    if damage is None:
+        raise SystemExit(
+            f"strata repair-epoch: the EPOCH record of attempt {args.attempt} reads fine; nothing written"
+        )
+    restore: tuple[int, int] | None = None
+    if args.restore_step != "none":
+        try:
+            step = int(args.restore_step)
+        except ValueError:
+            raise SystemExit(
+                f"strata repair-epoch: --restore-step must be a step or none, got {args.restore_step!r}"
+            ) from None
+        earlier = mf.Fences(
+            {a: r for a, r in fences.restores.items() if a < args.attempt}, fences.newest, fences.generations
+        )
+        attempts = [
+            a
+            for a in mf.step_commits(store, args.namespace, args.job, step)
+            if a < args.attempt and earlier.valid(a, step)
+        ]
+        if not attempts:
+            raise SystemExit(
+                f"strata repair-epoch: step {step} has no valid COMMIT of an attempt before "
+                f"{args.attempt}; nothing written"
+            )
+        restore = (attempts[-1], step)
+    epoch = mf.repair_epoch(store, args.namespace, args.job, args.attempt, restore, fences, args.generation)
+    print(
+        f"rewrote {mf.epoch_key(args.namespace, args.job, args.attempt)}: attempt {epoch.attempt} restores "
+        + ("nothing" if restore is None else f"step {restore[1]} (attempt {restore[0]})")
+    )
+    return 0
+
+
+def _add_bucket_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "markers",
+        help="list (or clear) the steps marked unusable, with why and who marked them",
+        description="List the job's UNUSABLE markers: steps a rank could not restore (cause: missing "
+        "after retries, or corrupt), which every later restore skips. --clear makes them restorable again.",
+        epilog=EPILOG_STORE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _store_args(p)
+    p.add_argument("--step", type=int, action="append", help="only this step (repeatable)")
+    p.add_argument("--clear", action="store_true", help="delete the markers (of --step, else all)")
+    p.add_argument("--json", action="store_true", help="print the markers as JSON")
+    p.set_defaults(func=cmd_markers)
+    p = sub.add_parser(
+        "repair-epoch",
+        help="rewrite a damaged EPOCH record from the records before it",
+        description="Rewrite a damaged EPOCH/<attempt> record: its history from the records before it, "
+        "its restore step as given (the step that attempt restored).",
+        epilog=EPILOG_STORE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _store_args(p)
+    p.add_argument("--attempt", type=int, required=True, help="the attempt whose record is damaged")
+    p.add_argument("--restore-step", required=True, help="the step that attempt restored, or none")
+    p.add_argument("--generation", default="repaired/0", help="the generation it ran (default: repaired/0)")
+    p.set_defaults(func=cmd_repair_epoch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata",
@@ -481,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--all", action="store_true", help="verify every committed step")
         p.set_defaults(func=func)
+    _add_bucket_commands(sub)
     return parser
 
 
