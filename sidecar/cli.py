@@ -21,6 +21,7 @@ from typing import Any
 
 from sidecar import __version__, config
 from sidecar import manifest as mf
+from sidecar.api import MAX_STEP
 from sidecar.errors import CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
 from sidecar.operator import cli as operator_cli
@@ -355,8 +356,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not (source / ".metadata").is_file():
         raise SystemExit(f"strata import: {source} is not a DCP checkpoint (it has no .metadata)")
-    if args.step < 0:
-        raise SystemExit(f"strata import: --step must be >= 0, got {args.step}")
+    if not 0 <= args.step <= MAX_STEP:
+        raise SystemExit(
+            f"strata import: --step must be 0 to {MAX_STEP} (keys hold 12 digits), got {args.step}"
+        )
     steps = mf.committed_steps(store, args.namespace, args.job)
     if steps:
         raise SystemExit(

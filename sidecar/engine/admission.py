@@ -93,8 +93,10 @@ class Admission:
         identity.validate()
         self.attempts.greet(identity, protocol_version)
         self.restorer.forget_prefetched(identity.slot)  # training has started: no read-ahead restore
-        if not 0 <= step <= MAX_STEP:
-            raise InvalidArgument(f"step must be 0 to {MAX_STEP} (keys hold 12 digits), got {step}")
+        if step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {step}")
+        if step > MAX_STEP:
+            raise InvalidArgument(f"step must be <= {MAX_STEP} (keys hold 12 digits), got {step}")
         if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
             raise InvalidArgument(f"save_id {save_id!r} must be 1-64 letters, digits or '-'")
         entries: list[mf.TensorEntry] = []

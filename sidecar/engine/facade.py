@@ -152,8 +152,10 @@ class Engine:
     def report_skip(self, identity: Identity, step: int, reason: str) -> None:
         """The trainer will not save ``step``: the job-level commit of it fails at once."""
         identity.validate()
-        if not 0 <= step <= MAX_STEP:
-            raise InvalidArgument(f"step must be 0 to {MAX_STEP} (keys hold 12 digits), got {step}")
+        if step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {step}")
+        if step > MAX_STEP:
+            raise InvalidArgument(f"step must be <= {MAX_STEP} (keys hold 12 digits), got {step}")
         epoch = self.attempts.epoch_for(identity)
         self.commits.skip(identity, epoch.attempt, step, reason)
 
