@@ -405,7 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and tracebacks with errors (or STRATA_DEBUG=1)",
+    )
     # Not dest="command": `strata launch` names its training command so.
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
@@ -493,7 +498,8 @@ EXIT_PIPE = 128 + signal.SIGPIPE
 
 def main(argv: list[str] | None = None) -> int:
     """Every expected failure ends here as one line naming what is wrong, without a traceback
-    (``-v`` or ``STRATA_DEBUG=1`` shows it): exit 2 for wrong input, 1 for a failure to do the work."""
+    (``-v`` or ``STRATA_DEBUG=1`` shows it): exit 2 for wrong input, 1 for a failure to do the work
+    (storage unreachable, a process that died)."""
     args = build_parser().parse_args(argv)
     # The server logs its progress; the read-only commands print their own and log only problems.
     quiet = logging.INFO if args.subcommand in ("sidecar", "launch", "operator") else logging.WARNING
@@ -514,16 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PIPE
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    except (StrataError, ValueError) as exc:
+    except (StrataError, ValueError, OSError, CommandFailed) as exc:
         if debug:
             raise
         print(f"strata {args.subcommand}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (OSError, CommandFailed) as exc:
-        if debug:
-            raise
-        print(f"strata {args.subcommand}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        # Storage that cannot be reached (a StrataError that may pass on retry) is a failure to do
+        # the work, not wrong input.
+        failed = isinstance(exc, (OSError, CommandFailed)) or getattr(exc, "temporary", False)
+        return EXIT_FAILED if failed else EXIT_USAGE
 
 
 if __name__ == "__main__":
