@@ -585,6 +585,17 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--redundancy buddy needs --sidecars >= 2 (a copy on another pod)")
     if args.redundancy == "parity" and args.sidecars < 3:
         raise ValueError("--redundancy parity needs --sidecars >= 3 (use buddy for 2)")
+    if args.keep < 0:
+        raise ValueError(f"--keep must be >= 0 (0: keep every committed step), got {args.keep}")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a TCP port, 0 to 65535 (0: off), got {args.metrics_port}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for flag in ("backoff_s", "hang_timeout_s", "grace_period_s"):
+        if not 0 <= getattr(args, flag) < float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
+    if not 0 < args.pg_timeout_s < float("inf"):
+        raise ValueError(f"--pg-timeout-s must be positive seconds, got {args.pg_timeout_s}")
     if args.storage is not None and not args.storage.startswith(("s3://", "file://")):
         raise ValueError(
             f"--storage {args.storage!r}: expected s3://bucket/prefix or file:///path (every sidecar "

@@ -129,11 +129,17 @@ def test_operator_without_a_kubeconfig_names_it(short_tmp):
     assert_one_line_error(nothing, "operator", "--kubeconfig")
 
 
-def test_launch_with_an_unsupported_storage_url_names_the_flag(short_tmp):
-    out = strata(
-        "launch", "--nproc", "1", "--workdir", str(short_tmp / "w"), "--storage", "ftp://x", "--", "true"
-    )
-    assert_one_line_error(out, "launch", "--storage", "ftp://x")
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        (["--storage", "ftp://x"], "--storage"),
+        (["--keep", "-1"], "--keep"),
+        (["--backoff-s", "nan"], "--backoff-s"),
+    ],
+)
+def test_launch_with_a_bad_flag_names_it_before_starting_anything(short_tmp, flags, name):
+    out = strata("launch", "--nproc", "1", "--workdir", str(short_tmp / "w"), *flags, "--", "true")
+    assert_one_line_error(out, "launch", name, flags[1])
     assert not (short_tmp / "w").exists()  # refused before anything started
 
 
