@@ -22,7 +22,7 @@ from typing import Any
 from sidecar import __version__, config
 from sidecar import manifest as mf
 from sidecar.api import MAX_STEP
-from sidecar.errors import CorruptObject, ObjectNotFound, StrataError
+from sidecar.errors import CommandFailed, CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
 from sidecar.operator import cli as operator_cli
 from sidecar.pipeline.plan import read_snapshot
@@ -76,9 +76,9 @@ def _store_args(p: argparse.ArgumentParser) -> None:
 
 def _open(args: argparse.Namespace) -> Store:
     if not args.storage:
-        raise SystemExit("strata: --storage (or STRATA_STORAGE) is required")
+        raise ValueError("--storage (or STRATA_STORAGE) is required")
     if not args.job:
-        raise SystemExit("strata: --job (or STRATA_JOB) is required")
+        raise ValueError("--job (or STRATA_JOB) is required")
     if args.storage.startswith("s3://"):
         return open_store(args.storage, endpoint_url=args.s3_endpoint or None)
     if args.storage.startswith("file://"):
@@ -88,6 +88,7 @@ def _open(args: argparse.Namespace) -> Store:
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
     settings = config.from_sources(args)
+    settings.validate()  # --print-config shows only settings the sidecar would run with
     if args.print_config:
         print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
         return 0
@@ -95,13 +96,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from sidecar.server import SidecarServer  # grpc server only when serving
     from sidecar.server.app import yield_cpu
 
-    try:
-        settings.validate()
-        yield_cpu(settings)
-        tune_allocator()
-        server = SidecarServer(settings).start()
-    except ValueError as exc:
-        raise SystemExit(f"strata sidecar: {exc}") from None
+    yield_cpu(settings)
+    tune_allocator()
+    server = SidecarServer(settings).start()
     done, hurry = threading.Event(), threading.Event()
 
     def stop(signum: int, _frame: Any) -> None:
@@ -519,8 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and tracebacks with errors (or STRATA_DEBUG=1)",
+    )
+    # Not dest="command": `strata launch` names its training command so.
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
         "sidecar",
@@ -596,19 +599,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status of a command given wrong flags, variables or names (argparse's own).
+EXIT_USAGE = 2
+#: Exit status of a command that was given sensible input but could not do its work.
+EXIT_FAILED = 1
+#: Exit status when the reader of the output went away (`strata show | head`), as a shell reports
+#: a command SIGPIPE ended.
+EXIT_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every expected failure ends here as one line naming what is wrong, without a traceback
+    (``-v`` or ``STRATA_DEBUG=1`` shows it): exit 2 for wrong input, 1 for a failure to do the work
+    (storage unreachable, a process that died)."""
     args = build_parser().parse_args(argv)
     # The server logs its progress; the read-only commands print their own and log only problems.
-    quiet = logging.INFO if args.command in ("sidecar", "launch", "operator") else logging.WARNING
+    quiet = logging.INFO if args.subcommand in ("sidecar", "launch", "operator") else logging.WARNING
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else quiet,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for warning in config.unknown_env():
+        logging.getLogger("strata").warning("%s", warning)
+    debug = args.verbose or os.environ.get("STRATA_DEBUG", "") not in ("", "0")
     try:
-        return int(args.func(args))
-    except (StrataError, ValueError) as exc:
-        print(f"strata {args.command}: {exc}", file=sys.stderr)
-        return 2
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe can still be told apart
+        return status
+    except BrokenPipeError:
+        # Nobody reads the rest: drop it (Python would complain again flushing stdout at exit).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except (StrataError, ValueError, OSError, CommandFailed) as exc:
+        if debug:
+            raise
+        print(f"strata {args.subcommand}: {exc}", file=sys.stderr)
+        # Storage that cannot be reached (a StrataError that may pass on retry) is a failure to do
+        # the work, not wrong input.
+        failed = isinstance(exc, (OSError, CommandFailed)) or getattr(exc, "temporary", False)
+        return EXIT_FAILED if failed else EXIT_USAGE
 
 
 if __name__ == "__main__":
