@@ -19,6 +19,7 @@ that names the problem; never hang, die or answer UNKNOWN/INTERNAL). Used by
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -255,7 +256,8 @@ class Victim:
             within(
                 STEP_TIMEOUT_S,
                 f"the victim's rank {rank} connecting",
-                lambda rank=rank: CheckpointClient(
+                functools.partial(
+                    CheckpointClient,
                     job=self.job,
                     socket=socket_path,
                     rank=rank,
@@ -610,22 +612,22 @@ def forged_hints(sidecar: SidecarProcess, victim: Victim, attacker: Attacker, ou
     """Item 5: unsigned peer hints sent to the sidecar's peer port: skips and departures of the
     victim's ranks, hints with huge reasons, hints for a thousand job names. Each is refused."""
     victim.save(1)
-    base = {"namespace": "default", "job": victim.job}
-    hints = []
+    job = victim.job
+    hints: list[tuple[str, pb.HintRequest]] = []
     for attempt in range(4):  # whichever attempt the victim runs as, the steps it saves next
         for step in range(1, 6):
             for rank in range(2):
-                skip = pb.SkipHint(rank=rank, reason="x")
-                hints.append(
-                    ("forged skip hint", pb.HintRequest(**base, attempt=attempt, step=step, skip=skip))
+                skip = pb.HintRequest(
+                    namespace="default", job=job, attempt=attempt, step=step, skip=pb.SkipHint(rank=rank)
                 )
-                gone = pb.GoneHint(rank=rank)
-                hints.append(
-                    ("forged gone hint", pb.HintRequest(**base, attempt=attempt, step=step, gone=gone))
+                gone = pb.HintRequest(
+                    namespace="default", job=job, attempt=attempt, step=step, gone=pb.GoneHint(rank=rank)
                 )
+                hints += [("forged skip hint", skip), ("forged gone hint", gone)]
     huge = pb.SkipHint(rank=1, reason="r" * (8 * MiB))
     hints += [
-        ("hint with an 8 MiB reason", pb.HintRequest(**base, step=100 + i, skip=huge)) for i in range(4)
+        ("hint with an 8 MiB reason", pb.HintRequest(namespace="default", job=job, step=100 + i, skip=huge))
+        for i in range(4)
     ]
     hints += [
         ("hint for a new job name", pb.HintRequest(namespace="default", job=f"flood-{i}", gone=pb.GoneHint()))
