@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -1637,11 +1638,15 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.
     if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
         raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put under the name must not hang the restore
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise _SegmentGone(f"shared segment {name}: {exc.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        found = os.fstat(fd)
+        size = found.st_size
+        if not stat.S_ISREG(found.st_mode):
+            raise _SegmentChanged(f"shared segment {name} is not a regular file")
         if size < header.total_bytes:
             raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
         # Populated at once: one call maps every page instead of a fault per 4 KiB.

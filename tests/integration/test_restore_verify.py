@@ -65,3 +65,42 @@ def test_a_memory_restore_carries_every_tensors_digest(make_sidecar, make_client
         assert reader.last_restore["shared_memory"] is (shm == "on")
         assert reader.last_restore["unverified_tensors"] == 0
         assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+
+
+def test_restores_from_storage_are_checked_and_lossy_tensors_counted_unverified(
+    make_sidecar, make_client, job_name
+):
+    first = make_sidecar(quantize="8", quantize_match="table")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saved = {**state(2.0), "table": torch.randn(512, 32)}
+    saver.save(2, saved).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    second = make_sidecar(quantize="8", quantize_match="table")  # memory gone: storage
+    for restart, shm in ((1, "on"), (2, "off")):  # a segment handed over, and streamed
+        reader = make_client(second, job_name, capture_rng=False, generation=f"s/{restart}", shm=shm)
+        out = {**state(-1.0), "table": torch.zeros(512, 32)}
+        assert reader.restore(out) == 2
+        assert reader.last_restore is not None and reader.last_restore["source"] == "storage"
+        assert reader.last_restore["shared_memory"] is (shm == "on")
+        # the quantized table comes back decoded, not as saved: no digest to check it against
+        assert reader.last_restore["unverified_tensors"] == 1
+        assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
+
+
+def test_a_fifo_put_under_the_held_segments_name_does_not_hang_the_restore(
+    make_sidecar, make_client, job_name
+):
+    server = make_sidecar()
+    first = make_client(server, job_name, capture_rng=False, generation="f/0")
+    first.save(5, state(5.0)).durable.result(30)
+    first._buffers = []
+    for name in held_files(server):
+        path = os.path.join(server.settings.shm_dir, name)
+        os.unlink(path)
+        os.mkfifo(path)
+    second = make_client(server, job_name, capture_rng=False, generation="f/1")
+    out = state(-1.0)
+    assert second.restore(out) == 5  # the sidecar's own copy, over gRPC
+    assert second.last_restore is not None and second.last_restore["shared_memory"] is False
+    assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
