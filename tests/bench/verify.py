@@ -61,9 +61,14 @@ def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
             os.close(fd)
             os.unlink(path)  # the mapping keeps it
         source = np.frombuffer(mapped, np.uint8)
-        torch.from_numpy(source).copy_(torch.randint(0, 256, (span,), dtype=torch.uint8))
-        dst = [np.ones(n, np.uint8) for n in sizes]  # faulted in, as live tensors are
+        rng = np.random.default_rng(0)
+        for at in range(0, span, 64 * MiB):
+            piece = source[at : at + 64 * MiB]
+            piece[:] = rng.integers(0, 256, piece.size, dtype=np.uint8)
+        # The same destination for all three: the tensors are views of one buffer laid out as the
+        # segment is, faulted in (as live tensors are).
         flat = np.ones(span, np.uint8)
+        dst = [flat[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
         digests = [xxhash.xxh3_64_hexdigest(source[o : o + n]) for o, n in zip(offsets, sizes, strict=True)]
         checked = [
             _verify.Target(o, d, h, f"t{i}")
