@@ -651,7 +651,7 @@ class Restorer:
             segment = (held, len(buf)) if held else None
         return RestoreData(
             target[1],
-            found.tensors,
+            _with_digests(found.tensors, found.stored),
             found.tree,
             found.total_bytes,
             "memory",
@@ -749,6 +749,19 @@ def _other_world(target: Position, saved_by: int, world_size: int) -> str:
         "through torch.distributed.checkpoint loads with trainer_client.dcp's StrataReader, "
         "whose planner reshards"
     )
+
+
+def _with_digests(tensors: list[mf.TensorEntry], stored: list[mf.TensorEntry]) -> list[mf.TensorEntry]:
+    """``tensors`` (as a save declared them) with the digests and encodings of the entries stored
+    for them, so the restore header carries what the reader checks its copy against."""
+    by_name = {(t.name, t.offset, t.nbytes): t for t in stored}
+    out = []
+    for t in tensors:
+        s = by_name.get((t.name, t.offset, t.nbytes))
+        out.append(
+            t if s is None else dataclasses.replace(t, xxh3=s.xxh3, crc32=s.crc32, bits=s.bits, cast=s.cast)
+        )
+    return out
 
 
 def _peer_data(

@@ -35,6 +35,7 @@ SECTIONS = (
     "operator",
     "dcp",
     "neighbour",
+    "verify",
 )
 
 
