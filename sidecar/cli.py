@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,8 @@ from typing import Any
 
 from sidecar import __version__, config
 from sidecar import manifest as mf
-from sidecar.errors import CorruptObject, ObjectNotFound, StrataError
+from sidecar.api import MAX_STEP
+from sidecar.errors import CommandFailed, CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
 from sidecar.operator import cli as operator_cli
 from sidecar.pipeline.plan import read_snapshot
@@ -45,6 +47,8 @@ examples:
   strata verify --storage file:///var/lib/strata --job recsys --all      # every committed step
   strata export --storage file:///var/lib/strata --job llm --format dcp --out /tmp/llm-dcp
   strata import --storage file:///var/lib/strata --job llm2 --from /tmp/llm-dcp --step 1000
+  strata markers --storage file:///var/lib/strata --job recsys                 # steps marked unusable
+  strata markers --storage file:///var/lib/strata --job recsys --clear --step 120
 The storage flags also read STRATA_STORAGE, STRATA_S3_ENDPOINT, STRATA_NAMESPACE and STRATA_JOB.
 """
 
@@ -72,9 +76,9 @@ def _store_args(p: argparse.ArgumentParser) -> None:
 
 def _open(args: argparse.Namespace) -> Store:
     if not args.storage:
-        raise SystemExit("strata: --storage (or STRATA_STORAGE) is required")
+        raise ValueError("--storage (or STRATA_STORAGE) is required")
     if not args.job:
-        raise SystemExit("strata: --job (or STRATA_JOB) is required")
+        raise ValueError("--job (or STRATA_JOB) is required")
     if args.storage.startswith("s3://"):
         return open_store(args.storage, endpoint_url=args.s3_endpoint or None)
     if args.storage.startswith("file://"):
@@ -84,6 +88,7 @@ def _open(args: argparse.Namespace) -> Store:
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
     settings = config.from_sources(args)
+    settings.validate()  # --print-config shows only settings the sidecar would run with
     if args.print_config:
         print(json.dumps(settings.redacted(), indent=2, sort_keys=True))
         return 0
@@ -91,13 +96,9 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from sidecar.server import SidecarServer  # grpc server only when serving
     from sidecar.server.app import yield_cpu
 
-    try:
-        settings.validate()
-        yield_cpu(settings)
-        tune_allocator()
-        server = SidecarServer(settings).start()
-    except ValueError as exc:
-        raise SystemExit(f"strata sidecar: {exc}") from None
+    yield_cpu(settings)
+    tune_allocator()
+    server = SidecarServer(settings).start()
     done, hurry = threading.Event(), threading.Event()
 
     def stop(signum: int, _frame: Any) -> None:
@@ -352,8 +353,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not (source / ".metadata").is_file():
         raise SystemExit(f"strata import: {source} is not a DCP checkpoint (it has no .metadata)")
-    if args.step < 0:
-        raise SystemExit(f"strata import: --step must be >= 0, got {args.step}")
+    if not 0 <= args.step <= MAX_STEP:
+        raise SystemExit(
+            f"strata import: --step must be 0 to {MAX_STEP} (keys hold 12 digits), got {args.step}"
+        )
     steps = mf.committed_steps(store, args.namespace, args.job)
     if steps:
         raise SystemExit(
@@ -401,6 +404,111 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- markers and EPOCH repair: what a restore skips, and fences a damaged record hides -----------
+
+
+def cmd_markers(args: argparse.Namespace) -> int:
+    """List the job's UNUSABLE markers (why, who, when), or clear them (--clear, --step)."""
+    store = _open(args)
+    steps = None if not args.step else set(args.step)
+    if args.clear:
+        gone = mf.clear_markers(store, args.namespace, args.job, steps)
+        for mk in gone:
+            print(f"cleared: {mk.describe()}")
+        if not gone:
+            print(f"no unusable markers to clear for {args.namespace}/{args.job}")
+        return 0
+    markers = [
+        mk for mk in mf.unusable_markers(store, args.namespace, args.job) if steps is None or mk.step in steps
+    ]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(mk) for mk in markers], indent=1))
+        return 0
+    if not markers:
+        print(f"no unusable markers for {args.namespace}/{args.job}")
+        return 0
+    print(f"{'STEP':>12}  {'ATTEMPT':>7}  {'CAUSE':<8}  {'MARKED':<23}  BY / DETAIL")
+    for mk in markers:
+        when = _when(mk.at) if mk.at else "-"
+        print(f"{mk.step:>12}  {mk.attempt:>7}  {mk.cause:<8}  {when:<23}  {mk.by or '-'}")
+        print(f"{'':>12}  {'':>7}  {'':<8}  {'':<23}  {mk.detail}")
+    return 0
+
+
+def cmd_repair_epoch(args: argparse.Namespace) -> int:
+    """Rewrite a damaged EPOCH record from the history of the records before it and the restore
+    step the operator names (the one that attempt restored)."""
+    store = _open(args)
+    fences = mf.read_fences(store, args.namespace, args.job)
+    try:
+        damage = mf.epoch_damage(store, args.namespace, args.job, args.attempt)
+    except ObjectNotFound:
+        raise SystemExit(
+            f"strata repair-epoch: attempt {args.attempt} has no EPOCH record; nothing written"
+        ) from None
+    if damage is None:
+        raise SystemExit(
+            f"strata repair-epoch: the EPOCH record of attempt {args.attempt} reads fine; nothing written"
+        )
+    restore: tuple[int, int] | None = None
+    if args.restore_step != "none":
+        try:
+            step = int(args.restore_step)
+        except ValueError:
+            raise SystemExit(
+                f"strata repair-epoch: --restore-step must be a step or none, got {args.restore_step!r}"
+            ) from None
+        earlier = mf.Fences(
+            {a: r for a, r in fences.restores.items() if a < args.attempt}, fences.newest, fences.generations
+        )
+        attempts = [
+            a
+            for a in mf.step_commits(store, args.namespace, args.job, step)
+            if a < args.attempt and earlier.valid(a, step)
+        ]
+        if not attempts:
+            raise SystemExit(
+                f"strata repair-epoch: step {step} has no valid COMMIT of an attempt before "
+                f"{args.attempt}; nothing written"
+            )
+        restore = (attempts[-1], step)
+    epoch = mf.repair_epoch(store, args.namespace, args.job, args.attempt, restore, fences, args.generation)
+    print(
+        f"rewrote {mf.epoch_key(args.namespace, args.job, args.attempt)}: attempt {epoch.attempt} restores "
+        + ("nothing" if restore is None else f"step {restore[1]} (attempt {restore[0]})")
+    )
+    return 0
+
+
+def _add_bucket_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "markers",
+        help="list (or clear) the steps marked unusable, with why and who marked them",
+        description="List the job's UNUSABLE markers: steps a rank could not restore (cause: missing "
+        "after retries, or corrupt), which every later restore skips. --clear makes them restorable again.",
+        epilog=EPILOG_STORE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _store_args(p)
+    p.add_argument("--step", type=int, action="append", help="only this step (repeatable)")
+    p.add_argument("--clear", action="store_true", help="delete the markers (of --step, else all)")
+    p.add_argument("--json", action="store_true", help="print the markers as JSON")
+    p.set_defaults(func=cmd_markers)
+    p = sub.add_parser(
+        "repair-epoch",
+        help="rewrite a damaged EPOCH record from the records before it",
+        description="Rewrite a damaged EPOCH/<attempt> record: its history from the records before it, "
+        "its restore step as given (the step that attempt restored).",
+        epilog=EPILOG_STORE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _store_args(p)
+    p.add_argument("--attempt", type=int, required=True, help="the attempt whose record is damaged")
+    p.add_argument("--restore-step", required=True, help="the step that attempt restored, or none")
+    p.add_argument("--generation", default="repaired/0", help="the generation it ran (default: repaired/0)")
+    p.set_defaults(func=cmd_repair_epoch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata",
@@ -408,8 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and tracebacks with errors (or STRATA_DEBUG=1)",
+    )
+    # Not dest="command": `strata launch` names its training command so.
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
         "sidecar",
@@ -481,22 +595,51 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--all", action="store_true", help="verify every committed step")
         p.set_defaults(func=func)
+    _add_bucket_commands(sub)
     return parser
 
 
+#: Exit status of a command given wrong flags, variables or names (argparse's own).
+EXIT_USAGE = 2
+#: Exit status of a command that was given sensible input but could not do its work.
+EXIT_FAILED = 1
+#: Exit status when the reader of the output went away (`strata show | head`), as a shell reports
+#: a command SIGPIPE ended.
+EXIT_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every expected failure ends here as one line naming what is wrong, without a traceback
+    (``-v`` or ``STRATA_DEBUG=1`` shows it): exit 2 for wrong input, 1 for a failure to do the work
+    (storage unreachable, a process that died)."""
     args = build_parser().parse_args(argv)
     # The server logs its progress; the read-only commands print their own and log only problems.
-    quiet = logging.INFO if args.command in ("sidecar", "launch", "operator") else logging.WARNING
+    quiet = logging.INFO if args.subcommand in ("sidecar", "launch", "operator") else logging.WARNING
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else quiet,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for warning in config.unknown_env():
+        logging.getLogger("strata").warning("%s", warning)
+    debug = args.verbose or os.environ.get("STRATA_DEBUG", "") not in ("", "0")
     try:
-        return int(args.func(args))
-    except (StrataError, ValueError) as exc:
-        print(f"strata {args.command}: {exc}", file=sys.stderr)
-        return 2
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe can still be told apart
+        return status
+    except BrokenPipeError:
+        # Nobody reads the rest: drop it (Python would complain again flushing stdout at exit).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except (StrataError, ValueError, OSError, CommandFailed) as exc:
+        if debug:
+            raise
+        print(f"strata {args.subcommand}: {exc}", file=sys.stderr)
+        # Storage that cannot be reached (a StrataError that may pass on retry) is a failure to do
+        # the work, not wrong input.
+        failed = isinstance(exc, (OSError, CommandFailed)) or getattr(exc, "temporary", False)
+        return EXIT_FAILED if failed else EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.api import default_socket_path
+from sidecar.api import default_socket_path, envvars
 from sidecar.pipeline.settings import check_encoding_settings
 
 
@@ -181,7 +183,40 @@ class SidecarSettings:
             self.socket = default_socket_path()
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting that is wrong."""
+        """Raise ValueError naming the setting that is wrong: its flag, or its environment variable
+        when the value came from there (``from_sources``)."""
+        try:
+            self._check()
+        except ValueError as exc:
+            message = str(exc)
+            for name in sorted(getattr(self, "_from_env", ()), key=len, reverse=True):
+                flag = "--" + name.replace("_", "-")
+                if re.match(rf"{re.escape(flag)}\b(?!-)", message):
+                    raise ValueError(f"{_env_of(name)} ({flag}){message[len(flag) :]}") from None
+            raise
+
+    def _check(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and math.isnan(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} is not a number (nan)")
+        for name in ("tcp_port", "peer_port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                port = getattr(self, name)
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be a TCP port, 0 to 65535 (0: off), got {port}"
+                )
+        if not 0 < self.commit_timeout_s < math.inf:
+            raise ValueError(f"--commit-timeout-s must be positive seconds, got {self.commit_timeout_s}")
+        if self.keep < 0:
+            raise ValueError(f"--keep must be >= 0 (0: keep every committed step), got {self.keep}")
+        if self.storage_attempts < 1:
+            raise ValueError(f"--storage-attempts must be >= 1, got {self.storage_attempts}")
+        if self.generation_file and not os.path.isfile(self.generation_file):
+            raise ValueError(
+                f"--generation-file {self.generation_file}: no such file (the launcher or a downward-API "
+                "volume writes it before the sidecar starts)"
+            )
         if not self.storage:
             raise ValueError(
                 "--storage (STRATA_STORAGE) is required, e.g. s3://bucket/prefix or file:///path"
@@ -272,6 +307,16 @@ def env_name(f: dataclasses.Field[Any]) -> str:
     return f.metadata.get("env") or "STRATA_" + f.name.upper()
 
 
+def _env_of(name: str) -> str:
+    return env_name(next(f for f in dataclasses.fields(SidecarSettings) if f.name == name))
+
+
+def unknown_env(env: dict[str, str] | None = None) -> list[str]:
+    """Warnings for ``STRATA_*`` variables nobody reads (misspellings), naming the closest known one."""
+    known = envvars.KNOWN | {env_name(f) for f in dataclasses.fields(SidecarSettings)}
+    return envvars.unknown(dict(os.environ) if env is None else env, known)
+
+
 def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
     kind = type(f.default)
     try:
@@ -309,10 +354,15 @@ def from_sources(
     """Flags win over environment variables, which win over defaults."""
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = {}
+    from_env = set()
     for f in dataclasses.fields(SidecarSettings):
         flag = getattr(args, f.name, None) if args is not None else None
         if flag is not None:
             values[f.name] = flag
         elif env_name(f) in env:
             values[f.name] = _convert(f, env[env_name(f)])
-    return SidecarSettings(**values)
+            from_env.add(f.name)
+    settings = SidecarSettings(**values)
+    # Not a field (no flag, not printed): errors name these settings by their variable.
+    setattr(settings, "_from_env", frozenset(from_env))  # noqa: B010
+    return settings

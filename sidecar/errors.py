@@ -73,3 +73,8 @@ class CorruptObject(StrataError):
     def __init__(self, key: str, why: str) -> None:
         super().__init__(f"corrupt object {key}: {why}")
         self.key = key
+
+
+class CommandFailed(Exception):
+    """A ``strata`` command could not do its work for a reason it can say in one line (a process it
+    started died, say): reported without a traceback, exit status 1."""

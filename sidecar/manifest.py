@@ -51,7 +51,7 @@ from typing import Any
 
 import xxhash
 
-from sidecar.api import DCP_METADATA_KEY, RNG_STATE_KEY
+from sidecar.api import DCP_METADATA_KEY, MAX_STEP, RNG_STATE_KEY
 from sidecar.errors import (
     Aborted,
     CorruptObject,
@@ -70,17 +70,18 @@ FORMAT_VERSION = 2
 MIN_FORMAT_VERSION = 1
 #: The attempt a format-1 commit reads as: older than any attempt storage allocates.
 LEGACY_ATTEMPT = -1
-_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,251}[a-z0-9])?$")
-_STEP_DIR_RE = re.compile(r"/steps/(\d{12})/$")
-_COMMIT_DIR_RE = re.compile(r"^a(\d{4,})/$")
-_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/a(\d{4,})/COMMIT$")
-_LEGACY_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/COMMIT$")
-_EPOCH_RE = re.compile(r"/EPOCH/(\d{8,})$")
+#: Matched whole (fullmatch): with re.match, "$" also matches before a trailing newline.
+_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9._-]{0,251}[a-z0-9])?")
+_STEP_DIR_RE = re.compile(r"/steps/(\d{12})/\Z")
+_COMMIT_DIR_RE = re.compile(r"a(\d{4,})/")
+_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/a(\d{4,})/COMMIT\Z")
+_LEGACY_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/COMMIT\Z")
+_EPOCH_RE = re.compile(r"/EPOCH/(\d{8,})\Z")
 
 
 def check_name(kind: str, value: str) -> str:
     """Namespaces and job names become key segments: keep them DNS-label-like."""
-    if not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise ValueError(f"{kind} {value!r} must be lowercase letters, digits, '.', '_' or '-' (<= 253)")
     return value
 
@@ -401,9 +402,49 @@ class Commit:
                 _commit_from_format1(raw)
             raw["manifests"] = [ManifestRef(**m) for m in raw["manifests"]]
             raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
-            return cls(**raw)
+            commit = cls(**raw)
+            commit._check(key)
+            return commit
         except (TypeError, KeyError, ValueError) as exc:
             raise CorruptObject(key, f"not a valid COMMIT ({exc})") from None
+
+    def _check(self, key: str) -> None:
+        """Every field holds what a writer could have written, and they agree with each other and
+        with the key: a COMMIT damaged anywhere is corrupt (a restore falls back), never a request
+        to refuse (a damaged world_size must not read as "saved by another number of ranks")."""
+
+        def whole(name: str, value: Any, low: int, high: int = 1 << 63) -> None:
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"{name} {value!r} is not an integer from {low} to {high}")
+
+        check_name("namespace", self.namespace)
+        check_name("job", self.job)
+        whole("step", self.step, 0, MAX_STEP)
+        whole("attempt", self.attempt, LEGACY_ATTEMPT)
+        whole("world_size", self.world_size, 1)
+        whole("total_bytes", self.total_bytes, 0)
+        ranks = [m.rank for m in self.manifests]
+        if ranks != list(range(self.world_size)):
+            raise ValueError(f"world_size {self.world_size} but manifests of ranks {ranks}")
+        prefix = step_prefix(self.namespace, self.job, self.step)
+        for m in self.manifests:
+            whole("manifest size", m.size, 0)
+            if not isinstance(m.key, str) or not m.key.startswith(prefix) or not isinstance(m.sha256, str):
+                raise ValueError(f"manifest of rank {m.rank} names {m.key!r}, outside step {self.step}")
+        for r in self.requires:
+            whole("required step", r, 0, MAX_STEP)
+        for ref in self.required_commits:
+            if not isinstance(ref.key, str) or not isinstance(ref.sha256, str):
+                raise ValueError(f"required commit {ref!r} is not a key and a sha256")
+            parse_commit_key(ref.key)
+        try:
+            named = parse_commit_key(key)
+        except ValueError:
+            return  # read from somewhere other than its key (a test, an export)
+        if named != (self.attempt, self.step) or key != self.key:
+            raise ValueError(
+                f"it holds step {self.step} of attempt {self.attempt} of {self.namespace}/{self.job}"
+            )
 
     @property
     def key(self) -> str:
@@ -539,10 +580,13 @@ class Fences:
     newest: Epoch | None = None
     #: attempt -> the generation it ran, for every attempt before the newest
     generations: dict[int, str] = field(default_factory=dict)
+    #: attempt -> why its record (newer than ``newest``) is unreadable: its restore step is unknown,
+    #: so it fences nothing off, but its number is taken
+    damaged: dict[int, str] = field(default_factory=dict)
 
     @property
     def newest_attempt(self) -> int:
-        return -1 if self.newest is None else self.newest.attempt
+        return max(-1 if self.newest is None else self.newest.attempt, max(self.damaged, default=-1))
 
     def floor(self, attempt: int) -> int | None:
         """The largest step attempt ``attempt`` may have validly committed (None: no bound)."""
@@ -563,7 +607,13 @@ class Fences:
 
 def read_fences(store: Store, namespace: str, job: str, known: Fences | None = None) -> Fences:
     """The fences as of the newest epoch: one LIST (after the newest known record), plus one
-    GET when there is a newer record (it carries the history of all earlier ones)."""
+    GET when there is a newer record (it carries the history of all earlier ones).
+
+    A damaged newest record (it does not parse, or names another attempt) does not make the job
+    unreadable: the fences come from the newest record before it that reads, the damaged
+    attempt's own restore step is unknown (it fences nothing off), and the record is reported
+    (:attr:`Fences.damaged`, a warning naming ``strata repair-epoch``). The next attempt's record
+    carries that history on. A record of a newer format is no damage: it still raises."""
     start_after = (
         None if known is None or known.newest is None else epoch_key(namespace, job, known.newest.attempt)
     )
@@ -571,14 +621,84 @@ def read_fences(store: Store, namespace: str, job: str, known: Fences | None = N
     numbered = [(int(m.group(1)), o.key) for o in listing.objects if (m := _EPOCH_RE.search("/" + o.key))]
     if not numbered:
         return known if known is not None else Fences()
-    attempt, key = max(numbered)
-    epoch = Epoch.from_json(store.get(key), key)
-    if epoch.attempt != attempt:
+    damaged: dict[int, str] = {}
+    fences = None
+    for attempt, key in sorted(numbered, reverse=True):
+        try:
+            epoch = _read_epoch(store, key, attempt)
+        except CorruptObject as exc:
+            if getattr(exc, "newer_format", False):
+                raise
+            damaged[attempt] = str(exc)
+            continue
+        restores: dict[int, int | None] = {int(h[0]): h[1] for h in epoch.history}
+        generations = {int(h[0]): str(h[2]) for h in epoch.history if len(h) > 2}
+        restores[epoch.attempt] = epoch.restore_step
+        fences = Fences(restores, epoch, generations)
+        break
+    if fences is None:
+        base = known if known is not None else Fences()
+        fences = Fences(dict(base.restores), base.newest, dict(base.generations))
+    if damaged:
+        fences.damaged = damaged
+        _report_damaged(namespace, job, fences)
+    return fences
+
+
+def _read_epoch(store: Store, key: str, attempt: int) -> Epoch:
+    body = store.get(key)
+    try:
+        epoch = Epoch.from_json(body, key)
+    except CorruptObject as exc:
+        try:
+            version = json.loads(body).get("format_version")
+        except (ValueError, AttributeError):
+            version = None
+        # A newer sidecar's record is no damage: its fences cannot be guessed around.
+        exc.newer_format = type(version) is int and version > FORMAT_VERSION  # type: ignore[attr-defined]
+        raise
+    if epoch.attempt != attempt or not isinstance(epoch.history, list):
         raise CorruptObject(key, f"EPOCH record says attempt {epoch.attempt}")
-    restores: dict[int, int | None] = {int(h[0]): h[1] for h in epoch.history}
-    generations = {int(h[0]): str(h[2]) for h in epoch.history if len(h) > 2}
-    restores[epoch.attempt] = epoch.restore_step
-    return Fences(restores, epoch, generations)
+    try:
+        for h in epoch.history:
+            int(h[0])
+            if h[1] is not None and type(h[1]) is not int:
+                raise TypeError(f"restore step {h[1]!r}")
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise CorruptObject(key, f"not a valid EPOCH record (history: {exc})") from None
+    return epoch
+
+
+_reported_damage: set[str] = set()
+
+
+def _report_damaged(namespace: str, job: str, fences: Fences) -> None:
+    """Warn once per process and record of each damaged EPOCH record, with the repair command."""
+    for attempt, why in sorted(fences.damaged.items()):
+        key = epoch_key(namespace, job, attempt)
+        if key in _reported_damage:
+            continue
+        _reported_damage.add(key)
+        log.error("%s/%s: %s", namespace, job, damaged_epoch_text(namespace, job, attempt, why))
+
+
+def epoch_damage(store: Store, namespace: str, job: str, attempt: int) -> str | None:
+    """Why the EPOCH record of ``attempt`` does not read, or None (it reads)."""
+    key = epoch_key(namespace, job, attempt)
+    try:
+        _read_epoch(store, key, attempt)
+    except CorruptObject as exc:
+        return str(exc)
+    return None
+
+
+def damaged_epoch_text(namespace: str, job: str, attempt: int, why: str) -> str:
+    return (
+        f"EPOCH record of attempt {attempt} is damaged ({why}); the fences come from the records "
+        f"before it and every checkpoint stays reachable. Repair it with: strata repair-epoch "
+        f"--namespace {namespace} --job {job} --attempt {attempt} --restore-step <the step that "
+        "attempt restored, or none> (with --storage/--s3-endpoint)"
+    )
 
 
 def create_epoch(
@@ -622,6 +742,40 @@ def create_epoch(
         generation,
         "nothing" if restore is None else f"step {restore[1]} (attempt {restore[0]})",
     )
+    return epoch
+
+
+def repair_epoch(
+    store: Store,
+    namespace: str,
+    job: str,
+    attempt: int,
+    restore: tuple[int, int] | None,
+    fences: Fences,
+    generation: str,
+) -> Epoch:
+    """Overwrite the damaged record of ``attempt``: the history of every attempt before it, as
+    the readable records tell (``fences``), and ``restore``, the step it restored."""
+    if epoch_damage(store, namespace, job, attempt) is None:
+        raise ValueError(f"the EPOCH record of attempt {attempt} is not damaged")
+    names = dict(fences.generations)
+    if fences.newest is not None:
+        names[fences.newest.attempt] = fences.newest.generation
+    history: list[list[Any]] = [
+        [a, r, names.get(a, "")] for a, r in sorted(fences.restores.items()) if a < attempt
+    ]
+    epoch = Epoch(
+        attempt,
+        generation,
+        0,
+        None if restore is None else restore[1],
+        None if restore is None else restore[0],
+        history,
+        restore_reason="requested",
+    )
+    store.put(epoch_key(namespace, job, attempt), epoch.to_json())
+    _reported_damage.discard(epoch_key(namespace, job, attempt))
+    log.warning("%s/%s: rewrote the damaged EPOCH record of attempt %d", namespace, job, attempt)
     return epoch
 
 
@@ -917,7 +1071,7 @@ def step_commits(store: Store, namespace: str, job: str, step: int) -> list[int]
     if any(o.key == prefix + "COMMIT" for o in listing.objects):
         out.append(LEGACY_ATTEMPT)
     for p in listing.prefixes:
-        m = _COMMIT_DIR_RE.match(p[len(prefix) :])
+        m = _COMMIT_DIR_RE.fullmatch(p[len(prefix) :])
         if m and store.head(commit_key(namespace, job, step, int(m.group(1)))) is not None:
             out.append(int(m.group(1)))
     return sorted(out)
@@ -944,22 +1098,128 @@ def unusable_prefix(namespace: str, job: str) -> str:
     return job_prefix(namespace, job) + "UNUSABLE/"
 
 
-def mark_unusable(store: Store, namespace: str, job: str, position: tuple[int, int], reason: str) -> None:
-    """Record that a rank could not restore (attempt, step): no later attempt restores it."""
+#: Why a rank could not restore a commit (a marker's ``cause``): "missing", an object it names
+#: stayed missing after retries (a bucket that lost it, or one whose listing lags); "corrupt", an
+#: object it names differs from what was committed (size, digest, or a body that does not parse);
+#: "unknown", a marker of an older release (its body is only the reason text).
+MARKER_CAUSES = ("missing", "corrupt", "unknown")
+_MARKER_RE = re.compile(r"/(\d{12})-(?:a(\d{4,})|v1)\Z")
+
+
+@dataclass
+class UnusableMarker:
+    """``UNUSABLE/<step>-a<attempt>``: some rank could not restore that commit, so no later attempt
+    restores it, until an operator clears the marker (``strata markers --clear``)."""
+
+    attempt: int
+    step: int
+    cause: str
+    detail: str
+    #: who wrote it: the rank, its generation and the sidecar (host, process)
+    by: str = ""
+    at: float = 0.0
+    key: str = ""
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.attempt, self.step)
+
+    def describe(self) -> str:
+        who = f"; marked by {self.by}" if self.by else ""
+        when = f" at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(self.at))}" if self.at else ""
+        return f"step {self.step} (attempt {self.attempt}) {self.cause}: {self.detail}{who}{when}"
+
+
+def _marker_key(namespace: str, job: str, position: tuple[int, int]) -> str:
     attempt, step = position
     tag = "v1" if attempt == LEGACY_ATTEMPT else f"a{attempt:04d}"
-    key = f"{unusable_prefix(namespace, job)}{step:012d}-{tag}"
+    return f"{unusable_prefix(namespace, job)}{step:012d}-{tag}"
+
+
+def mark_unusable(
+    store: Store,
+    namespace: str,
+    job: str,
+    position: tuple[int, int],
+    reason: str,
+    cause: str = "corrupt",
+    by: str = "",
+) -> None:
+    """Record that a rank could not restore (attempt, step), why (``cause``: see MARKER_CAUSES)
+    and who found it: no later attempt restores it, and each says so."""
+    if cause not in MARKER_CAUSES:
+        raise ValueError(f"marker cause {cause!r} is not one of {MARKER_CAUSES}")
+    body = {
+        "kind": "strata.unusable",
+        "cause": cause,
+        "detail": reason[:4096],
+        "by": by[:256],
+        "at": time.time(),
+    }
     try:
-        store.put(key, reason.encode()[:4096])
+        store.put(_marker_key(namespace, job, position), json.dumps(body, sort_keys=True).encode())
     except StorageError as exc:
-        log.warning("could not mark step %d unusable: %s", step, exc)
+        log.warning("could not mark step %d unusable: %s", position[1], exc)
+
+
+def _parse_marker(key: str, body: bytes) -> UnusableMarker | None:
+    m = _MARKER_RE.search("/" + key)
+    if not m:
+        return None
+    attempt = LEGACY_ATTEMPT if m.group(2) is None else int(m.group(2))
+    step = int(m.group(1))
+    try:
+        raw = json.loads(body)
+    except ValueError:
+        raw = None
+    if isinstance(raw, dict) and raw.get("kind") == "strata.unusable":
+        cause = raw.get("cause")
+        at = raw.get("at")
+        return UnusableMarker(
+            attempt,
+            step,
+            cause if cause in MARKER_CAUSES else "unknown",
+            str(raw.get("detail", "")),
+            str(raw.get("by", "")),
+            float(at) if isinstance(at, (int, float)) and at == at else 0.0,
+            key,
+        )
+    # An older release's marker: the reason as text.
+    return UnusableMarker(attempt, step, "unknown", body.decode("utf-8", "replace")[:4096], "", 0.0, key)
+
+
+def unusable_markers(store: Store, namespace: str, job: str) -> list[UnusableMarker]:
+    """Every marker of the job, oldest commit first (one LIST, normally empty, and a GET each)."""
+    out = []
+    for o in store.list(unusable_prefix(namespace, job)).objects:
+        if not _MARKER_RE.search("/" + o.key):
+            continue
+        try:
+            body = store.get(o.key)
+        except ObjectNotFound:
+            continue  # cleared meanwhile
+        marker = _parse_marker(o.key, body)
+        if marker is not None:
+            out.append(marker)
+    return sorted(out, key=lambda mk: mk.position)
+
+
+def clear_markers(
+    store: Store, namespace: str, job: str, steps: set[int] | None = None
+) -> list[UnusableMarker]:
+    """Delete the markers of ``steps`` (None: all): their commits are restorable again. Returns
+    what was cleared."""
+    gone = [mk for mk in unusable_markers(store, namespace, job) if steps is None or mk.step in steps]
+    if gone:
+        store.delete([mk.key for mk in gone])
+    return gone
 
 
 def unusable_commits(store: Store, namespace: str, job: str) -> set[tuple[int, int]]:
     """Commits some rank failed to restore (one LIST, normally empty)."""
     out = set()
     for o in store.list(unusable_prefix(namespace, job)).objects:
-        m = re.search(r"/(\d{12})-(?:a(\d{4,})|v1)$", "/" + o.key)
+        m = _MARKER_RE.search("/" + o.key)
         if m:
             attempt = LEGACY_ATTEMPT if m.group(2) is None else int(m.group(2))
             out.add((attempt, int(m.group(1))))

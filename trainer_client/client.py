@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import operator
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -41,6 +43,7 @@ from sidecar.api import (
     DCP_METADATA_KEY,
     EXIT_RESTART_IN_PLACE,
     LIMIT_SPENT_MARKER,
+    MAX_STEP,
     PROTOCOL_VERSION,
     RESHARD_MARKER,
     RNG_STATE_KEY,
@@ -51,7 +54,7 @@ from sidecar.api import (
     pb_grpc,
 )
 from sidecar.faults import fault_point
-from trainer_client import _loaders, _replicas, _rng, _tree
+from trainer_client import _loaders, _replicas, _rng, _tree, _verify
 from trainer_client._preempt import SigtermWatch
 from trainer_client._staging import (
     Gate,
@@ -609,6 +612,7 @@ class CheckpointClient:
     def save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` at ``step``; returns once the synchronous copy is done. After
         SIGTERM (``save_on_sigterm``) it saves, waits for durable and raises :class:`Preempted`."""
+        _check_step(step)
         if self._restart_generation:
             raise RestartInPlace(self._restart_generation)
         if self._sigterm.fired:
@@ -685,6 +689,7 @@ class CheckpointClient:
         added, no replica plan (every tensor is this rank's own), no row tracking, and every tensor
         staged before this returns (no overlap with the next optimizer step): copied, or, where it
         lies in a buffer lent to the writer's ``stage()`` (``_lease``), sent from there."""
+        _check_step(step)
         t0 = time.perf_counter()
         with self._lock:
             # Busy while the previous snapshot streams or uploads: the sidecar holds one in
@@ -1267,6 +1272,8 @@ class CheckpointClient:
             "replica_sources": replica_sources,
             # the number of ranks that saved the step (another one: a resharded restore)
             "saved_by": saved_by,
+            # tensors copied without a digest to check (an older sidecar or MANIFEST, a lossy tensor)
+            "unverified_tensors": _unverified(header),
         }
         log.info("restored step %d from %s (%d bytes)", header.step, header.source, header.total_bytes)
         return int(header.step)
@@ -1474,6 +1481,9 @@ class CheckpointClient:
             try:
                 stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
                 return _receive(stream, shm_dir, in_place)
+            except _SegmentChanged as exc:  # not the file the sidecar checked: its own copy instead
+                log.error("%s; restoring over gRPC", exc)
+                req.shm_ok = False
             except _SegmentGone as exc:  # the sidecar forgot it meanwhile: the bytes come over gRPC
                 log.info("%s; restoring over gRPC", exc)
                 req.shm_ok = False
@@ -1483,6 +1493,17 @@ class CheckpointClient:
                 log.info("restore refused for now (%s); retrying", exc.details())
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
+
+
+def _check_step(step: Any) -> None:
+    """Steps are non-negative ints that storage keys spell in 12 digits: refused here, before
+    anything is staged, rather than saved where no listing would find them."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        value = -1
+    if isinstance(step, bool) or not 0 <= value <= MAX_STEP:
+        raise ValueError(f"step must be an int from 0 to {MAX_STEP} (keys hold 12 digits), got {step!r}")
 
 
 class _NothingToRestore(Exception):
@@ -1620,17 +1641,27 @@ class _SegmentGone(Exception):
     pass
 
 
-def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[int, Any]]) -> None:
-    """Copy the tensors from the shared segment the sidecar holds the snapshot in."""
+class _SegmentChanged(_SegmentGone):
+    """The segment's bytes are not what was saved: the sidecar's own copy, checked, comes over gRPC."""
+
+
+def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Target]) -> None:
+    """Copy the tensors from the shared segment the sidecar holds the snapshot in, checking each
+    against its digest as it goes (the file under that name may not be the one the sidecar
+    checked)."""
     name = header.shm.name
     if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
         raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put under the name must not hang the restore
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise _SegmentGone(f"shared segment {name}: {exc.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        found = os.fstat(fd)
+        size = found.st_size
+        if not stat.S_ISREG(found.st_mode):
+            raise _SegmentChanged(f"shared segment {name} is not a regular file")
         if size < header.total_bytes:
             raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
         # Populated at once: one call maps every page instead of a fault per 4 KiB.
@@ -1640,12 +1671,13 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[in
             try:
                 with warnings.catch_warnings():  # read-only source: torch only reads it here
                     warnings.simplefilter("ignore", UserWarning)
-                    for start, dst in targets:  # torch's copy uses every intra-op thread
-                        torch.from_numpy(dst).copy_(torch.from_numpy(source[start : start + dst.size]))
+                    bad = _verify.copy_checked(source, targets)
             finally:
                 del source
     finally:
         os.close(fd)
+    if bad is not None:
+        raise _SegmentChanged(f"shared segment {name}: {bad}")
 
 
 def _end(stream: Iterator[pb.RestoreResponse], header: pb.RestoreHeader, shm_dir: str) -> None:
@@ -1680,7 +1712,9 @@ def _receive(
     if tensors is None:
         tensors = [torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for m in header.tensors]
     targets = [
-        (m.offset, as_numpy_bytes(t)) for m, t in zip(header.tensors, tensors, strict=True) if t.numel()
+        _verify.Target(m.offset, as_numpy_bytes(t), m.xxh3, m.name)
+        for m, t in zip(header.tensors, tensors, strict=True)
+        if t.numel()
     ]
     if header.HasField("shm"):
         try:
@@ -1696,14 +1730,16 @@ def _receive(
             raise RestoreError("the sidecar sent chunks after naming a shared segment")
         return header, tensors
     index, pos = 0, 0
+    digests = _verify.StreamCheck(targets)  # each piece hashed just after it is written
     for msg in stream:
         data = memoryview(msg.chunk)
         end = pos + len(data)
-        while index < len(targets) and targets[index][0] < end:
-            start, dst = targets[index]
+        while index < len(targets) and targets[index].offset < end:
+            start, dst = targets[index].offset, targets[index].dst
             lo, hi = max(start, pos), min(start + dst.size, end)
             if hi > lo:
                 dst[lo - start : hi - start] = data[lo - pos : hi - pos]
+                digests.update(index, lo - start, hi - start)
             if start + dst.size > end:
                 break
             index += 1
@@ -1713,7 +1749,25 @@ def _receive(
             f"restore stream ended after {pos} of {header.total_bytes} bytes "
             f"({index} of {len(targets)} tensors complete)"
         )
+    try:
+        digests.check()
+    except _verify.DigestMismatch as exc:
+        raise RestoreError(f"step {header.step} from {header.source}: {exc}") from None
     return header, tensors
+
+
+def _unverified(header: pb.RestoreHeader) -> int:
+    """The header's tensors that carry no digest (their bytes were copied unchecked), logged."""
+    unverified = sum(1 for m in header.tensors if m.nbytes and not m.xxh3)
+    if unverified:
+        # none at all: a sidecar that predates digests in the header; some: lossy tensors
+        (log.warning if unverified == len(header.tensors) else log.info)(
+            "step %d: %d of %d tensors carry no digest; their bytes were not checked",
+            header.step,
+            unverified,
+            len(header.tensors),
+        )
+    return unverified
 
 
 def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:

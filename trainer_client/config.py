@@ -7,12 +7,16 @@ launch``, the Kubernetes webhook) sets: ``RANK``/``WORLD_SIZE`` are honoured,
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_socket_path
+from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_socket_path, envvars
+
+log = logging.getLogger("strata.client")
 
 RESUME_POLICIES = ("auto", "never", "require")
 BUSY_POLICIES = ("skip", "wait")
@@ -26,11 +30,21 @@ def _torchelastic_generation() -> str | None:
     return f"{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" if run else None
 
 
-def _env(*names: str) -> str | None:
+def _env(*names: str) -> tuple[str, str] | None:
+    """The first of ``names`` that is set, and its value."""
     for name in names:
         if os.environ.get(name):
-            return os.environ[name]
+            return name, os.environ[name]
     return None
+
+
+def _torchelastic_generation_var() -> tuple[str, str] | None:
+    generation = _torchelastic_generation()
+    return ("TORCHELASTIC_RUN_ID", generation) if generation else None
+
+
+#: Misspelt variables are warned of once per process, not at every client.
+_warned: set[str] = set()
 
 
 @dataclass
@@ -71,13 +85,13 @@ class ClientSettings:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ClientSettings:
-        env: dict[str, Any] = {
+        env: dict[str, tuple[str, str] | None] = {
             "job": _env("STRATA_JOB"),
             "namespace": _env("STRATA_NAMESPACE", "POD_NAMESPACE"),
             "rank": _env("STRATA_RANK", "RANK"),
             "world_size": _env("STRATA_WORLD_SIZE", "WORLD_SIZE"),
             "attempt": _env("STRATA_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"),
-            "generation": _env("STRATA_GENERATION") or _torchelastic_generation(),
+            "generation": _env("STRATA_GENERATION") or _torchelastic_generation_var(),
             "socket": _env("STRATA_SOCKET"),
             "address": _env("STRATA_ADDRESS"),
             "token": _env("STRATA_TOKEN"),
@@ -91,46 +105,82 @@ class ClientSettings:
             "commit_timeout_s": _env("STRATA_COMMIT_TIMEOUT_S"),
             "save_on_sigterm": _env("STRATA_SAVE_ON_SIGTERM_S"),
         }
+        for warning in envvars.unknown(os.environ):
+            if warning not in _warned:
+                _warned.add(warning)
+                log.warning("%s", warning)
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         kinds = {f.name: f.type for f in fields(cls)}
-        for name, raw in env.items():
-            if raw is None:
+        for name, found in env.items():
+            if found is None or overrides.get(name) is not None:
                 continue
+            variable, raw = found
             kind = str(kinds[name]).removesuffix(" | None")
             try:
                 values[name] = int(raw) if kind == "int" else float(raw) if kind == "float" else raw
             except ValueError:
-                raise ValueError(f"{name}: cannot parse {raw!r} from the environment as {kind}") from None
+                article = "an" if kind == "int" else "a"
+                raise ValueError(f"{variable}={raw!r}: expected {article} {kind}") from None
+            sources[name] = variable
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         if not settings.generation and settings.world_size == 1:
             settings.generation = f"solo-{uuid.uuid4().hex[:16]}/0"
-        settings.validate()
+        settings.validate(sources)
         return settings
 
-    def validate(self) -> None:
+    def validate(self, sources: dict[str, str] | None = None) -> None:
+        """Raise ValueError naming what is wrong: the environment variable a value came from
+        (``sources``: field -> variable), else the argument."""
+        where = sources or {}
+
+        def name(field_name: str) -> str:
+            return where.get(field_name, field_name)
+
         if not self.job:
             raise ValueError("no job name: set STRATA_JOB or pass job=... to CheckpointClient")
-        if self.resume not in RESUME_POLICIES:
-            raise ValueError(f"resume={self.resume!r}: expected one of {', '.join(RESUME_POLICIES)}")
-        if self.when_busy not in BUSY_POLICIES:
-            raise ValueError(f"when_busy={self.when_busy!r}: expected one of {', '.join(BUSY_POLICIES)}")
-        if self.shm not in SHM_POLICIES:
-            raise ValueError(f"shm={self.shm!r}: expected one of {', '.join(SHM_POLICIES)}")
-        if self.overlap not in OVERLAP_POLICIES:
-            raise ValueError(f"overlap={self.overlap!r}: expected one of {', '.join(OVERLAP_POLICIES)}")
-        if self.replicas not in REPLICA_POLICIES:
-            raise ValueError(f"replicas={self.replicas!r}: expected one of {', '.join(REPLICA_POLICIES)}")
+        for field_name, allowed in (
+            ("resume", RESUME_POLICIES),
+            ("when_busy", BUSY_POLICIES),
+            ("shm", SHM_POLICIES),
+            ("overlap", OVERLAP_POLICIES),
+            ("replicas", REPLICA_POLICIES),
+        ):
+            value = getattr(self, field_name)
+            if value not in allowed:
+                raise ValueError(f"{name(field_name)}={value!r}: expected one of {', '.join(allowed)}")
         if self.shm == "on" and self.address:
-            raise ValueError("shm='on' needs the unix socket: a TCP sidecar may be on another host")
+            raise ValueError(
+                f"{name('shm')}='on' needs the unix socket: a TCP sidecar may be on another host"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"{name('world_size')}={self.world_size}: expected at least 1")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+            from_env = "rank" in where or "world_size" in where
+            raise ValueError(
+                f"rank {self.rank} is outside world size {self.world_size}"
+                + (
+                    f" ({name('rank')}={self.rank}, {name('world_size')}={self.world_size})"
+                    if from_env
+                    else ""
+                )
+            )
         if self.address and not self.token:
             raise ValueError("a TCP sidecar address needs a token (STRATA_TOKEN)")
-        if self.save_on_sigterm is not None and not self.save_on_sigterm >= 0:
-            raise ValueError(f"save_on_sigterm={self.save_on_sigterm!r}: expected seconds >= 0 or None")
+        for field_name in ("connect_timeout_s", "rpc_timeout_s", "commit_timeout_s"):
+            value = getattr(self, field_name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name(field_name)}={value!r}: expected positive seconds")
+        if self.save_on_sigterm is not None and not 0 <= self.save_on_sigterm < math.inf:
+            raise ValueError(
+                f"{name('save_on_sigterm')}={self.save_on_sigterm!r}: expected seconds >= 0 or None"
+            )
         if not 0 < self.chunk_bytes < self.max_message_bytes:
-            raise ValueError(f"chunk_bytes {self.chunk_bytes} must be below max_message_bytes")
+            raise ValueError(
+                f"{name('chunk_bytes')} {self.chunk_bytes} must be below "
+                f"{name('max_message_bytes')} ({self.max_message_bytes})"
+            )
 
     @property
     def target(self) -> str:

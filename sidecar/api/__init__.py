@@ -43,6 +43,9 @@ DCP_METADATA_KEY = "dcp_metadata"
 #: Key under which the client saves the process's random generators beside the user's state: each
 #: rank's own streams, never a replica (a resharded restore leaves them out of its checks).
 RNG_STATE_KEY = "__strata_rng__"
+#: The largest step a checkpoint may have: keys spell steps as 12 decimal digits (``steps/<step:012d>/``),
+#: which list and sort in step order only up to here. Client and sidecar refuse larger steps at save.
+MAX_STEP = 10**12 - 1
 #: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
 SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 
@@ -67,6 +70,7 @@ __all__ = [
     "DCP_METADATA_KEY",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_STEP",
     "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "RESHARD_MARKER",

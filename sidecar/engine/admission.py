@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterable
 
 from sidecar import manifest as mf
+from sidecar.api import MAX_STEP
 from sidecar.api.dtypes import expected_nbytes
 from sidecar.budget import Reservation
 from sidecar.config import SidecarSettings
@@ -118,6 +119,8 @@ class Admission:
         self.restorer.forget_prefetched(identity.slot)  # training has started: no read-ahead restore
         if step < 0:
             raise InvalidArgument(f"step must be >= 0, got {step}")
+        if step > MAX_STEP:
+            raise InvalidArgument(f"step must be <= {MAX_STEP} (keys hold 12 digits), got {step}")
         if not save_id or not save_id.replace("-", "").isalnum() or len(save_id) > 64:
             raise InvalidArgument(f"save_id {save_id!r} must be 1-64 letters, digits or '-'")
         check_header_limits(self.settings, tensors, replicas, tree)

@@ -7,6 +7,8 @@ usable commit), commits found unusable, and the operator's "stop"."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 import uuid
 
@@ -62,7 +64,11 @@ class Attempts:
         self.held = held
         self.reports = reports
         # Commits a restore found unusable, per job (also marked in storage).
-        self._unusable: dict[JobKey, set[Position]] = {}
+        self._unusable: dict[JobKey, dict[Position, mf.UnusableMarker]] = {}
+        # What each attempt's restore step passed over: (namespace, job, attempt) -> markers
+        self._skipped: dict[tuple[str, str, int], list[mf.UnusableMarker]] = {}
+        # The markers each restore decision read: (namespace, job, attempt it decided for) -> markers
+        self._markers: dict[tuple[str, str, int], list[mf.UnusableMarker]] = {}
         # Single ranks of protocol-1 clients (which declare no generation): slot -> the
         # generation this sidecar gave the trainer process at its handshake (see greet).
         self._v1_solo: dict[Slot, str] = {}
@@ -272,7 +278,14 @@ class Attempts:
         """The restore step of a new attempt and how it was chosen (recorded in its EPOCH): the
         operator's one-shot restore request when this pod has one, else the newest usable commit."""
         ns, job = identity.job_key
-        unusable = mf.unusable_commits(self.store, ns, job) | self._unusable.get(identity.job_key, set())
+        markers = mf.unusable_markers(self.store, ns, job)
+        with self.shared.lock:
+            # what skipped_by reports for the attempt this decides, without another LIST
+            self._markers[(ns, job, fences.newest_attempt + 1)] = markers
+            while len(self._markers) > 256:
+                self._markers.pop(next(iter(self._markers)))
+            local = set(self._unusable.get(identity.job_key, {}))
+        unusable = {mk.position for mk in markers} | local
         # After an in-place restart the pod's request file may still hold the previous release's
         # one-shot request (its annotation is cleared, the file follows late): the newest usable
         # commit it is (the operator never restarts in place with a rollback pending).
@@ -345,10 +358,61 @@ class Attempts:
             )
         return text
 
-    def mark_unusable(self, identity: Identity, position: Position, reason: str) -> None:
+    def mark_unusable(
+        self, identity: Identity, position: Position, reason: str, cause: str = "corrupt"
+    ) -> mf.UnusableMarker:
+        """Mark a commit this rank could not restore (``cause``: "missing" or "corrupt"), naming
+        the rank, its generation and this sidecar as the writer."""
+        gang = self.shared.gang(identity.job_key)
+        by = (
+            f"rank {identity.rank}/{identity.world_size} of generation {gang.generation or '?'}, "
+            f"sidecar {socket.gethostname()} pid {os.getpid()}"
+        )
+        marker = mf.UnusableMarker(position[0], position[1], cause, reason, by, time.time())
         # Also remembered here: a marker that failed to write must not send us round in circles.
-        self._unusable.setdefault(identity.job_key, set()).add(position)
-        mf.mark_unusable(self.store, *identity.job_key, position, reason)
+        with self.shared.lock:
+            self._unusable.setdefault(identity.job_key, {})[position] = marker
+        mf.mark_unusable(self.store, *identity.job_key, position, reason, cause, by)
+        return marker
+
+    def skipped_by(self, identity: Identity, epoch: mf.Epoch) -> list[mf.UnusableMarker]:
+        """The marked commits ``epoch``'s restore step passed over: valid as the attempts before it
+        fenced them, newer than what it restores. [] when the operator chose the step. Read once
+        per attempt (one LIST, normally of nothing), or not at all where this sidecar decided it."""
+        if epoch.restore_reason:
+            return []
+        key = (*identity.job_key, epoch.attempt)
+        with self.shared.lock:
+            found = self._skipped.get(key)
+        if found is not None:
+            return found
+        with self.shared.lock:
+            local = dict(self._unusable.get(identity.job_key, {}))
+            read = self._markers.get(key)
+        if read is None:  # this sidecar did not allocate the attempt
+            read = mf.unusable_markers(self.store, *identity.job_key)
+        markers = {mk.position: mk for mk in read}
+        for position, mk in local.items():
+            markers.setdefault(position, mk)
+        fences = self.shared.gang(identity.job_key).fences
+        earlier = {b: r for b, r in fences.restores.items() if b < epoch.attempt}
+
+        def valid_then(attempt: int, step: int) -> bool:
+            return all(step <= (-1 if r is None else r) for b, r in earlier.items() if b > attempt)
+
+        restored = epoch.restore
+        found = [
+            mk
+            for position, mk in sorted(markers.items())
+            if position[0] < epoch.attempt
+            and valid_then(*position)
+            and (restored is None or position > restored)
+        ]
+        with self.shared.lock:
+            self._skipped[key] = found
+            while len(self._skipped) > 256:
+                self._skipped.pop(next(iter(self._skipped)))
+        return found
 
     def adopt(self, gang: JobGang, epoch: mf.Epoch) -> None:
         """Run as ``epoch`` from now on: snapshots and chains it fenced off are dropped."""

@@ -9,8 +9,9 @@ import time
 from collections.abc import Iterator
 
 from sidecar import manifest as mf
-from sidecar.api import pb
+from sidecar.api import MAX_STEP, pb
 from sidecar.config import SidecarSettings
+from sidecar.errors import InvalidArgument
 from sidecar.gang import JobGang, Peers, Position
 from sidecar.metrics import Metrics
 from sidecar.store.base import Store
@@ -151,6 +152,10 @@ class Engine:
     def report_skip(self, identity: Identity, step: int, reason: str) -> None:
         """The trainer will not save ``step``: the job-level commit of it fails at once."""
         identity.validate()
+        if step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {step}")
+        if step > MAX_STEP:
+            raise InvalidArgument(f"step must be <= {MAX_STEP} (keys hold 12 digits), got {step}")
         epoch = self.attempts.epoch_for(identity)
         self.commits.skip(identity, epoch.attempt, step, reason)
 

@@ -112,7 +112,11 @@ class Redundancy:
         elif self.members.n < 2:
             raise ValueError("--redundancy buddy needs at least 2 members")
         root = Path(s.redundancy_dir or os.path.join(s.shm_dir or tempfile.gettempdir(), "strata-redundancy"))
-        self.holdings = rd.Holdings(root, shared.memory, shared.metrics.redundancy_held_bytes.set)
+        try:
+            self.holdings = rd.Holdings(root, shared.memory, shared.metrics.redundancy_held_bytes.set)
+        except OSError as exc:
+            which = "" if s.redundancy_dir else " (default: <shm-dir>/strata-redundancy)"
+            raise ValueError(f"--redundancy-dir{which} {root}: {exc.strerror or exc}") from None
         self._thread = threading.Thread(target=self._run, name="strata-redundancy", daemon=True)
         self._thread.start()
         log.info(

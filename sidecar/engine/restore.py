@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -26,6 +26,7 @@ from sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ObjectNotFound,
     StorageError,
     StrataError,
     Unauthenticated,
@@ -49,6 +50,15 @@ from .state import Shared
 from .types import Identity, JobKey, RestoreData, Slot, Snapshot, check_job, restore_header
 
 log = logging.getLogger(__name__)
+
+#: Pauses between reads of a step whose object storage answered missing, before it counts as
+#: "missing" (marked unusable): ~3.75 s of patience for a bucket's momentary 404.
+MISSING_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
+
+
+def _cause(exc: Exception) -> str:
+    """A marker's cause: an object still missing after the retries, or anything else damaged."""
+    return "missing" if isinstance(exc, ObjectNotFound) else "corrupt"
 
 
 class Restorer:
@@ -79,7 +89,7 @@ class Restorer:
             attempts = [a for a in mf.step_commits(self.store, ns, job, step) if fences.valid(a, step)]
             if not attempts:
                 raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
-            return self._served(identity, self._load(identity, (attempts[-1], step)))
+            return self._served(identity, self._retrying(identity, (attempts[-1], step), self._load))
         try:
             epoch = self.attempts.epoch_for(identity)
         except StorageError as exc:
@@ -97,18 +107,23 @@ class Restorer:
         if target is None:
             raise NotFound(f"no committed checkpoint for {ns}/{job}")
         try:
-            return self._served(identity, self._load(identity, target))
+            data = self._retrying(identity, target, self._load)
         except (CorruptObject, NotFound) as exc:
             first_error = exc
+        else:
+            return self._served(identity, self._report_skipped(identity, epoch, data))
         # Loud: the attempt's restore step is unusable here. Mark it, so no later attempt picks it.
         self.metrics.restore_fallbacks.labels(job).inc()
-        log.error("%s/%s step %d is unusable (%s)", ns, job, target[1], first_error)
-        self.attempts.mark_unusable(identity, target, f"rank {identity.rank}: {first_error}")
+        cause = _cause(first_error)
+        log.error("%s/%s step %d is unusable (%s: %s)", ns, job, target[1], cause, first_error)
+        marked = [
+            self.attempts.mark_unusable(identity, target, f"rank {identity.rank}: {first_error}", cause)
+        ]
         if identity.world_size > 1:
             raise CorruptObject(
                 str(first_error),
                 f"every rank of an attempt restores the same step, so this gang cannot go on: step "
-                f"{target[1]} is marked unusable and the next gang restart restores an older one",
+                f"{target[1]} is marked unusable ({cause}) and the next gang restart restores an older one",
             )
         # A single rank: a new attempt, right away, from the newest usable step.
         while True:
@@ -119,13 +134,56 @@ class Restorer:
                     str(first_error), f"no restorable committed step at or before {target[1]}"
                 )
             try:
-                data = self._from_storage(identity, older)
+                data = self._retrying(identity, older, self._from_storage)
             except (CorruptObject, NotFound) as exc:
-                log.error("%s/%s step %d is unusable too: %s", ns, job, older[1], exc)
-                self.attempts.mark_unusable(identity, older, f"rank {identity.rank}: {exc}")
+                log.error("%s/%s step %d is unusable too (%s: %s)", ns, job, older[1], _cause(exc), exc)
+                marked.append(
+                    self.attempts.mark_unusable(identity, older, f"rank {identity.rank}: {exc}", _cause(exc))
+                )
                 continue
-            data.fallback_reason = f"step {target[1]} unusable ({first_error}); restored step {older[1]}"
-            return self._served(identity, data)
+            return self._served(identity, self._report_skipped(identity, epoch, data, marked))
+
+    def _retrying(
+        self, identity: Identity, target: Position, load: Callable[[Identity, Position], RestoreData]
+    ) -> RestoreData:
+        """``load``, read again while an object it needs is missing: a bucket may answer 404 for a
+        moment (a lagging replica, a proxy's hiccup), and marking a step unusable is for good."""
+        for delay in (*MISSING_RETRY_DELAYS_S, None):
+            try:
+                return load(identity, target)
+            except ObjectNotFound as exc:
+                if delay is None:
+                    raise
+                log.warning(
+                    "rank %d: step %d: %s; reading it again in %.2f s", identity.rank, target[1], exc, delay
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _report_skipped(
+        self,
+        identity: Identity,
+        epoch: mf.Epoch,
+        data: RestoreData,
+        marked: list[mf.UnusableMarker] | None = None,
+    ) -> RestoreData:
+        """Name every newer commit the attempt's restore step passed over, and why (its marker), in
+        the restore's fallback reason: a restore of an older step is never silent. ``marked``: what
+        this very restore marked (counted as a fallback already)."""
+        if (data.attempt, data.step) != epoch.restore:
+            return data  # a mid-run restore of the attempt's own commit
+        found = {mk.position: mk for mk in marked or []}
+        for mk in self.attempts.skipped_by(identity, epoch):
+            found.setdefault(mk.position, mk)
+        skipped = [found[p] for p in sorted(found, reverse=True)]
+        if not skipped:
+            return data
+        if not marked:
+            self.metrics.restore_fallbacks.labels(identity.job).inc()
+        why = "; ".join(mk.describe() for mk in skipped)
+        data.fallback_reason = f"skipped {len(skipped)} unusable step(s): {why}; restored step {data.step}"
+        log.error("rank %d: %s", identity.rank, data.fallback_reason)
+        return data
 
     def _newest_of_attempt(self, job_key: JobKey, epoch: mf.Epoch) -> Position | None:
         """A resumed gang restores the attempt's restore step; later in the same attempt, the
@@ -521,7 +579,9 @@ class Restorer:
         def load() -> None:
             target, data = None, None
             try:
-                target = self.attempts.epoch_for(identity).restore
+                epoch = self.attempts.epoch_for(identity)
+                target = epoch.restore
+                self.attempts.skipped_by(identity, epoch)  # read now, so the restore asks storage nothing
                 if target is not None and self._saved_by(identity.job_key, target) != identity.world_size:
                     # Another number of ranks saved it: this rank's restore reads other ranks'
                     # snapshots (a DCP load), or is refused; nothing of its own to read ahead.
@@ -591,7 +651,7 @@ class Restorer:
             segment = (held, len(buf)) if held else None
         return RestoreData(
             target[1],
-            found.tensors,
+            _with_digests(found.tensors, found.stored),
             found.tree,
             found.total_bytes,
             "memory",
@@ -693,6 +753,19 @@ def _other_world(target: Position, saved_by: int, world_size: int) -> str:
         "through torch.distributed.checkpoint loads with trainer_client.dcp's StrataReader, "
         "whose planner reshards"
     )
+
+
+def _with_digests(tensors: list[mf.TensorEntry], stored: list[mf.TensorEntry]) -> list[mf.TensorEntry]:
+    """``tensors`` (as a save declared them) with the digests and encodings of the entries stored
+    for them, so the restore header carries what the reader checks its copy against."""
+    by_name = {(t.name, t.offset, t.nbytes): t for t in stored}
+    out = []
+    for t in tensors:
+        s = by_name.get((t.name, t.offset, t.nbytes))
+        out.append(
+            t if s is None else dataclasses.replace(t, xxh3=s.xxh3, crc32=s.crc32, bits=s.bits, cast=s.cast)
+        )
+    return out
 
 
 def _peer_data(

@@ -177,8 +177,17 @@ def zeroed(size: int, shareable: bool = False) -> bytearray | memoryview:
 
 
 def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:
+    # The saved bytes' digest, which the reader checks while it copies; a lossy tensor comes
+    # back decoded, other bytes than the digest was taken of.
     return [
-        pb.TensorMeta(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes, offset=t.offset)
+        pb.TensorMeta(
+            name=t.name,
+            dtype=t.dtype,
+            shape=t.shape,
+            nbytes=t.nbytes,
+            offset=t.offset,
+            xxh3="" if t.lossy else t.xxh3,
+        )
         for t in tensors
     ]
 

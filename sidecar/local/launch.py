@@ -49,6 +49,7 @@ from sidecar.coordinator import (
     RestartTracker,
     classify_exit,
 )
+from sidecar.errors import CommandFailed
 from sidecar.local.oom import OomCounter
 from sidecar.local.seaweed import SeaweedServer
 from sidecar.store import open_store
@@ -392,7 +393,10 @@ class Launcher:
         deadline = time.monotonic() + 30
         while not Path(socket_path).exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sidecar {index} did not start; see {self.s.workdir / name}")
+                raise CommandFailed(
+                    f"sidecar {index} did not start ({_last_line(self.s.workdir / name)}); "
+                    f"see {self.s.workdir / name}"
+                )
             time.sleep(0.05)
         log.info("sidecar %d on unix:%s (pid %d), storage %s", index, socket_path, proc.pid, self.storage)
 
@@ -511,6 +515,15 @@ class Launcher:
             self.sock_dir.rmdir()
 
 
+def _last_line(path: Path) -> str:
+    """The last line a sidecar wrote: its one-line reason when it refused to start."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "no output"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, required=True, help="number of ranks (processes) to run")
     p.add_argument("--job", default=os.environ.get("STRATA_JOB", "local-job"), help="job name [STRATA_JOB]")
@@ -562,18 +575,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise SystemExit("strata launch: give the training command after --, e.g. -- python train.py")
+        raise ValueError("give the training command after --, e.g. -- python train.py")
     if args.nproc < 1:
-        raise SystemExit(f"strata launch: --nproc must be >= 1, got {args.nproc}")
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if not 1 <= args.sidecars <= args.nproc:
-        raise SystemExit(
-            f"strata launch: --sidecars must be between 1 and --nproc ({args.nproc}), got {args.sidecars}"
-        )
+        raise ValueError(f"--sidecars must be between 1 and --nproc ({args.nproc}), got {args.sidecars}")
     mf.check_name("job", args.job)
     if args.redundancy == "buddy" and args.sidecars < 2:
-        raise SystemExit("strata launch: --redundancy buddy needs --sidecars >= 2 (a copy on another pod)")
+        raise ValueError("--redundancy buddy needs --sidecars >= 2 (a copy on another pod)")
     if args.redundancy == "parity" and args.sidecars < 3:
-        raise SystemExit("strata launch: --redundancy parity needs --sidecars >= 3 (use buddy for 2)")
+        raise ValueError("--redundancy parity needs --sidecars >= 3 (use buddy for 2)")
+    if args.keep < 0:
+        raise ValueError(f"--keep must be >= 0 (0: keep every committed step), got {args.keep}")
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a TCP port, 0 to 65535 (0: off), got {args.metrics_port}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for flag in ("backoff_s", "hang_timeout_s", "grace_period_s"):
+        if not 0 <= getattr(args, flag) < float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
+    if not 0 < args.pg_timeout_s < float("inf"):
+        raise ValueError(f"--pg-timeout-s must be positive seconds, got {args.pg_timeout_s}")
+    if args.storage is not None and not args.storage.startswith(("s3://", "file://")):
+        raise ValueError(
+            f"--storage {args.storage!r}: expected s3://bucket/prefix or file:///path (every sidecar "
+            "process reaches it), or none for an embedded SeaweedFS"
+        )
     settings = LaunchSettings(
         nproc=args.nproc,
         command=command,

@@ -63,13 +63,21 @@ def _credentials(kubeconfig: str | None) -> _Credentials:
     import kubernetes
 
     configuration = kubernetes.client.Configuration()
-    if kubeconfig is None:
-        try:
-            kubernetes.config.load_incluster_config(client_configuration=configuration)
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config(client_configuration=configuration)
-    else:
-        kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    try:
+        if kubeconfig is None:
+            try:
+                kubernetes.config.load_incluster_config(client_configuration=configuration)
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config(client_configuration=configuration)
+        else:
+            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    except (kubernetes.config.ConfigException, OSError) as exc:
+        if kubeconfig:
+            raise ValueError(f"--kubeconfig {kubeconfig}: not a usable kubeconfig ({exc})") from None
+        raise ValueError(
+            "--kubeconfig: none given, not in a pod, and $KUBECONFIG or ~/.kube/config is not a usable "
+            f"kubeconfig ({exc})"
+        ) from None
     headers: dict[str, str] = {}
     # The loaders store "Bearer <token>" (exec plugins and service-account tokens alike).
     token = configuration.api_key.get("authorization") or configuration.api_key.get("BearerToken")

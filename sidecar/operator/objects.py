@@ -27,8 +27,9 @@ __all__ = [
 ]
 
 _MAX_NAME = 253  # DNS-1123 subdomain
-_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+#: Matched whole (fullmatch): with re.match, "$" also matches before a trailing newline.
+_DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _CONDITION_STATUSES = ("True", "False", "Unknown")
 
 
@@ -46,7 +47,7 @@ def checkpoint_name(job: str, step: int) -> str:
     """``<job>-<step:012d>``, a valid DNS-1123 subdomain name; ValueError if it cannot be one."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if not isinstance(job, str) or not _DNS1123.match(job):
+    if not isinstance(job, str) or not _DNS1123.fullmatch(job):
         raise ValueError(f"job name {job!r} is not a DNS-1123 name")
     name = f"{job}-{step:012d}"
     if len(name) > _MAX_NAME:
@@ -89,7 +90,7 @@ def _non_negative(value: int, label: str) -> int:
 
 
 def _sha(value: str, label: str) -> str:
-    if not _SHA256.match(value):
+    if not _SHA256.fullmatch(value):
         raise ValueError(f"commit report key {label!r} must be a lowercase hex SHA-256, got {value!r}")
     return value
 

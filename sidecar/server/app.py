@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -88,24 +89,50 @@ class SidecarServer:
 
     def start(self) -> SidecarServer:
         path = Path(self.socket_path)
-        prepare_directory(path.parent, self.settings.socket_mode, self.settings.shm_dir)
-        if path.exists() or path.is_symlink():
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-            path.unlink()
-        # Bound privately and moved into place with its mode set: never reachable more widely.
-        publish_socket = bind_private(self._grpc, path, self.settings.socket_mode)
-        if self.settings.tcp_port:
-            self.tcp_port = self._grpc.add_insecure_port(f"{self.settings.tcp_host}:{self.settings.tcp_port}")
-        self._grpc.start()
-        publish_socket()
-        if self._peer_grpc is not None:
-            self.peer_port = self._peer_grpc.add_insecure_port(
-                f"{self.settings.peer_host}:{self.settings.peer_port}"
-            )
-            self._peer_grpc.start()
-        if self.settings.metrics_port:
-            self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ValueError(f"--socket {path}: {path.parent} is not a directory")
+        try:
+            prepare_directory(path.parent, self.settings.socket_mode, self.settings.shm_dir)
+        except OSError as exc:
+            raise ValueError(
+                f"--socket {path}: cannot create its directory {path.parent}: {exc.strerror or exc}"
+            ) from None
+        refuse_live_socket(path)
+        published = False
+        try:
+            # Every port is bound before the socket appears: a sidecar that cannot serve never
+            # takes the socket's path.
+            try:
+                publish_socket = bind_private(self._grpc, path, self.settings.socket_mode)
+            except (OSError, RuntimeError) as exc:  # grpc's failed bind is a RuntimeError
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                raise ValueError(f"--socket {path}: cannot create a socket in {path.parent}: {why}") from None
+            if self.settings.tcp_port:
+                self.tcp_port = _bind(
+                    self._grpc, "--tcp-port", self.settings.tcp_host, self.settings.tcp_port
+                )
+            if self._peer_grpc is not None:
+                self.peer_port = _bind(
+                    self._peer_grpc, "--peer-port", self.settings.peer_host, self.settings.peer_port
+                )
+            if self.settings.metrics_port:
+                try:
+                    self.metrics_port = self.metrics.serve(
+                        self.settings.metrics_port, self.settings.metrics_host
+                    )
+                except OSError as exc:
+                    raise ValueError(
+                        f"--metrics-port {self.settings.metrics_port}: cannot serve on "
+                        f"{self.settings.metrics_host}:{self.settings.metrics_port}: {exc.strerror or exc}"
+                    ) from None
+            self._grpc.start()
+            publish_socket()
+            published = True
+            if self._peer_grpc is not None:
+                self._peer_grpc.start()
+        except BaseException:
+            self._abort(published)
+            raise
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -116,6 +143,17 @@ class SidecarServer:
             f":{self.metrics_port}/metrics" if self.metrics_port else "off",
         )
         return self
+
+    def _abort(self, published: bool) -> None:
+        """Undo a start that failed half-way; the socket's path is left alone unless it is ours."""
+        self._grpc.stop(0).wait()
+        if self._peer_grpc is not None:
+            self._peer_grpc.stop(0).wait()
+        self.metrics.shutdown()
+        self.engine.close()
+        self.store.close()
+        if published:
+            Path(self.socket_path).unlink(missing_ok=True)
 
     def wait(self) -> None:
         self._grpc.wait_for_termination()
@@ -136,7 +174,48 @@ class SidecarServer:
         Path(self.socket_path).unlink(missing_ok=True)
 
 
+def refuse_live_socket(path: Path) -> None:
+    """A socket another sidecar still serves on is never replaced (its trainers would lose it); a
+    stale one, left by a sidecar that died, is. Anything else at the path is never touched."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise ValueError(f"--socket {path} exists and is not a socket; refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # stale: nobody listens
+            return
+        except OSError as exc:
+            raise ValueError(
+                f"--socket {path}: cannot tell whether a sidecar still serves there "
+                f"({exc.strerror or exc}); refusing to replace it"
+            ) from None
+    raise ValueError(
+        f"--socket {path}: another sidecar is serving there; stop it first or give this one another --socket"
+    )
+
+
+def _bind(server: grpc.Server, flag: str, host: str, port: int) -> int:
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc raises on a failed bind (older releases return 0)
+        raise ValueError(f"{flag} {port}: cannot serve on {host}:{port}: {exc}") from None
+    if not bound:
+        raise ValueError(f"{flag} {port}: cannot serve on {host}:{port} (in use, or not an address here)")
+    return int(bound)
+
+
 def open_settings_store(settings: SidecarSettings) -> Store:
+    try:
+        return _open_settings_store(settings)
+    except ValueError as exc:
+        raise ValueError(f"--storage: {exc}") from None
+
+
+def _open_settings_store(settings: SidecarSettings) -> Store:
     if not settings.storage.startswith("s3://"):
         return open_store(settings.storage)
     return open_store(

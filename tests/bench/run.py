@@ -34,6 +34,8 @@ SECTIONS = (
     "peer",
     "operator",
     "dcp",
+    "neighbour",
+    "verify",
 )
 
 

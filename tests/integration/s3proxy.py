@@ -15,7 +15,7 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # Per-connection headers (RFC 9110 7.6.1): each side of the proxy sets its own.
@@ -78,6 +78,27 @@ class S3Proxy:
         self._server = _Server(self)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread: threading.Thread | None = None
+        #: armed failures: [method, key substring, times left]
+        self._missing: list[list[Any]] = []
+
+    def answer_missing(self, method: str, key_contains: str, times: int = 1) -> None:
+        """Answer the next ``times`` requests of ``method`` on a key containing ``key_contains``
+        with S3's 404 NoSuchKey, without forwarding them: a bucket that loses sight of an object
+        for a moment (a lagging replica, a proxy's hiccup)."""
+        with self._lock:
+            self._missing.append([method, key_contains, times])
+
+    def missing_left(self) -> int:
+        with self._lock:
+            return sum(m[2] for m in self._missing)
+
+    def _take_missing(self, request: Request) -> bool:
+        with self._lock:
+            for armed in self._missing:
+                if armed[2] > 0 and armed[0] == request.method and armed[1] in request.key:
+                    armed[2] -= 1
+                    return True
+        return False
 
     def start(self) -> S3Proxy:
         if self._thread is None:
@@ -185,7 +206,12 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.server.proxy
         split = urlsplit(self.path)
         bucket, _, key = unquote(split.path).lstrip("/").partition("/")
-        proxy.record(Request(self.command, bucket, key, split.query))
+        request = Request(self.command, bucket, key, split.query)
+        proxy.record(request)
+        if proxy._take_missing(request):
+            self._drain_body()
+            self._answer_missing(key)
+            return
 
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             self._refuse(411, "chunked request bodies are not supported; send Content-Length")
@@ -264,6 +290,24 @@ class _Handler(BaseHTTPRequestHandler):
         if self._upstream is not None:
             self._upstream.close()
             self._upstream = None
+
+    def _drain_body(self) -> None:
+        length = self.headers.get("Content-Length")
+        if length is not None:
+            self.rfile.read(int(length))
+
+    def _answer_missing(self, key: str) -> None:
+        data = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchKey</Code>'
+            f"<Message>The specified key does not exist.</Message><Key>{key}</Key></Error>"
+        ).encode()
+        self.send_response_only(404, "Not Found")
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        self.wfile.flush()
 
     def _refuse(self, status: int, why: str) -> None:
         data = why.encode()

@@ -225,3 +225,18 @@ def test_quick_dcp_section_writes_its_figures(tmp_path: Path) -> None:
     ):
         value = data.get(key)
         assert isinstance(value, float) and math.isfinite(value) and value > 0, f"{key}: {value!r}"
+
+
+@pytest.mark.timeout(240)
+def test_quick_bench_measures_the_cost_of_checking_a_memory_restore(tmp_path: Path) -> None:
+    proc, data = run_quick("verify", tmp_path / "bench-results.json")
+    for key in ("restore_memory_memcpy_s", "restore_memory_unverified_s", "restore_memory_verified_s"):
+        assert isinstance(data[key], float) and data[key] > 0, key
+    for key in ("restore_memory_verify_overhead_ratio", "ci_low", "ci_high"):  # a difference: any sign
+        full = key if key.startswith("restore") else f"restore_memory_verify_overhead_ratio_{key}"
+        assert isinstance(data[full], float) and math.isfinite(data[full]), full
+    assert (
+        data["restore_memory_verify_overhead_ratio_ci_low"]
+        <= data["restore_memory_verify_overhead_ratio_ci_high"]
+    )
+    assert "restore_memory_verify_overhead_ratio" in proc.stdout

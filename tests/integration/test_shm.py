@@ -89,8 +89,8 @@ def test_a_segment_restore_writes_into_the_live_tensors_once_the_checkpoint_fits
     written: list[int] = []
     copy = client_module._from_segment
 
-    def spy(header: Any, shm_dir: str, targets: list[tuple[int, Any]]) -> None:
-        written.extend(dst.ctypes.data for _, dst in targets)
+    def spy(header: Any, shm_dir: str, targets: list[Any]) -> None:
+        written.extend(t.dst.ctypes.data for t in targets)
         copy(header, shm_dir, targets)
 
     monkeypatch.setattr(client_module, "_from_segment", spy)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import re
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +74,7 @@ def test_client_settings_errors(monkeypatch):
     with pytest.raises(ValueError, match="rank 4 is outside world size 4"):
         ClientSettings.from_env(job="j", rank=4, world_size=4)
     monkeypatch.setenv("WORLD_SIZE", "four")
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match="WORLD_SIZE='four'"):
         ClientSettings.from_env(job="j")
 
 
@@ -79,3 +83,50 @@ def test_default_socket_is_private(monkeypatch):
     assert config.SidecarSettings().socket == "/run/user/1000/strata/sidecar.sock"
     monkeypatch.setenv("STRATA_JOB", "j")
     assert ClientSettings.from_env().socket == "/run/user/1000/strata/sidecar.sock"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"STRATA_RANK": "abc"}, "STRATA_RANK='abc'"),
+        ({"RANK": "abc"}, "RANK='abc'"),  # torchrun's, when Strata's own is not set
+        ({"STRATA_WORLD_SIZE": "2.5"}, "STRATA_WORLD_SIZE='2.5'"),
+        ({"STRATA_WORLD_SIZE": "0"}, "STRATA_WORLD_SIZE"),
+        ({"STRATA_COMMIT_TIMEOUT_S": "nan"}, "STRATA_COMMIT_TIMEOUT_S"),
+        ({"STRATA_COMMIT_TIMEOUT_S": "-1"}, "STRATA_COMMIT_TIMEOUT_S"),
+        ({"STRATA_SAVE_ON_SIGTERM_S": "nan"}, "STRATA_SAVE_ON_SIGTERM_S"),
+        ({"STRATA_RESUME": "sometimes"}, "STRATA_RESUME='sometimes'"),
+        ({"STRATA_RANK": "5", "STRATA_WORLD_SIZE": "4"}, "STRATA_RANK"),
+    ],
+)
+def test_client_env_errors_name_the_variable(monkeypatch, env, message):
+    for name in ("RANK", "WORLD_SIZE", "STRATA_RANK", "STRATA_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STRATA_JOB", "j")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ClientSettings.from_env()
+
+
+def test_client_warns_of_a_misspelt_variable_naming_the_one_meant(monkeypatch, caplog):
+    monkeypatch.setenv("STRATA_JOB", "j")
+    monkeypatch.setenv("STRATA_COMIT_TIMEOUT_S", "60")
+    monkeypatch.setenv("STRATA_STORAGE", "file:///x")  # the sidecar's: known, no warning
+    with caplog.at_level(logging.WARNING):
+        ClientSettings.from_env()
+    warned = [r.getMessage() for r in caplog.records if "STRATA_" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "STRATA_COMIT_TIMEOUT_S" in warned[0] and "STRATA_COMMIT_TIMEOUT_S" in warned[0]
+
+
+def test_every_variable_the_code_reads_is_known():
+    """A variable read anywhere must be in the list misspellings are checked against (a new sidecar
+    setting too: a trainer sharing the sidecar's environment must not warn of it)."""
+    from sidecar.api import envvars
+
+    root = Path(__file__).resolve().parents[2]
+    sources = [*root.glob("sidecar/**/*.py"), *root.glob("trainer_client/**/*.py")]
+    read = {m for p in sources for m in re.findall(r"\bSTRATA_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+    read |= {config.env_name(f) for f in dataclasses.fields(config.SidecarSettings)}
+    assert read - envvars.KNOWN == set()

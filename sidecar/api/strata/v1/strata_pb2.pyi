@@ -174,6 +174,7 @@ class TensorMeta(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     TOUCHED_ROWS_FIELD_NUMBER: _builtins.int
+    XXH3_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: _builtins.str
     """Canonical dtype name, e.g. "float32", "bfloat16" (see sidecar.api.dtypes)."""
@@ -193,6 +194,12 @@ class TensorMeta(_message.Message):
     its optimizer leaves untouched rows alone; the sidecar then diffs only these
     rows (and spot-checks the others). Empty: the sidecar compares by value.
     """
+    xxh3: _builtins.str
+    """Restores only: XXH3-64 (16 hex digits) of the tensor's bytes as they were saved, for the
+    reader to check while it copies them (a shared segment may have been replaced since the
+    sidecar checked it). Empty: not known (a lossy tensor, an older sidecar or MANIFEST); the
+    reader then counts the tensor as unverified.
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -205,10 +212,11 @@ class TensorMeta(_message.Message):
         offset: _builtins.int = ...,
         role: _builtins.str = ...,
         touched_rows: _builtins.bytes = ...,
+        xxh3: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "role", b"role", "shape", b"shape", "touched_rows", b"touched_rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "nbytes", b"nbytes", "offset", b"offset", "role", b"role", "shape", b"shape", "touched_rows", b"touched_rows", "xxh3", b"xxh3"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

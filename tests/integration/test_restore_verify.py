@@ -1,0 +1,106 @@
+"""A restore checks what the client copies: every tensor's digest travels in the restore header and
+the client checks it while it copies, so bytes it reads from a shared segment (which anyone who
+can write the tmpfs may have replaced) are never returned unless they are what was committed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from trainer_client import RestoreError
+
+
+def state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256, 64), value), "b": torch.full((3,), value, dtype=torch.float64)}
+
+
+def held_files(server: Any) -> list[str]:
+    return sorted(f for f in os.listdir(server.settings.shm_dir) if f.startswith("strata-held-"))
+
+
+def replace_by_rename(directory: str, name: str, fill: int) -> None:
+    """Put another file of the same size under ``name`` (the sidecar's mapping keeps the old one)."""
+    path = os.path.join(directory, name)
+    other = os.path.join(directory, f"{name}.other")
+    with open(other, "wb") as f:
+        f.write(bytes([fill]) * os.path.getsize(path))
+    os.rename(other, path)
+
+
+def test_a_file_renamed_over_the_held_segment_is_not_restored(make_sidecar, make_client, job_name, caplog):
+    server = make_sidecar()
+    first = make_client(server, job_name, capture_rng=False, generation="r/0")
+    first.save(7, state(7.0)).durable.result(30)
+    first._buffers = []  # killed: the sidecar keeps the committed snapshot in its segment
+    held = held_files(server)
+    assert held
+    for name in held:
+        replace_by_rename(server.settings.shm_dir, name, 0x5A)
+    second = make_client(server, job_name, capture_rng=False, generation="r/1")
+    out = state(-1.0)
+    try:
+        step = second.restore(out)
+    except RestoreError as exc:  # a clear error naming the tensor is acceptable too
+        assert "digest" in str(exc) and "'w'" in str(exc), exc
+    else:
+        assert step == 7
+        assert torch.equal(out["w"], state(7.0)["w"]) and torch.equal(out["b"], state(7.0)["b"])
+        # the sidecar's own mapping (checked against the digests) served it instead
+        assert second.last_restore is not None and second.last_restore["shared_memory"] is False
+        assert second.last_restore["unverified_tensors"] == 0
+        assert "differs from what was saved" in caplog.text
+
+
+def test_a_memory_restore_carries_every_tensors_digest(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    first = make_client(server, job_name, capture_rng=False, generation="r/0")
+    first.save(3, state(3.0)).durable.result(30)
+    for restart, shm in ((1, "on"), (2, "off")):  # from the held segment, and streamed
+        reader = make_client(server, job_name, capture_rng=False, generation=f"r/{restart}", shm=shm)
+        out = state(-1.0)
+        assert reader.restore(out) == 3
+        assert reader.last_restore is not None and reader.last_restore["source"] == "memory"
+        assert reader.last_restore["shared_memory"] is (shm == "on")
+        assert reader.last_restore["unverified_tensors"] == 0
+        assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+
+
+def test_restores_from_storage_are_checked_and_lossy_tensors_counted_unverified(
+    make_sidecar, make_client, job_name
+):
+    first = make_sidecar(quantize="8", quantize_match="table")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saved = {**state(2.0), "table": torch.randn(512, 32)}
+    saver.save(2, saved).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    second = make_sidecar(quantize="8", quantize_match="table")  # memory gone: storage
+    for restart, shm in ((1, "on"), (2, "off")):  # a segment handed over, and streamed
+        reader = make_client(second, job_name, capture_rng=False, generation=f"s/{restart}", shm=shm)
+        out = {**state(-1.0), "table": torch.zeros(512, 32)}
+        assert reader.restore(out) == 2
+        assert reader.last_restore is not None and reader.last_restore["source"] == "storage"
+        assert reader.last_restore["shared_memory"] is (shm == "on")
+        # the quantized table comes back decoded, not as saved: no digest to check it against
+        assert reader.last_restore["unverified_tensors"] == 1
+        assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
+
+
+def test_a_fifo_put_under_the_held_segments_name_does_not_hang_the_restore(
+    make_sidecar, make_client, job_name
+):
+    server = make_sidecar()
+    first = make_client(server, job_name, capture_rng=False, generation="f/0")
+    first.save(5, state(5.0)).durable.result(30)
+    first._buffers = []
+    for name in held_files(server):
+        path = os.path.join(server.settings.shm_dir, name)
+        os.unlink(path)
+        os.mkfifo(path)
+    second = make_client(server, job_name, capture_rng=False, generation="f/1")
+    out = state(-1.0)
+    assert second.restore(out) == 5  # the sidecar's own copy, over gRPC
+    assert second.last_restore is not None and second.last_restore["shared_memory"] is False
+    assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
