@@ -160,8 +160,9 @@ NONCE_BYTES = 16
 MAX_HINT_TEXT = 1024
 MAX_HINT_STEPS = 1024
 #: the largest message the peer port takes: a push's chunk (4 MiB) and header (one RestoreHeader
-#: per rank of the member) fit; a 16 MiB hint does not get parsed at all
-PEER_MAX_MESSAGE_BYTES = 32 << 20
+#: per rank of the member: ~150 bytes a tensor) fit; a larger header fails the push (storage still
+#: has the step), and a hint this size is refused unparsed
+PEER_MAX_MESSAGE_BYTES = 16 << 20
 
 
 def signed_text(kind: str, *fields: object) -> bytes:
@@ -240,7 +241,7 @@ class ReplayCache:
     request is refused (RESOURCE_EXHAUSTED: storage serves it) rather than a nonce forgotten early. Only
     requests signed with the job's key get here, so only a sidecar of the job can fill it."""
 
-    def __init__(self, limit: int = 200_000, window_s: float = FETCH_WINDOW_S) -> None:
+    def __init__(self, limit: int = 100_000, window_s: float = FETCH_WINDOW_S) -> None:
         self.limit, self.window = limit, window_s
         self._lock = threading.Lock()
         self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten (insertion order)
@@ -253,6 +254,11 @@ class ReplayCache:
         with self._lock:
             if nonce in self._seen:
                 raise Unauthenticated("request already used (a replay): sign a new one")
+            for _ in range(2):  # the oldest first (about: insertion order), so it stays small
+                oldest = next(iter(self._seen.items()), None)
+                if oldest is None or oldest[1] > now:
+                    break
+                del self._seen[oldest[0]]
             if len(self._seen) >= self.limit:
                 self._expire(now)
             if len(self._seen) >= self.limit:
@@ -525,6 +531,8 @@ class Peers:
                 continue
             if head is None or head.WhichOneof("msg") != "header":
                 continue
+            if len(self._holder) >= 65536:  # ranks of jobs long gone
+                self._holder.clear()
             self._holder[slot] = address
             yield address, head.header, stream
 

@@ -98,3 +98,11 @@ def test_a_hint_for_a_job_not_served_here_keeps_nothing(make_shared):
     with pytest.raises(NotFound, match="hint dropped"):
         shared.take_hint(req)
     assert not shared._gangs
+
+
+def test_the_replay_cache_forgets_as_it_goes_not_only_when_full():
+    cache = ReplayCache(limit=1000, window_s=60)
+    for _ in range(10):
+        cache.take(os.urandom(16), time.time() - 61)  # past their window at once
+    cache.take(os.urandom(16), time.time())
+    assert len(cache) < 10
