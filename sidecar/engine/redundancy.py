@@ -414,7 +414,7 @@ class Redundancy:
                         break
                     if which != "chunk":
                         raise InvalidArgument("a push is its header, chunks, then the stream MAC")
-                    chunk = mac.update(msg.chunk)  # decrypted; dropped unless the tag checks
+                    chunk = mac.apply(msg.chunk)  # decrypted; dropped unless the tag checks
                     if blocks is None:
                         if written + len(chunk) > h.share_bytes:
                             raise InvalidArgument("more bytes than the header declared")
@@ -623,7 +623,7 @@ class Redundancy:
         mac = stream_opener(key, req.mac, stream)
         body = bytearray()
         for msg in stream:
-            body += mac.update(msg.chunk)
+            body += mac.apply(msg.chunk)
         trailer = dict(stream.trailing_metadata() or ())
         if not mac.verify(trailer.get(STREAM_MAC_KEY, "")):
             raise ValueError(f"{address}'s parity does not carry the job's stream MAC")
@@ -660,7 +660,7 @@ class Redundancy:
                 mac = stream_opener(key, req.mac, stream)
                 got = 0
                 for msg in stream:
-                    chunk = mac.update(fetched_chunk(msg))
+                    chunk = mac.apply(fetched_chunk(msg))  # used before the next (pending +=)
                     got += len(chunk)
                     yield chunk
                 trailer = dict(stream.trailing_metadata() or ())

@@ -437,7 +437,7 @@ class Restorer:
                 digests: mf.StreamDigests = digests,
             ) -> None:
                 at, chunk = item
-                chunk = mac.update(chunk)  # decrypted, in order
+                chunk = mac.apply(chunk)  # decrypted, in order (a buffer reused per chunk)
                 if fd >= 0:
                     os.pwrite(fd, chunk, at)  # a kernel copy, without the GIL
                 else:

@@ -59,6 +59,13 @@ def test_a_stream_is_ciphertext_its_tag_catches_a_change_and_no_two_answers_shar
         opener.update(s)
     assert not opener.verify(tag)
     assert not StreamCipher(key, mac, b"salt-1", encrypt=False).verify("not hex")
+    # into the stream's own buffer (the hot paths): the same bytes, the same tag
+    sender = stream_mac(key, mac, b"salt-1")
+    assert [bytes(sender.apply(d)) for d in data] == sealed
+    assert sender.hexdigest() == tag
+    opener = StreamCipher(key, mac, b"salt-1", encrypt=False)
+    assert [bytes(opener.apply(s)) for s in sealed] == data
+    assert opener.verify(tag)
     # the same request answered by two peers: two salts, two keystreams
     other = stream_mac(key, mac, b"salt-2")
     assert other.update(data[0]) != sealed[0]
