@@ -5,7 +5,18 @@ Hints only speed things up. Every hint that could lead to a commit is checked
 against storage before it is acted on (a MANIFEST hint is read back and parsed,
 a COMMIT hint is read back and must list this rank's MANIFEST), and every wait
 falls back to asking storage after ``--hint-fallback-s``. A lost hint delays a
-commit; a forged one can fail a step, never corrupt one.
+commit, and a hint must be signed with the job's peer key (as every peer request is), so only a
+sidecar of the job can send one: it can fail a step, never corrupt one.
+
+The peer protocol (``PEER_PROTOCOL``): every request carries the protocol, a fresh random nonce
+and the time it was issued, all signed (HMAC-SHA256 with the job's peer key); a receiver takes it
+within ``FETCH_WINDOW_S`` of its clock and only once (:class:`ReplayCache`). The checkpoint bytes
+of every peer stream are encrypted with AES-256-GCM (:class:`StreamCipher`). Every sidecar of a
+gang runs the same version; a request of another protocol is refused with FAILED_PRECONDITION
+(a sidecar of the version before sends none: 0), and an older receiver refuses a newer sender's
+requests as unsigned. Either way the fetch reads storage, the hint is lost (the commit falls back
+to storage after ``--hint-fallback-s``) and the push leaves that step unprotected: skew costs
+speed, never bytes.
 """
 
 from __future__ import annotations
@@ -13,19 +24,29 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from sidecar import manifest as mf
 from sidecar.api import DEFAULT_MAX_MESSAGE_BYTES, pb, pb_grpc
 from sidecar.api import channel_options as grpc_options
-from sidecar.errors import StrataError
+from sidecar.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    StrataError,
+    Unauthenticated,
+)
 from sidecar.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -49,6 +70,13 @@ class StepNews:
     skipped: dict[int, str] = field(default_factory=dict)
 
 
+#: steps of one job whose hints a sidecar keeps (the oldest are settled long ago)
+MAX_STEPS = 4096
+#: ranks one step's hints may name, and attempts the "gone" hints may name
+MAX_RANKS = 65536
+MAX_ATTEMPTS = 64
+
+
 class JobGang:
     """One job's coordination state inside a sidecar. ``cond`` guards every field."""
 
@@ -65,14 +93,16 @@ class JobGang:
         self.retention = mf.Retention(store, namespace, job, keep)
         #: serialises epoch creation and adoption for this job
         self.epoch_lock = threading.Lock()
+        #: monotonic time of its last use (sidecar.engine.state evicts the idle ones)
+        self.used = time.monotonic()
 
     def news(self, position: Position) -> StepNews:
         """Caller holds ``cond``."""
         news = self.steps.get(position)
         if news is None:
             news = self.steps[position] = StepNews()
-            if len(self.steps) > 4096:  # old steps are settled long ago
-                for old in sorted(self.steps)[:1024]:
+            if len(self.steps) > MAX_STEPS:  # old steps are settled long ago
+                for old in sorted(self.steps)[: MAX_STEPS // 4]:
                     del self.steps[old]
         return news
 
@@ -89,19 +119,29 @@ class JobGang:
         return not self.fences.valid(*position)
 
     def apply_hint(self, req: pb.HintRequest) -> None:
+        """A hint checked already (:func:`check_hint`, signed)."""
         position = (req.attempt, req.step)
         kind = req.WhichOneof("hint")
         with self.cond:
+            self.used = time.monotonic()
             if kind == "manifest":
-                self.news(position).manifests.setdefault(req.manifest.rank, req.manifest.key)
+                news = self.news(position)
+                if len(news.manifests) < MAX_RANKS:
+                    news.manifests.setdefault(req.manifest.rank, req.manifest.key)
             elif kind == "commit":
                 self.news(position).hinted_commit = req.commit.key
             elif kind == "skip":
-                self.news(position).skipped.setdefault(req.skip.rank, req.skip.reason or "skipped")
+                news = self.news(position)
+                if len(news.skipped) < MAX_RANKS:
+                    news.skipped.setdefault(req.skip.rank, req.skip.reason or "skipped")
             elif kind == "gone" and req.gone.back:
                 self.gone.get(req.attempt, {}).pop(req.gone.rank, None)
             elif kind == "gone":
-                self.gone.setdefault(req.attempt, {})[req.gone.rank] = set(req.gone.uploading)
+                ranks = self.gone.setdefault(req.attempt, {})
+                if len(ranks) < MAX_RANKS:
+                    ranks[req.gone.rank] = set(req.gone.uploading)
+                for old in sorted(self.gone)[:-MAX_ATTEMPTS]:
+                    del self.gone[old]
             self.cond.notify_all()
 
     def gone_reason(self, position: Position, ranks: list[int]) -> str:
@@ -112,68 +152,221 @@ class JobGang:
         return f"rank(s) {lost} left attempt {attempt} without saving step {step}" if lost else ""
 
 
-#: how far a fetch request's ``issued_at`` may be from the answering sidecar's clock
+#: how far a peer request's ``issued_at`` may be from the answering sidecar's clock
 FETCH_WINDOW_S = 60.0
+#: the peer protocol this sidecar speaks (module docstring): 2 signs every request with a nonce
+#: and encrypts every stream; 0 (unset) is the version before
+PEER_PROTOCOL = 2
+NONCE_BYTES = 16
+#: the longest text a hint carries (a reason, a key) and the most steps a "gone" hint lists
+MAX_HINT_TEXT = 1024
+MAX_HINT_STEPS = 1024
+#: the largest message the peer port takes: a push's chunk (4 MiB) and header (one RestoreHeader
+#: per rank of the member: ~150 bytes a tensor) fit; a larger header fails the push (storage still
+#: has the step), and a hint this size is refused unparsed
+PEER_MAX_MESSAGE_BYTES = 16 << 20
+
+
+def signed_text(kind: str, *fields: object) -> bytes:
+    """What a peer request's MAC signs: its kind, the protocol and its fields, one a line."""
+    return "\n".join((f"strata-peer/{PEER_PROTOCOL}/{kind}", *map(str, fields))).encode()
+
+
+def _mac(key: bytes, text: bytes) -> str:
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
 def fetch_mac(key: bytes, req: pb.FetchRequest) -> str:
     """HMAC-SHA256 (hex) of a fetch request's fields with the job's peer key."""
-    text = "\n".join(
-        str(v)
-        for v in (
-            req.namespace,
-            req.job,
-            req.rank,
-            req.world_size,
-            req.attempt,
-            req.step,
-            repr(req.issued_at),
-        )
-    )
-    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+    fields = (req.namespace, req.job, req.rank, req.world_size, req.attempt, req.step)
+    return _mac(key, signed_text("fetch", *fields, repr(req.issued_at), req.protocol, req.nonce.hex()))
+
+
+def sign_fetch(key: bytes, req: pb.FetchRequest) -> None:
+    """Stamp ``req`` with this protocol and a fresh nonce, and sign it (``issued_at`` set already)."""
+    req.protocol, req.nonce = PEER_PROTOCOL, os.urandom(NONCE_BYTES)
+    req.mac = fetch_mac(key, req)
 
 
 def fetch_mac_ok(key: bytes, req: pb.FetchRequest) -> bool:
     return hmac.compare_digest(fetch_mac(key, req), req.mac)
 
 
-#: trailing metadata of a fetch: an AES-GMAC of the request's MAC and every byte streamed, keyed
-#: from the job's peer key, so bytes changed on the way (the peer port is plain TCP) are caught,
-#: not only by their XXH3 digests. GMAC because CPUs compute it in hardware: ~30 GB/s here, where
-#: HMAC-SHA256 costs a core per 1.7 GB/s on each end of every transfer.
+def hint_mac(key: bytes, req: pb.HintRequest) -> str:
+    kind = req.WhichOneof("hint") or ""
+    body = getattr(req, kind).SerializeToString(deterministic=True).hex() if kind else ""
+    fields = (req.namespace, req.job, req.attempt, req.step, kind, body)
+    return _mac(key, signed_text("hint", *fields, repr(req.issued_at), req.protocol, req.nonce.hex()))
+
+
+def sign_hint(key: bytes, req: pb.HintRequest) -> None:
+    req.protocol, req.nonce, req.issued_at = PEER_PROTOCOL, os.urandom(NONCE_BYTES), time.time()
+    req.mac = hint_mac(key, req)
+
+
+def check_hint(req: pb.HintRequest) -> None:
+    """InvalidArgument naming the field of a hint that is not one this sidecar sends."""
+    try:
+        mf.check_name("namespace", req.namespace)
+        mf.check_name("job", req.job)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    kind = req.WhichOneof("hint")
+    texts = {
+        "manifest": [("manifest.key", req.manifest.key)],
+        "commit": [("commit.key", req.commit.key)],
+        "skip": [("skip.reason", req.skip.reason)],
+        "gone": [("gone.reason", req.gone.reason)],
+    }.get(kind or "", [])
+    for name, text in texts:
+        if len(text) > MAX_HINT_TEXT:
+            raise InvalidArgument(f"hint {name} is {len(text)} characters; at most {MAX_HINT_TEXT}")
+    if kind == "gone" and len(req.gone.uploading) > MAX_HINT_STEPS:
+        raise InvalidArgument(
+            f"hint gone.uploading lists {len(req.gone.uploading)} steps; at most {MAX_HINT_STEPS}"
+        )
+    if kind is None:
+        raise InvalidArgument("a hint names what it is (manifest, commit, skip or gone)")
+
+
+def check_protocol(protocol: int) -> None:
+    if protocol != PEER_PROTOCOL:
+        raise FailedPrecondition(
+            f"peer protocol {protocol} (a sidecar of another version); this sidecar speaks "
+            f"{PEER_PROTOCOL}: every sidecar of a gang must run the same version"
+        )
+
+
+class ReplayCache:
+    """The nonces of the signed requests this sidecar took, each kept until its request is past
+    the validity window, so that one is taken once. At most ``limit`` at a time: past that a
+    request is refused (RESOURCE_EXHAUSTED: storage serves it) rather than a nonce forgotten early. Only
+    requests signed with the job's key get here, so only a sidecar of the job can fill it."""
+
+    def __init__(self, limit: int = 100_000, window_s: float = FETCH_WINDOW_S) -> None:
+        self.limit, self.window = limit, window_s
+        self._lock = threading.Lock()
+        self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten (insertion order)
+
+    def take(self, nonce: bytes, issued_at: float) -> None:
+        """Unauthenticated when ``nonce`` was taken already (or is no nonce)."""
+        if len(nonce) < NONCE_BYTES:
+            raise Unauthenticated(f"request carries a {len(nonce)}-byte nonce; {NONCE_BYTES} wanted")
+        now = time.time()
+        with self._lock:
+            if nonce in self._seen:
+                raise Unauthenticated("request already used (a replay): sign a new one")
+            for _ in range(2):  # the oldest first (about: insertion order), so it stays small
+                oldest = next(iter(self._seen.items()), None)
+                if oldest is None or oldest[1] > now:
+                    break
+                del self._seen[oldest[0]]
+            if len(self._seen) >= self.limit:
+                self._expire(now)
+            if len(self._seen) >= self.limit:
+                raise ResourceExhausted(f"{self.limit} requests within {self.window:.0f} s: try again")
+            # the request is refused as stale once its clock is past issued_at + window
+            self._seen[nonce] = issued_at + self.window
+
+    def _expire(self, now: float) -> None:
+        for nonce, until in list(self._seen.items()):
+            if until <= now:
+                del self._seen[nonce]
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def check_fresh(issued_at: float) -> None:
+    if not abs(time.time() - issued_at) <= FETCH_WINDOW_S:  # NaN is refused too
+        off = time.time() - issued_at if math.isfinite(issued_at) else issued_at
+        raise Unauthenticated(f"request issued {off:.0f} s from now; at most {FETCH_WINDOW_S:.0f}")
+
+
+#: trailing metadata of a stream of checkpoint bytes: its AES-GCM tag (hex), so bytes changed on
+#: the way are caught, not only by their XXH3 digests
 STREAM_MAC_KEY = "strata-stream-mac"
+#: initial metadata of an answer (Fetch, Parity): the answering sidecar's random salt (hex)
+STREAM_SALT_KEY = "strata-stream-salt"
 
 
-class StreamMac:
-    """The running MAC of a stream's bytes (``update`` it with each chunk, then ``hexdigest``).
+class StreamCipher:
+    """AES-256-GCM over one stream's bytes: ``update`` each chunk in order (it returns the chunk
+    encrypted, or decrypted), then ``hexdigest`` (sender: the tag) or ``verify`` (receiver).
 
-    AES-256-GCM over associated data only (GMAC). Its key is derived from the job's peer key;
-    its nonce from the MAC of the request (or push header) the stream answers, which is fresh
-    per request (it signs a timestamp), and which is authenticated first: a stream cannot be
-    replayed as the answer to another request. A request answered twice with the same bytes
-    gives the same tag; the bytes of a rank's step never change, and a receiver only ever
-    checks the answer to its own fresh request."""
+    The peer port is plain TCP: what crosses it is ciphertext. AES-GCM runs in hardware (AES-NI
+    and carry-less multiply), at about the cost of the GMAC it replaces. The key is derived from
+    the job's peer key, the MAC of the request (or push header) the stream answers, which is
+    fresh per request (its nonce) and authenticated first, and the answering sidecar's random
+    salt: no two streams share a key (a request asked of two peers in turn gets two keys), so
+    the fixed GCM nonce is used once per key. The receiver uses decrypted bytes before the tag
+    is checked only where they are checked against their digests anyway, and drops them when
+    the tag is wrong."""
 
-    def __init__(self, key: bytes, request_mac: str) -> None:
-        aes = hmac.new(key, b"strata-stream-mac/aes-256-gcm", hashlib.sha256).digest()
-        nonce = hmac.new(key, b"strata-stream-mac/nonce\n" + request_mac.encode(), hashlib.sha256).digest()
-        self._gcm = Cipher(algorithms.AES(aes), modes.GCM(nonce[:12])).encryptor()
+    def __init__(self, key: bytes, request_mac: str, salt: bytes = b"", encrypt: bool = True) -> None:
+        aes = hmac.new(
+            key, b"strata-stream/aes-256-gcm\n" + request_mac.encode() + b"\n" + salt, hashlib.sha256
+        ).digest()
+        cipher = Cipher(algorithms.AES(aes), modes.GCM(b"\0" * 12))
+        self._enc = cipher.encryptor() if encrypt else None
+        self._dec = None if encrypt else cipher.decryptor()
+        self._gcm = self._enc or self._dec
+        assert self._gcm is not None
         self._gcm.authenticate_additional_data(request_mac.encode())
         self._tag = ""
+        self._out = bytearray()
 
-    def update(self, data: bytes | memoryview) -> None:
-        self._gcm.authenticate_additional_data(data)
+    def update(self, data: bytes | memoryview) -> bytes:
+        """``data`` en- or decrypted, in a new bytes object."""
+        assert self._gcm is not None
+        return self._gcm.update(data)
+
+    def apply(self, data: bytes | memoryview) -> memoryview:
+        """``data`` en- or decrypted into this stream's own buffer: valid until the next call.
+        No allocation per chunk: a fresh buffer of a chunk's size faults its pages in each time
+        (the sidecar's allocator returns freed ones to the kernel), which would cost more than
+        the cipher."""
+        assert self._gcm is not None
+        n = len(data)
+        if len(self._out) < n + 15:  # update_into wants a block's slack
+            self._out = bytearray(n + 15)
+        self._gcm.update_into(data, self._out)
+        return memoryview(self._out)[:n]
 
     def hexdigest(self) -> str:
+        """The sender's tag over everything ``update``d."""
+        assert self._enc is not None, "a receiver verifies"
         if not self._tag:
-            self._gcm.finalize()
-            self._tag = self._gcm.tag.hex()
+            self._enc.finalize()
+            self._tag = self._enc.tag.hex()
         return self._tag
 
+    def verify(self, tag: object) -> bool:
+        """The receiver: whether ``tag`` (hex, from the sender) closes what was ``update``d."""
+        assert self._dec is not None, "a sender has the tag"
+        try:
+            self._dec.finalize_with_tag(bytes.fromhex(str(tag)))
+        except (InvalidTag, ValueError):
+            return False
+        return True
 
-def stream_mac(key: bytes, request_mac: str) -> StreamMac:
-    """The MAC of the stream that answers a request (or push header) signed ``request_mac``."""
-    return StreamMac(key, request_mac)
+
+def stream_mac(key: bytes, request_mac: str, salt: bytes = b"") -> StreamCipher:
+    """The sender's cipher of the stream that answers a request (or push header) signed
+    ``request_mac``."""
+    return StreamCipher(key, request_mac, salt)
+
+
+def stream_opener(key: bytes, request_mac: str, call: Any = None) -> StreamCipher:
+    """The receiver's cipher of a stream: a push's (``call`` None), or the answer ``call`` (its
+    salt is in the initial metadata)."""
+    salt = b""
+    if call is not None:
+        try:
+            salt = bytes.fromhex(str(dict(call.initial_metadata() or ()).get(STREAM_SALT_KEY, "")))
+        except ValueError:
+            salt = b"?"  # decrypts to nothing that passes the tag
+    return StreamCipher(key, request_mac, salt, encrypt=False)
 
 
 # --- Fetch's chunks, framed by hand ----------------------------------------------------------
@@ -195,7 +388,7 @@ def _varint(n: int) -> bytes:
 
 def chunk_frame(data: memoryview | bytes) -> tuple[bytes, memoryview]:
     """The serialized RestoreResponse{chunk: data} (one copy of ``data``) and a view of the
-    chunk's bytes inside it (what was sent, to MAC)."""
+    chunk's bytes inside it (what was sent)."""
     prefix = _CHUNK_TAG + _varint(len(data))
     frame = b"".join((prefix, data))
     return frame, memoryview(frame)[len(prefix) :]
@@ -354,6 +547,8 @@ class Peers:
                 continue
             if head is None or head.WhichOneof("msg") != "header":
                 continue
+            if len(self._holder) >= 65536:  # ranks of jobs long gone
+                self._holder.clear()
             self._holder[slot] = address
             yield address, head.header, stream
 
@@ -419,15 +614,14 @@ class PeerServicer(pb_grpc.PeerServicer):
             except StrataError as exc:
                 context.abort(exc.code, str(exc))
                 return
-            mac = stream_mac(key, request.mac)
+            cipher = self._answer_cipher(key, request.mac, context)
             yield pb.RestoreResponse(header=header)
             for blob in blobs:
                 view = memoryview(blob)
                 for start in range(0, len(view), self._chunk):
-                    frame, sent = chunk_frame(view[start : start + self._chunk])
-                    mac.update(sent)
+                    frame, _ = chunk_frame(cipher.apply(view[start : start + self._chunk]))
                     yield frame  # type: ignore[misc]  # framed already (add_peer_servicer)
-            context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
+            context.set_trailing_metadata(((STREAM_MAC_KEY, cipher.hexdigest()),))
         finally:
             self._fetching.release()
 
@@ -460,20 +654,26 @@ class PeerServicer(pb_grpc.PeerServicer):
             except StrataError as exc:
                 context.abort(exc.code, str(exc))
                 return
-            mac = stream_mac(key, request.mac)
+            cipher = self._answer_cipher(key, request.mac, context)
             yield pb.ParityResponse(header=header)
             for chunk in chunks:
-                mac.update(chunk)
-                yield pb.ParityResponse(chunk=chunk)
-            context.set_trailing_metadata(((STREAM_MAC_KEY, mac.hexdigest()),))
+                yield pb.ParityResponse(chunk=cipher.update(chunk))
+            context.set_trailing_metadata(((STREAM_MAC_KEY, cipher.hexdigest()),))
         finally:
             self._fetching.release()
 
+    @staticmethod
+    def _answer_cipher(key: bytes, request_mac: str, context: grpc.ServicerContext) -> StreamCipher:
+        """The cipher of an answer, its random salt sent first (initial metadata)."""
+        salt = os.urandom(16)
+        context.send_initial_metadata(((STREAM_SALT_KEY, salt.hex()),))
+        return stream_mac(key, request_mac, salt)
+
     def Hint(self, request: pb.HintRequest, context: grpc.ServicerContext) -> pb.HintResponse:
+        """Bounded (:func:`check_hint`) before anything else; the engine checks the signature."""
         try:
-            mf.check_name("namespace", request.namespace)
-            mf.check_name("job", request.job)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._on_hint(request)  # type: ignore[operator]
+            check_hint(request)
+            self._on_hint(request)  # type: ignore[operator]
+        except StrataError as exc:
+            context.abort(exc.code, str(exc))
         return pb.HintResponse()

@@ -36,6 +36,7 @@ import numpy as np
 from sidecar.api import pb
 from sidecar.budget import MemoryBudget, Reservation
 from sidecar.errors import FailedPrecondition, StrataError
+from sidecar.gang import signed_text
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,16 @@ def header_mac(key: bytes, h: pb.ProtectHeader) -> str:
         ranks,
         h.share_bytes,
         repr(h.issued_at),
+        h.protocol,
+        h.nonce.hex(),
     )
-    return hmac.new(key, "\n".join(map(str, fields)).encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, signed_text("protect", *fields), hashlib.sha256).hexdigest()
 
 
 def parity_mac(key: bytes, req: pb.ParityRequest) -> str:
     fields = (req.namespace, req.job, req.attempt, req.step, req.member, repr(req.issued_at))
-    return hmac.new(key, ("parity\n" + "\n".join(map(str, fields))).encode(), hashlib.sha256).hexdigest()
+    text = signed_text("parity", *fields, req.protocol, req.nonce.hex())
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 
 # --- throttling ------------------------------------------------------------------------------

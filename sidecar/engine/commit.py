@@ -248,8 +248,8 @@ class Commits:
     # --- the commit ------------------------------------------------------------------------
 
     def on_hint(self, req: pb.HintRequest) -> None:
-        """A hint from another sidecar of the job (sidecar.gang.PeerServicer)."""
-        self.shared.gang((req.namespace, req.job)).apply_hint(req)
+        """A hint from another sidecar of the job (sidecar.gang.PeerServicer): checked, signed."""
+        self.shared.take_hint(req)
 
     def _poll_interval(self) -> float:
         # With peers, hints normally arrive first and storage is only a fallback; a sidecar that

@@ -28,16 +28,17 @@ from sidecar.errors import (
     NotFound,
     ResourceExhausted,
     StrataError,
-    Unauthenticated,
 )
 from sidecar.gang import (
-    FETCH_WINDOW_S,
+    NONCE_BYTES,
+    PEER_PROTOCOL,
     STREAM_MAC_KEY,
     PeerStub,
     Position,
-    fetch_mac,
     fetched_chunk,
+    sign_fetch,
     stream_mac,
+    stream_opener,
 )
 
 from .held import Held
@@ -266,6 +267,8 @@ class Redundancy:
                 ranks=ranks,
                 share_bytes=share.nbytes,
                 issued_at=time.time(),
+                protocol=PEER_PROTOCOL,
+                nonce=os.urandom(NONCE_BYTES),
             )
             header.mac = rd.header_mac(key, header)
             if hpos is None:
@@ -318,8 +321,7 @@ class Redundancy:
                     intact = False
                     return
                 self.throttle.take(len(chunk))
-                mac.update(chunk)
-                yield pb.ProtectRequest(chunk=chunk)
+                yield pb.ProtectRequest(chunk=mac.update(chunk))
             # A trainer may write a shared segment once a newer step committed: what was sent must
             # still be what was saved, or the holder drops it (no trailer: the push fails).
             intact = all(self._intact(s) for s in snaps)
@@ -356,19 +358,11 @@ class Redundancy:
 
     # --- holding what others push ------------------------------------------------------------
 
-    def _authentic(self, job_key: JobKey, issued_at: float, sign: Any, mac: str) -> bytes:
-        """The job's peer key, when ``mac`` is ``sign(key)`` and the request is fresh."""
-        if not abs(time.time() - issued_at) <= FETCH_WINDOW_S:
-            raise Unauthenticated(f"request issued {time.time() - issued_at:.0f} s from now")
-        try:
-            key = self.shared.peer_key(job_key, create=False)
-            if not hmac.compare_digest(sign(key), mac):
-                key = self.shared.peer_key(job_key, create=False, fresh=True)
-        except NotFound:
-            raise Unauthenticated(f"{job_key[1]} has no peer key yet: nothing can be signed") from None
-        if not hmac.compare_digest(sign(key), mac):
-            raise Unauthenticated("request not signed with this job's peer key")
-        return key
+    def _authentic(
+        self, job_key: JobKey, protocol: int, issued_at: float, nonce: bytes, sign: Any, mac: str
+    ) -> bytes:
+        """The job's peer key, when ``mac`` is ``sign(key)`` and the request fresh and new."""
+        return self.shared.authenticate(job_key, protocol, issued_at, nonce, sign, mac)
 
     def on_protect(self, requests: Iterator[pb.ProtectRequest]) -> pb.ProtectResponse:
         """A member pushes what this member holds for it."""
@@ -384,7 +378,7 @@ class Redundancy:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         job_key = (h.namespace, h.job)
-        key = self._authentic(job_key, h.issued_at, lambda k: rd.header_mac(k, h), h.mac)
+        key = self._authentic(job_key, h.protocol, h.issued_at, h.nonce, lambda k: rd.header_mac(k, h), h.mac)
         me = self.members.index
         if h.kind == "replica":
             if h.member >= self.members.n or self.members.buddy(h.member) != me:
@@ -408,7 +402,7 @@ class Redundancy:
             raise InvalidArgument(f"push kind must be replica or parity, got {h.kind!r}")
         assert self.holdings is not None
         entry = self.holdings.begin(hkey, (h.attempt, h.step), expected, h.member)
-        mac = stream_mac(key, h.mac)
+        mac = stream_opener(key, h.mac)
         written = 0
         what = f"member {h.member}'s {h.kind} of step {h.step}"
         try:
@@ -424,8 +418,7 @@ class Redundancy:
                         break
                     if which != "chunk":
                         raise InvalidArgument("a push is its header, chunks, then the stream MAC")
-                    chunk = msg.chunk
-                    mac.update(chunk)
+                    chunk = mac.apply(msg.chunk)  # decrypted; dropped unless the tag checks
                     if blocks is None:
                         if written + len(chunk) > h.share_bytes:
                             raise InvalidArgument("more bytes than the header declared")
@@ -441,7 +434,7 @@ class Redundancy:
                             rd.xor_into(memoryview(current), chunk)
                             os.pwrite(fd, current, offset)
                     written += len(chunk)
-                if not trailer or not hmac.compare_digest(trailer, mac.hexdigest()):
+                if not trailer or not mac.verify(trailer):
                     raise InvalidArgument(
                         "the push ended without the job's stream MAC (cut short or changed)"
                     )
@@ -469,7 +462,9 @@ class Redundancy:
         job_key = (req.namespace, req.job)
         if not self.holdings.knows(*job_key):
             raise NotFound(f"{req.namespace}/{req.job}: nothing held here")
-        key = self._authentic(job_key, req.issued_at, lambda k: rd.parity_mac(k, req), req.mac)
+        key = self._authentic(
+            job_key, req.protocol, req.issued_at, req.nonce, lambda k: rd.parity_mac(k, req), req.mac
+        )
         entry = self.holdings.parity(req.namespace, req.job, (req.attempt, req.step))
         if entry is None:
             raise NotFound(f"no complete parity of step {req.step} (attempt {req.attempt}) held here")
@@ -557,6 +552,8 @@ class Redundancy:
                 step=position[1],
                 member=me,
                 issued_at=time.time(),
+                protocol=PEER_PROTOCOL,
+                nonce=os.urandom(NONCE_BYTES),
             )
             req.mac = rd.parity_mac(key, req)
             try:
@@ -627,14 +624,12 @@ class Redundancy:
         head = next(stream)
         if head.WhichOneof("msg") != "header":
             raise ValueError(f"{address} answered without a header")
-        mac = stream_mac(key, req.mac)
+        mac = stream_opener(key, req.mac, stream)
         body = bytearray()
         for msg in stream:
-            chunk = msg.chunk  # each read of the field makes a new bytes object
-            mac.update(chunk)
-            body += chunk
+            body += mac.apply(msg.chunk)
         trailer = dict(stream.trailing_metadata() or ())
-        if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
+        if not mac.verify(trailer.get(STREAM_MAC_KEY, "")):
             raise ValueError(f"{address}'s parity does not carry the job's stream MAC")
         return head.header, bytes(body)
 
@@ -661,22 +656,19 @@ class Redundancy:
                     step=position[1],
                     issued_at=time.time(),
                 )
-                req.mac = fetch_mac(key, req)
+                sign_fetch(key, req)
                 stream = self._stub(self.members.addresses[member]).Fetch(req, timeout=budget_s)
                 head_msg = next(stream)
                 if head_msg.WhichOneof("msg") != "header" or head_msg.header.total_bytes != r.nbytes:
                     raise ValueError(f"member {member} holds another rank {r.rank} for step {position[1]}")
-                mac = stream_mac(key, req.mac)
+                mac = stream_opener(key, req.mac, stream)
                 got = 0
                 for msg in stream:
-                    chunk = fetched_chunk(msg)
-                    mac.update(chunk)
+                    chunk = mac.apply(fetched_chunk(msg))  # used before the next (pending +=)
                     got += len(chunk)
                     yield chunk
                 trailer = dict(stream.trailing_metadata() or ())
-                if got != r.nbytes or not hmac.compare_digest(
-                    str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()
-                ):
+                if got != r.nbytes or not mac.verify(trailer.get(STREAM_MAC_KEY, "")):
                     raise ValueError(
                         f"member {member}'s rank {r.rank} came back short or without the stream MAC"
                     )

@@ -7,7 +7,6 @@ queries: committed checkpoints, which are in memory, one rank's MANIFEST."""
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import os
 import threading
@@ -29,17 +28,15 @@ from sidecar.errors import (
     ObjectNotFound,
     StorageError,
     StrataError,
-    Unauthenticated,
 )
 from sidecar.gang import (
-    FETCH_WINDOW_S,
     STREAM_MAC_KEY,
     Behind,
     Position,
     fetch_mac,
-    fetch_mac_ok,
     fetched_chunk,
-    stream_mac,
+    sign_fetch,
+    stream_opener,
 )
 from sidecar.pipeline.plan import decode_held, read_snapshot
 
@@ -362,16 +359,9 @@ class Restorer:
             req.namespace, req.job
         ):  # an unknown job costs nothing: storage is not asked for its key
             raise NotFound(f"{req.namespace}/{req.job} has no rank on this sidecar")
-        if not abs(time.time() - req.issued_at) <= FETCH_WINDOW_S:  # NaN is refused too
-            raise Unauthenticated(f"fetch request issued {time.time() - req.issued_at:.0f} s from now")
-        try:
-            key = self.shared.peer_key(identity.job_key, create=False)
-            if not fetch_mac_ok(key, req):  # the job's prefix may have been recreated: read it again
-                key = self.shared.peer_key(identity.job_key, create=False, fresh=True)
-        except NotFound:
-            raise Unauthenticated(f"{req.job} has no peer key yet: nothing can be signed") from None
-        if not fetch_mac_ok(key, req):
-            raise Unauthenticated("fetch request not signed with this job's peer key")
+        key = self.shared.authenticate(
+            identity.job_key, req.protocol, req.issued_at, req.nonce, lambda k: fetch_mac(k, req), req.mac
+        )
         data = self._from_memory(identity, target)
         if data is None or data.memory is not None:  # not held, or lossy (decoded into a copy)
             if data is not None and data.memory is not None:
@@ -466,7 +456,7 @@ class Restorer:
             step=target[1],
             issued_at=time.time(),
         )
-        req.mac = fetch_mac(secret, req)
+        sign_fetch(secret, req)
         expected = {t.name: (t.offset, t.nbytes) for t in manifest.tensors}
         # the base budget, plus the transfer at a conservative 50 MB/s
         budget = self.settings.peer_fetch_timeout_s + manifest.total_bytes / 50e6
@@ -486,7 +476,7 @@ class Restorer:
             scratch = self.shared.segments.scratch(manifest.total_bytes)
             buf = scratch[1] if scratch is not None else memoryview(bytearray(manifest.total_bytes))
             pos = 0
-            mac = stream_mac(secret, req.mac)
+            mac = stream_opener(secret, req.mac, stream)
             fd = -1
             if scratch is not None:
                 try:
@@ -505,11 +495,11 @@ class Restorer:
                 digests: mf.StreamDigests = digests,
             ) -> None:
                 at, chunk = item
+                chunk = mac.apply(chunk)  # decrypted, in order (a buffer reused per chunk)
                 if fd >= 0:
                     os.pwrite(fd, chunk, at)  # a kernel copy, without the GIL
                 else:
                     buf[at : at + len(chunk)] = chunk
-                mac.update(chunk)
                 digests.update(at, chunk)
 
             behind = Behind(take, depth=32)
@@ -529,7 +519,7 @@ class Restorer:
                 if pos != len(buf):
                     raise ValueError(f"stream ended after {pos} of {len(buf)} bytes")
                 trailer = dict(stream.trailing_metadata() or ())
-                if not hmac.compare_digest(str(trailer.get(STREAM_MAC_KEY, "")), mac.hexdigest()):
+                if not mac.verify(trailer.get(STREAM_MAC_KEY, "")):
                     raise ValueError("the bytes do not carry the job's stream MAC (changed on the way?)")
                 why = digests.check()
                 if why is not None:

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from sidecar.api import channel_options, pb_grpc
 from sidecar.config import SidecarSettings
 from sidecar.engine import Engine
-from sidecar.gang import Peers, PeerServicer, add_peer_servicer
+from sidecar.gang import PEER_MAX_MESSAGE_BYTES, Peers, PeerServicer, add_peer_servicer
 from sidecar.metrics import Metrics
 from sidecar.server.interceptor import ErrorInterceptor
 from sidecar.server.servicer import CheckpointerServicer
@@ -68,7 +68,7 @@ class SidecarServer:
         if settings.peer_port:
             self._peer_grpc = grpc.server(
                 ThreadPoolExecutor(max_workers=8, thread_name_prefix="strata-peer"),
-                options=channel_options(settings.max_message_bytes),
+                options=channel_options(min(settings.max_message_bytes, PEER_MAX_MESSAGE_BYTES)),
             )
             add_peer_servicer(
                 PeerServicer(

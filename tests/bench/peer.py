@@ -16,6 +16,10 @@ sidecar runs in its own process, as in a pod.
 - ``step_ratio_redundancy``: a training loop saving every few seconds, median step time with buddy
   redundancy over without (target <= 1.10); ``_ci_high`` is the ratio of the on-arm's upper to the
   off-arm's lower 95% bound of the median.
+- ``peer_stream_gcm_s_per_gib`` (send, receive): the CPU seconds per GiB that one side spends
+  protecting a peer stream, as sidecar.gang does it (AES-256-GCM, chunks framed by hand), beside
+  ``peer_stream_gmac_s_per_gib``: the same over associated data only (the GMAC that only
+  authenticated the bytes before they were encrypted); best of 5, one thread.
 - ``restart_speedup_inplace_vs_pod``: ``strata launch`` of restart_trainer.py (each rank its own
   shard, half the state) on two simulated pods, a rank SIGKILLed mid-save; from the launcher
   stopping the ranks to every rank restored, with the sidecars kept (in place: restored from
@@ -369,9 +373,56 @@ def restarts(opts: Options, figures: dict[str, Any], phases: Phases, storage: st
     figures["restart_speedup_inplace_vs_pod"] = pod / inplace
 
 
+def stream_cipher(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from sidecar.budget import tune_allocator
+    from sidecar.gang import StreamCipher, chunk_frame, stream_mac
+
+    tune_allocator()  # as in a sidecar: a chunk's buffers come from the malloc arena, reused
+    chunk = os.urandom((1 << 20) - (64 << 10))  # the peer port's chunk (sidecar.server.app)
+    n = (256 << 20) // len(chunk)
+    gib = n * len(chunk) / GiB
+    key, mac = os.urandom(32), "ab" * 32
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) / gib
+
+    frame = chunk_frame(chunk)[0]
+
+    def gcm_send() -> None:
+        sender = stream_mac(key, mac, b"salt")
+        for _ in range(n):
+            chunk_frame(sender.apply(memoryview(chunk)))
+        sender.hexdigest()
+
+    def gcm_receive() -> None:
+        opener = StreamCipher(key, mac, b"salt", encrypt=False)
+        for _ in range(n):
+            opener.apply(memoryview(frame)[4:])
+
+    def gmac(send: bool) -> None:
+        ctx = Cipher(algorithms.AES(key), modes.GCM(b"\0" * 12)).encryptor()
+        for _ in range(n):
+            ctx.authenticate_additional_data(chunk_frame(chunk)[1] if send else memoryview(frame)[4:])
+        ctx.finalize()
+
+    with phases("peer stream protection, per GiB"):
+        figures["peer_stream_gcm_send_s_per_gib"] = best(gcm_send)
+        figures["peer_stream_gcm_receive_s_per_gib"] = best(gcm_receive)
+        figures["peer_stream_gmac_send_s_per_gib"] = best(lambda: gmac(True))
+        figures["peer_stream_gmac_receive_s_per_gib"] = best(lambda: gmac(False))
+
+
 def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
     from sidecar.local.seaweed import SeaweedServer
 
+    stream_cipher(opts, figures, phases)
     weed = SeaweedServer(opts.tmp / "weed").start()
     try:
         bucket = f"peer-{uuid.uuid4().hex[:8]}"
@@ -409,6 +460,10 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         Row("step_s_redundancy_buddy", get("step_s_redundancy_buddy"), "s"),
         target("step_ratio_redundancy", "<= 1.10", lambda v: v <= 1.10),
         Row("step_ratio_redundancy_ci_high", get("step_ratio_redundancy_ci_high"), "x"),
+        Row("peer_stream_gcm_send_s_per_gib", get("peer_stream_gcm_send_s_per_gib"), "s"),
+        Row("peer_stream_gcm_receive_s_per_gib", get("peer_stream_gcm_receive_s_per_gib"), "s"),
+        Row("peer_stream_gmac_send_s_per_gib", get("peer_stream_gmac_send_s_per_gib"), "s"),
+        Row("peer_stream_gmac_receive_s_per_gib", get("peer_stream_gmac_receive_s_per_gib"), "s"),
         Row("restart_inplace_s", get("restart_inplace_s"), "s"),
         Row("restart_pod_s", get("restart_pod_s"), "s"),
         target("restart_speedup_inplace_vs_pod", ">= 2", lambda v: v >= 2),

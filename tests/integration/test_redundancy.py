@@ -22,6 +22,7 @@ import torch
 from sidecar import manifest as mf
 from sidecar import redundancy as rd
 from sidecar.api import pb, pb_grpc
+from sidecar.gang import PEER_PROTOCOL, STREAM_MAC_KEY, stream_opener
 from sidecar.store import open_store
 from tests.fixtures.member_pods import (
     Pods,
@@ -144,17 +145,23 @@ def test_a_holder_restarted_mid_build_keeps_its_complete_parity_and_never_serves
     key = mf.peer_key(store, "default", job_name, create=False)
     stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[holder]}"))
 
-    def ask(step: int, mac_key: bytes = key) -> list[pb.ParityResponse]:
+    def ask(step: int, mac_key: bytes = key) -> tuple[list[pb.ParityResponse], bytes]:
         attempt = entries[0].position[0]
         req = pb.ParityRequest(namespace="default", job=job_name, attempt=attempt, step=step, member=0)
-        req.issued_at = time.time()
+        req.issued_at, req.protocol, req.nonce = time.time(), PEER_PROTOCOL, os.urandom(16)
         req.mac = rd.parity_mac(mac_key, req)
-        return list(stub.Parity(req, timeout=10))
+        call = stub.Parity(req, timeout=10)
+        answer = list(call)
+        opener = stream_opener(key, req.mac, call)  # the parity travels encrypted
+        body = b"".join(opener.update(m.chunk) for m in answer[1:])
+        assert opener.verify(dict(call.trailing_metadata())[STREAM_MAC_KEY])
+        return answer, body
 
-    answer = ask(1)
+    answer, body = ask(1)
     assert answer[0].header.holder == holder
     assert sorted(c.member for c in answer[0].header.contributors) == [0, 1]
-    assert b"".join(m.chunk for m in answer[1:]) == next(iter(complete.values()))
+    assert body == next(iter(complete.values()))
+    assert b"".join(m.chunk for m in answer[1:]) != body
     # ... and has none for step 2, rather than a torn one; a request not signed with the job's
     # key gets nothing.
     with pytest.raises(grpc.RpcError) as missing:
@@ -179,6 +186,8 @@ def test_a_push_not_signed_with_the_jobs_key_is_refused(pods, job_name):
         kind="replica",
         share_bytes=4,
         issued_at=time.time(),
+        protocol=PEER_PROTOCOL,
+        nonce=os.urandom(16),
     )
     header.mac = rd.header_mac(b"k" * 32, header)
     stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[1]}"))
@@ -259,7 +268,7 @@ def test_a_repeated_push_is_refused_and_the_held_copy_stays(pods, job_name):
     key = mf.peer_key(open_store(p.storage), "default", job_name, create=False)
     header = pb.ProtectHeader()
     header.CopyFrom(entry.headers[0])
-    header.issued_at = time.time()
+    header.issued_at, header.nonce = time.time(), os.urandom(16)
     header.mac = rd.header_mac(key, header)
     stub = pb_grpc.PeerStub(grpc.insecure_channel(f"127.0.0.1:{p.ports[1]}"))
     stream = iter([pb.ProtectRequest(header=header), pb.ProtectRequest(chunk=b"\0" * 16)])

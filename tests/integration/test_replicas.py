@@ -18,7 +18,7 @@ import torch
 
 from sidecar import manifest as mf
 from sidecar.api import pb, pb_grpc
-from sidecar.gang import fetch_mac
+from sidecar.gang import sign_fetch
 from sidecar.store import open_store
 from trainer_client import SaveFailed, _tree
 from trainer_client._replicas import tensor_key
@@ -167,7 +167,7 @@ def test_a_peer_serves_only_signed_fresh_requests_for_what_it_holds(two_pods, ma
         )
         commit = mf.read_commit(pods[0].store, "default", job_name, 5)
         req.attempt = commit.attempt
-        req.mac = fetch_mac(key, req)
+        sign_fetch(key, req)
         for field, value in change.items():
             setattr(req, field, value)
         return list(stub.Fetch(req, timeout=10))

@@ -1113,10 +1113,24 @@ class HintRequest(_message.Message):
     COMMIT_FIELD_NUMBER: _builtins.int
     SKIP_FIELD_NUMBER: _builtins.int
     GONE_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     job: _builtins.str
     attempt: _builtins.int
     step: _builtins.int
+    protocol: _builtins.int
+    """Peer protocol (sidecar.gang.PEER_PROTOCOL): a receiver refuses any other with
+    FAILED_PRECONDITION. Every sidecar of a gang runs the same version.
+    """
+    nonce: _builtins.bytes
+    """Random, fresh per request: a receiver answers each (signed) request once."""
+    issued_at: _builtins.float
+    """Unix seconds when the hint was sent; refused when more than a minute off."""
+    mac: _builtins.str
+    """Hex HMAC-SHA256 of the fields above (sidecar.gang.hint_mac) with the job's peer key."""
     @_builtins.property
     def manifest(self) -> Global___ManifestHint: ...
     @_builtins.property
@@ -1136,10 +1150,14 @@ class HintRequest(_message.Message):
         commit: Global___CommitHint | None = ...,
         skip: Global___SkipHint | None = ...,
         gone: Global___GoneHint | None = ...,
+        protocol: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        issued_at: _builtins.float = ...,
+        mac: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "gone", b"gone", "hint", b"hint", "manifest", b"manifest", "skip", b"skip"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "commit", b"commit", "gone", b"gone", "hint", b"hint", "job", b"job", "manifest", b"manifest", "namespace", b"namespace", "skip", b"skip", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "commit", b"commit", "gone", b"gone", "hint", b"hint", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "manifest", b"manifest", "namespace", b"namespace", "nonce", b"nonce", "protocol", b"protocol", "skip", b"skip", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_hint: _TypeAlias = _typing.Literal["manifest", "commit", "skip", "gone"]  # noqa: Y015
     _WhichOneofArgType_hint: _TypeAlias = _typing.Literal["hint", b"hint"]  # noqa: Y015
@@ -1181,6 +1199,8 @@ class FetchRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     ISSUED_AT_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     job: _builtins.str
     rank: _builtins.int
@@ -1192,6 +1212,9 @@ class FetchRequest(_message.Message):
     """Unix seconds when the request was made; refused when more than a minute off."""
     mac: _builtins.str
     """Hex HMAC-SHA256 of the fields above (sidecar.gang.fetch_mac) with the job's peer key."""
+    protocol: _builtins.int
+    """As in HintRequest: the peer protocol and a fresh nonce, both signed."""
+    nonce: _builtins.bytes
     def __init__(
         self,
         *,
@@ -1203,10 +1226,12 @@ class FetchRequest(_message.Message):
         step: _builtins.int = ...,
         issued_at: _builtins.float = ...,
         mac: _builtins.str = ...,
+        protocol: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "namespace", b"namespace", "rank", b"rank", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "namespace", b"namespace", "nonce", b"nonce", "protocol", b"protocol", "rank", b"rank", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1261,6 +1286,8 @@ class ProtectHeader(_message.Message):
     SHARE_BYTES_FIELD_NUMBER: _builtins.int
     ISSUED_AT_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     job: _builtins.str
     attempt: _builtins.int
@@ -1278,6 +1305,9 @@ class ProtectHeader(_message.Message):
     """Unix seconds when the push began; refused when more than a minute off."""
     mac: _builtins.str
     """Hex HMAC-SHA256 of the fields above (sidecar.redundancy.header_mac) with the job's peer key."""
+    protocol: _builtins.int
+    """As in HintRequest: the peer protocol and a fresh nonce, both signed."""
+    nonce: _builtins.bytes
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShareRank]: ...
     def __init__(
@@ -1296,10 +1326,12 @@ class ProtectHeader(_message.Message):
         share_bytes: _builtins.int = ...,
         issued_at: _builtins.float = ...,
         mac: _builtins.str = ...,
+        protocol: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_bytes", b"block_bytes", "group_size", b"group_size", "issued_at", b"issued_at", "job", b"job", "kind", b"kind", "mac", b"mac", "member", b"member", "namespace", b"namespace", "ranks", b"ranks", "share_bytes", b"share_bytes", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_bytes", b"block_bytes", "group_size", b"group_size", "issued_at", b"issued_at", "job", b"job", "kind", b"kind", "mac", b"mac", "member", b"member", "namespace", b"namespace", "nonce", b"nonce", "protocol", b"protocol", "ranks", b"ranks", "share_bytes", b"share_bytes", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1314,7 +1346,7 @@ class ProtectRequest(_message.Message):
     STREAM_MAC_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     stream_mac: _builtins.str
-    """Last: hex HMAC-SHA256 of the header's mac and every chunk (sidecar.gang.stream_mac)."""
+    """Last: the hex AES-GCM tag of the encrypted chunks (sidecar.gang.StreamCipher)."""
     @_builtins.property
     def header(self) -> Global___ProtectHeader: ...
     def __init__(
@@ -1369,6 +1401,8 @@ class ParityRequest(_message.Message):
     MEMBER_FIELD_NUMBER: _builtins.int
     ISSUED_AT_FIELD_NUMBER: _builtins.int
     MAC_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     job: _builtins.str
     attempt: _builtins.int
@@ -1376,6 +1410,8 @@ class ParityRequest(_message.Message):
     member: _builtins.int
     issued_at: _builtins.float
     mac: _builtins.str
+    protocol: _builtins.int
+    nonce: _builtins.bytes
     def __init__(
         self,
         *,
@@ -1386,10 +1422,12 @@ class ParityRequest(_message.Message):
         member: _builtins.int = ...,
         issued_at: _builtins.float = ...,
         mac: _builtins.str = ...,
+        protocol: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "member", b"member", "namespace", b"namespace", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "member", b"member", "namespace", b"namespace", "nonce", b"nonce", "protocol", b"protocol", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -489,7 +489,12 @@ class Checkpointer:
 
 
 class PeerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every request is signed with the job's peer key and used once (its nonce); every stream of
+    checkpoint bytes (Fetch's and Parity's chunks, Protect's) is encrypted with AES-256-GCM under
+    a key derived from the peer key and the request's MAC (and, for answers, a random salt the
+    answering sidecar sends in the initial metadata "strata-stream-salt"); the GCM tag closes it
+    (trailing metadata "strata-stream-mac", or Protect's last message). See sidecar.gang.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -520,7 +525,12 @@ class PeerStub:
 
 
 class PeerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every request is signed with the job's peer key and used once (its nonce); every stream of
+    checkpoint bytes (Fetch's and Parity's chunks, Protect's) is encrypted with AES-256-GCM under
+    a key derived from the peer key and the request's MAC (and, for answers, a random salt the
+    answering sidecar sends in the initial metadata "strata-stream-salt"); the GCM tag closes it
+    (trailing metadata "strata-stream-mac", or Protect's last message). See sidecar.gang.
+    """
 
     def Hint(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -529,7 +539,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+        """One RestoreHeader (source "peer"), then the encrypted bytes in RestoreResponse chunks.
         Served from the rank's snapshot in memory, or a buddy's copy of it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -543,7 +553,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Parity(self, request, context):
-        """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC.
+        """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -581,7 +591,12 @@ def add_PeerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Peer:
-    """Missing associated documentation comment in .proto file."""
+    """Every request is signed with the job's peer key and used once (its nonce); every stream of
+    checkpoint bytes (Fetch's and Parity's chunks, Protect's) is encrypted with AES-256-GCM under
+    a key derived from the peer key and the request's MAC (and, for answers, a random salt the
+    answering sidecar sends in the initial metadata "strata-stream-salt"); the GCM tag closes it
+    (trailing metadata "strata-stream-mac", or Protect's last message). See sidecar.gang.
+    """
 
     @staticmethod
     def Hint(request,

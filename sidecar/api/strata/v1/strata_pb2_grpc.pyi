@@ -157,32 +157,53 @@ class CheckpointerServicer(metaclass=_abc_1.ABCMeta):
 def add_CheckpointerServicer_to_server(servicer: CheckpointerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class PeerStub:
+    """Every request is signed with the job's peer key and used once (its nonce); every stream of
+    checkpoint bytes (Fetch's and Parity's chunks, Protect's) is encrypted with AES-256-GCM under
+    a key derived from the peer key and the request's MAC (and, for answers, a random salt the
+    answering sidecar sends in the initial metadata "strata-stream-salt"); the GCM tag closes it
+    (trailing metadata "strata-stream-mac", or Protect's last message). See sidecar.gang.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
     Hint: _grpc.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]
     Fetch: _grpc.UnaryStreamMultiCallable[_strata_pb2.FetchRequest, _strata_pb2.RestoreResponse]
-    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+    """One RestoreHeader (source "peer"), then the encrypted bytes in RestoreResponse chunks.
     Served from the rank's snapshot in memory, or a buddy's copy of it.
     """
     Protect: _grpc.StreamUnaryMultiCallable[_strata_pb2.ProtectRequest, _strata_pb2.ProtectResponse]
     Parity: _grpc.UnaryStreamMultiCallable[_strata_pb2.ParityRequest, _strata_pb2.ParityResponse]
-    """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC."""
+    """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
+    """Every request is signed with the job's peer key and used once (its nonce); every stream of
+    checkpoint bytes (Fetch's and Parity's chunks, Protect's) is encrypted with AES-256-GCM under
+    a key derived from the peer key and the request's MAC (and, for answers, a random salt the
+    answering sidecar sends in the initial metadata "strata-stream-salt"); the GCM tag closes it
+    (trailing metadata "strata-stream-mac", or Protect's last message). See sidecar.gang.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Hint: _aio.UnaryUnaryMultiCallable[_strata_pb2.HintRequest, _strata_pb2.HintResponse]  # type: ignore[assignment]
     Fetch: _aio.UnaryStreamMultiCallable[_strata_pb2.FetchRequest, _strata_pb2.RestoreResponse]  # type: ignore[assignment]
-    """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+    """One RestoreHeader (source "peer"), then the encrypted bytes in RestoreResponse chunks.
     Served from the rank's snapshot in memory, or a buddy's copy of it.
     """
     Protect: _aio.StreamUnaryMultiCallable[_strata_pb2.ProtectRequest, _strata_pb2.ProtectResponse]  # type: ignore[assignment]
     Parity: _aio.UnaryStreamMultiCallable[_strata_pb2.ParityRequest, _strata_pb2.ParityResponse]  # type: ignore[assignment]
-    """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC."""
+    """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
+    """Every request is signed with the job's peer key and used once (its nonce); every stream of
+    checkpoint bytes (Fetch's and Parity's chunks, Protect's) is encrypted with AES-256-GCM under
+    a key derived from the peer key and the request's MAC (and, for answers, a random salt the
+    answering sidecar sends in the initial metadata "strata-stream-salt"); the GCM tag closes it
+    (trailing metadata "strata-stream-mac", or Protect's last message). See sidecar.gang.
+    """
+
     @_abc_1.abstractmethod
     def Hint(
         self,
@@ -196,7 +217,7 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _strata_pb2.FetchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_strata_pb2.RestoreResponse], _abc.AsyncIterator[_strata_pb2.RestoreResponse]]:
-        """One RestoreHeader (source "peer"), then the bytes, as Checkpointer.Restore streams them.
+        """One RestoreHeader (source "peer"), then the encrypted bytes in RestoreResponse chunks.
         Served from the rank's snapshot in memory, or a buddy's copy of it.
         """
 
@@ -213,6 +234,6 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _strata_pb2.ParityRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_strata_pb2.ParityResponse], _abc.AsyncIterator[_strata_pb2.ParityResponse]]:
-        """One ParityHeader, then the parity bytes; trailing metadata carries the stream MAC."""
+        """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
