@@ -57,7 +57,7 @@ NS = "default"
 MEMORY_BUDGET = 32 * MiB
 RSS_MARGIN = 64 * MiB
 #: seconds one call may take before it counts as a hang
-DEADLINE_S = 8.0
+DEADLINE_S = 15.0
 VICTIM = "victim"
 VICTIM_STEP = 5
 GEN = "fz/0"
