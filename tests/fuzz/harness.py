@@ -236,7 +236,12 @@ class Sidecar:
             "--heartbeat-s=0",
             "--drain-timeout-s=0",
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        # the sidecar package this process imported (a checkout under test, not necessarily this one)
+        import sidecar
+
+        here = str(Path(sidecar.__file__).resolve().parents[1])
+        path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
         log = open(self.log, "ab")  # noqa: SIM115 (the child holds it)
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
         log.close()
