@@ -243,7 +243,8 @@ class Sidecar:
         path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
         log = open(self.log, "ab")  # noqa: SIM115 (the child holds it)
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True)
+        # cwd: `python -m` puts it first on the path
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=here, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 60
         with grpc.insecure_channel(f"unix:{self.socket}") as ch:
