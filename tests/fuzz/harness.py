@@ -799,9 +799,10 @@ RECIPES: dict[str, Callable[[], list[Case]]] = {"huge-headers": _huge_headers, "
 
 def replay(h: Harness, raw: dict[str, Any]) -> list[str]:
     """Run one corpus entry; what went wrong (empty: it held). An entry may add an expectation of
-    its own: ``expect`` a status code name for its call, "restore-ok" (a damaged object must not
-    make the job's checkpoints unreachable) or "committed-or-refused" (a save is refused, or a
-    restore in a new generation returns it bit for bit)."""
+    its own: ``expect`` a status code name for its call, "refused" (any status but OK),
+    "restore-ok" (a damaged object must not make the job's checkpoints unreachable) or
+    "committed-or-refused" (a save is refused, or a restore in a new generation returns it bit
+    for bit)."""
     before = {sig: f.count for sig, f in h.counters.findings.items()}
     cases = RECIPES[raw["recipe"]]() if "recipe" in raw else [Case.from_json(raw)]
     for case in cases:
@@ -816,6 +817,9 @@ def replay(h: Harness, raw: dict[str, Any]) -> list[str]:
     if expect == "restore-ok":
         if h.last_code != grpc.StatusCode.OK:
             problems.append(f"restore of a job with one damaged {case.obj} failed: {h.last_code.name}")
+    elif expect == "refused":
+        if h.last_code == grpc.StatusCode.OK:
+            problems.append("accepted")
     elif expect == "committed-or-refused":
         problems += _committed_or_refused(h, case)
     elif expect and h.last_code.name != expect:
