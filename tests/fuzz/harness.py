@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +203,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the harness dies (a killed test run leaves no sidecar behind)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Sidecar:
     """One real sidecar process (``strata sidecar``) on a file store under ``root``."""
 
@@ -244,7 +251,10 @@ class Sidecar:
         env = {**os.environ, "PYTHONPATH": path}
         log = open(self.log, "ab")  # noqa: SIM115 (the child holds it)
         # cwd: `python -m` puts it first on the path
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=here, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=log, stderr=log, env=env, cwd=here, start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
         log.close()
         deadline = time.monotonic() + 60
         with grpc.insecure_channel(f"unix:{self.socket}") as ch:
