@@ -18,6 +18,13 @@ CORPUS = Path(__file__).parent / "corpus"
 SHARES = {"grpc": 0.35, "restore": 0.15, "bucket": 0.15, "parse": 0.35}
 
 
+def _own_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__)
     p.add_argument("--seconds", type=float, default=float(os.environ.get("FUZZ_SECONDS", "240")))
@@ -39,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             done = h.counters
             print(
                 f"{now - t0:6.0f} s  execs {done.execs:>8}  crashes {done.crashes}  hangs {done.hangs}  "
-                f"budget {done.budget_violations}  wrong restores {done.wrong_restores}",
+                f"budget {done.budget_violations}  wrong restores {done.wrong_restores}  "
+                f"(harness RSS {_own_rss() >> 20} MiB)",
                 file=sys.stderr,
             )
         broken = h.victim_intact()

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -58,6 +59,10 @@ NS = "default"
 #: the sidecar's --memory-budget, and what its RSS may exceed it by (interpreter, gRPC, caches)
 MEMORY_BUDGET = 32 * MiB
 RSS_MARGIN = 64 * MiB
+#: what the harness's own in-process readers may allocate beyond its size at start
+READER_MEMORY = 4 << 30
+#: the sidecar process's heap and private mappings (its threads' stacks included)
+SIDECAR_DATA_LIMIT = 4 << 30
 #: seconds one call may take before it counts as a hang
 DEADLINE_S = 15.0
 VICTIM = "victim"
@@ -203,9 +208,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _vm_data() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _die_with_parent() -> None:
-    """In the child: SIGKILL when the harness dies (a killed test run leaves no sidecar behind)."""
+    """In the child: SIGKILL when the harness dies (a killed test run leaves no sidecar behind), and
+    a cap on its heap, so an input that makes it allocate without bound is a finding (its RSS, or a
+    MemoryError), not the machine's out-of-memory killer."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_DATA, (SIDECAR_DATA_LIMIT, resource.RLIM_INFINITY))
 
 
 class Sidecar:
@@ -381,6 +397,7 @@ class Harness:
         self.committed: dict[str, dict[int, bytes]] = {}
         self._jobs = 0
         self._template: dict[str, bytes] = {}
+        self._data_limit = resource.getrlimit(resource.RLIMIT_DATA)
         self.peer_keys: dict[str, bytes] = {}
         #: (job, step) -> bytes of the fuzzed saves that committed
         self.saved: dict[tuple[str, str, int, int], list[bytes]] = {}
@@ -403,6 +420,11 @@ class Harness:
         import trainer_client._dcp_metadata
         import trainer_client._tree  # noqa: F401
 
+        # An in-process reader that allocates by a fuzzed size must fail (a finding), not take the
+        # machine down: heap and private mappings capped at 4 GiB more than now, undone in close().
+        self._data_limit = resource.getrlimit(resource.RLIMIT_DATA)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_DATA, (_vm_data() + READER_MEMORY, self._data_limit[1]))
         self.sidecar.start()
         self.store = FileStore(self.sidecar.store_dir)
         self._connect()
@@ -426,6 +448,8 @@ class Harness:
             ch.close()
 
     def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_DATA, self._data_limit)
         self._disconnect()
         self.sidecar.stop()
         if self._own_root:
