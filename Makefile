@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-prometheus demo test test-slow bench chaos proto lint e2e clean
+.PHONY: help setup setup-prometheus demo test test-slow bench chaos fuzz proto lint e2e clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -38,6 +38,10 @@ CHAOS_TRIALS ?= 100
 chaos: setup  ## kill -9 trainers/sidecars at random save points, CHAOS_TRIALS times; counts to bench-results.json
 	STRATA_CHAOS_TRIALS=$(CHAOS_TRIALS) STRATA_CHAOS_RESULTS=$(CURDIR)/bench-results.json \
 	  $(PY) -m pytest -s -q tests/chaos $(PYTEST_ARGS)
+
+FUZZ_SECONDS ?= 240
+fuzz: setup  ## fuzz the gRPC API and the bucket readers for FUZZ_SECONDS; counts to bench-results.json
+	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_RESULTS=$(CURDIR)/bench-results.json $(PY) -m tests.fuzz
 
 proto: setup  ## regenerate sidecar/api from proto/
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m grpc_tools.protoc --proto_path=sidecar/api=proto \
