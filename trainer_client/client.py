@@ -44,6 +44,8 @@ from sidecar.api import (
     PROTOCOL_VERSION,
     RESHARD_MARKER,
     RNG_STATE_KEY,
+    SHM_HANDOVER_CAPABILITY,
+    SHM_HANDOVER_SOCKET,
     SHM_NAME_PATTERN,
     TOKEN_METADATA_KEY,
     channel_options,
@@ -64,6 +66,7 @@ from trainer_client._staging import (
     as_numpy_bytes,
     dtype_name,
     lease_layout,
+    open_segment,
     span_bytes,
     torch_dtype,
     total_bytes,
@@ -357,7 +360,7 @@ class CheckpointClient:
         elif not os.access(offered, os.W_OK | os.X_OK):
             reason = f"the sidecar's shm dir {offered} is not writable from here"
         if not reason:
-            return SegmentFactory(offered)
+            return SegmentFactory(offered, _handover_socket(info.capabilities))
         if s.shm == "on":
             raise SidecarUnavailable(f"shared-memory saves are required (STRATA_SHM=on), but {reason}")
         log.info("shared-memory saves off (%s); saves stream over gRPC", reason)
@@ -403,6 +406,8 @@ class CheckpointClient:
             self._leases.clear()
             for b in self._buffers:
                 b.reset()
+        if self._segments is not None:
+            self._segments.close()  # segments handed over and never saved from are dropped
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -1600,6 +1605,15 @@ class _InPlace:
         return out
 
 
+def _handover_socket(capabilities: Sequence[str]) -> str:
+    """The sidecar's socket (in its shm dir) that takes sealed memfd segments, or ""."""
+    for cap in capabilities:
+        name = cap.removeprefix(SHM_HANDOVER_CAPABILITY)
+        if name != cap and re.fullmatch(SHM_HANDOVER_SOCKET, name):
+            return name
+    return ""
+
+
 def _writable_whole(t: torch.Tensor, meta: pb.TensorMeta, seen: set[int]) -> bool:
     return (
         isinstance(t, torch.Tensor)
@@ -1626,9 +1640,9 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[tuple[in
     if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
         raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_segment(shm_dir, name)
     except OSError as exc:
-        raise _SegmentGone(f"shared segment {name}: {exc.strerror}") from None
+        raise _SegmentGone(f"shared segment {name}: {exc.strerror or exc}") from None
     try:
         size = os.fstat(fd).st_size
         if size < header.total_bytes:
