@@ -1,31 +1,47 @@
 """Shared-memory segments a trainer staged a save into (same host only).
 
-The client creates ``<shm_dir>/strata-<instance>-<n>``, copies its tensors
-into it and sends only a header naming it. The sidecar maps the file read-only
-and renames it to a name of its own (``strata-held-p<pid>-<instance>-<n>``):
-the trainer's name is free again, the sidecar's mapping keeps the committed
-snapshot readable after the trainer is gone (REFT's process that outlives the
-trainer), and the restarted trainer reads that snapshot straight from the held
-name (a restore from memory at memory speed, not through gRPC). The sidecar
-unlinks the held name when it forgets the mapping: when the trainer's successor
-saves, or when the sidecar stops; a sidecar that crashed leaves them, and the
-next one to start removes held names of sidecars that are gone.
+The client creates its segments as memfds sealed against shrinking and growing
+(``F_SEAL_SHRINK | F_SEAL_GROW``), hands each one to the sidecar over its
+handover socket in the shm dir (SCM_RIGHTS), copies its tensors into
+them and sends only a header naming one. The sidecar maps a handed-over segment
+read-only only when its seals say the trainer can never take a page back, so a
+read of it never faults (a SIGBUS would take down every job this sidecar
+serves); what the trainer writes into it after a save is caught by the digests
+(the committed snapshot's segment is checked before a memory restore). A
+restarted trainer restores from the held segment without a copy: the sidecar
+lends it a read-only descriptor of it on the same socket, under a one-time name
+(``strata-fd-...``); where it cannot, it hands over a copy (a file it creates,
+``strata-held-p<pid>-r<random>``), as it does for a restore it assembled.
 
-The mapping is cached by name, because the client reuses its segments for
-every save: mapping a GiB again would fault every page in once more.
+Older clients (or a host without memfd) create ``<shm_dir>/strata-<instance>-<n>``
+files instead. A file can be truncated by its writer at any time, so the
+sidecar never maps one: it opens it without blocking (a FIFO under the name
+must not hang anyone), takes it over under a name of its own
+(``strata-held-p<pid>-<instance>-<n>``, freeing the trainer's name) and copies
+each save out of it with ``pread`` into memory of its own; a file that shrank
+fails that save, and nothing else.
+
+Segments are cached by name per rank, because the client reuses its segments for
+every save. Only names this sidecar took over or created are ever removed: when
+the rank's successor saves, when the sidecar stops, and (held names of sidecars
+that are gone) when the next one starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
+import fcntl
+import hashlib
 import itertools
 import logging
 import mmap
 import os
 import re
+import selectors
+import socket
 import stat
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
@@ -34,11 +50,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sidecar.api import SHM_NAME_PATTERN
+from sidecar.api import SHM_HANDOVER_SOCKET, SHM_SEGMENT_PATTERN
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(SHM_NAME_PATTERN)
+_SEGMENT = re.compile(SHM_SEGMENT_PATTERN)
+_SOCKET = re.compile(SHM_HANDOVER_SOCKET)
+#: a held name: ``strata-held-p<pid>.<token>-...`` (see Segments._id)
+_HELD = re.compile(r"strata-held-p(([0-9]{1,10})\.[0-9a-f]{1,40})-[A-Za-z0-9._-]{1,200}")
 
 
 def check_dir(directory: str) -> str:
@@ -117,68 +136,134 @@ def source_of(view: memoryview) -> Source | None:
     return Source(os.getpid(), owner.fd, start - base, info.st_dev, info.st_ino)
 
 
+class Segment:
+    """What a save's segment name stands for: a sealed memfd mapped here (``mapped``, read in
+    place), or a file of an older client (``fd``, copied out at each save: never mapped)."""
+
+    def __init__(self, name: str, mapped: FdMapping | None = None, fd: int = -1, held: str = "") -> None:
+        self.name, self.mapped, self.fd, self.held = name, mapped, fd, held
+        if fd >= 0:  # closed once no save reads it any more (not while one does)
+            weakref.finalize(self, os.close, fd)
+
+    @property
+    def in_place(self) -> bool:
+        return self.mapped is not None
+
+    def view(self, size: int) -> memoryview:
+        """The first ``size`` bytes of a mapped segment, read-only."""
+        assert self.mapped is not None
+        if size > len(self.mapped):
+            raise InvalidArgument(
+                f"shared segment {self.name} holds {len(self.mapped)} bytes; the save declares {size}"
+            )
+        return memoryview(self.mapped)[:size]
+
+    def read_into(self, buffer: memoryview, size: int) -> None:
+        """Copy the first ``size`` bytes of a file segment into ``buffer``; InvalidArgument
+        naming the segment when it holds fewer (its trainer shrank it)."""
+        have = os.fstat(self.fd).st_size
+        if have < size:
+            raise InvalidArgument(
+                f"shared segment {self.name} shrank to {have} bytes; the save declares {size}"
+            )
+        pos = 0
+        while pos < size:
+            n = os.preadv(self.fd, [buffer[pos:size]], pos)
+            if n <= 0:
+                raise InvalidArgument(
+                    f"shared segment {self.name} shrank to {pos} bytes while the sidecar read it; "
+                    f"the save declares {size}"
+                )
+            pos += n
+
+
 class Segments:
-    """Mappings of client segments by name, at most ``per_owner`` per rank.
+    """Client segments by name, at most ``per_owner`` per rank.
 
     A client double-buffers (two segments); a restarted client brings new
-    ones, and its predecessor's are dropped. A snapshot holds a memoryview of
-    its segment, which keeps the mapping alive after it leaves this cache;
+    ones, and its predecessor's are dropped. A snapshot holds a memoryview of a
+    mapped segment, which keeps the mapping alive after it leaves this cache;
     dropping a name only stops reuse.
     """
 
-    def __init__(self, directory: str, per_owner: int = 2) -> None:
+    def __init__(self, directory: str, per_owner: int = 2, socket_mode: int = 0o600, tag: str = "") -> None:
+        """``tag``: names this sidecar's handover socket in the shm dir, the same across its
+        restarts (clients reconnect to it) and apart from other sidecars' sharing the directory
+        (see :func:`socket_tag`); a random one without."""
         self.directory = directory
         self._per_owner = per_owner
         self._lock = threading.Lock()
-        self._maps: dict[object, OrderedDict[str, FdMapping]] = {}
+        self._maps: dict[object, OrderedDict[str, Segment]] = {}
         with _LIVE_LOCK:
             # The PID, and a token: a restarted container's sidecar may get its predecessor's PID.
             self._id = f"{os.getpid()}.{next(_IDS)}{uuid.uuid4().hex[:6]}"
             _LIVE.add(self._id)
         self._prefix = f"strata-held-p{self._id}-"
+        self._handover: Handover | None = None
         if directory:
             _remove_stale_held(directory)
+            try:
+                tag = tag or uuid.uuid4().hex[:16]
+                self._handover = Handover(directory, f".strata-segments-{tag}.sock", socket_mode)
+            except OSError as exc:
+                log.warning("shared-memory segments are taken as files only (copied at each save): %s", exc)
+
+    @property
+    def handover(self) -> str:
+        """The name of the socket in the shm dir trainers hand segments over on as sealed memfds
+        (capability ``save.shm.fd=<name>``), or "" where there is none."""
+        return os.path.basename(self._handover.path) if self._handover is not None else ""
 
     def held_name(self, name: str) -> str | None:
-        """The name the segment ``name`` is held under in the directory, while it is there."""
-        held = self._prefix + name.removeprefix("strata-")
-        return held if os.path.exists(os.path.join(self.directory, held)) else None
+        """What a restoring trainer reads segment ``name``'s bytes from without a copy: a memfd
+        segment lent back on the handover socket (a one-time name, SHM_LENT_PATTERN), or None
+        (a file segment is copied at each save: its bytes are handed over in a copy)."""
+        with self._lock:
+            found = next((m[name] for m in self._maps.values() if name in m), None)
+        if found is None or found.mapped is None or self._handover is None:
+            return None
+        return self._handover.lend(found.mapped)
 
-    def view(self, name: str, size: int, owner: object) -> memoryview:
-        """A read-only view of the first ``size`` bytes of segment ``name`` of ``owner`` (a rank)."""
+    def acquire(self, name: str, owner: object) -> Segment:
+        """Segment ``name`` of ``owner`` (a rank). Never blocks on the name (the caller holds no
+        lock shared by other jobs): a memfd was handed over, a file is opened without blocking."""
         if not self.directory:
             raise FailedPrecondition("this sidecar does not accept shared-memory saves (--shm-dir is empty)")
-        if not _NAME.fullmatch(name) or name.startswith("strata-held-"):
+        parsed = _SEGMENT.fullmatch(name)
+        if parsed is None:
             raise InvalidArgument(
-                f"shared segment name {name!r} must match {SHM_NAME_PATTERN} and not start with "
-                "strata-held- (the sidecar's own names)"
+                f"shared segment name {name!r} must be strata-<instance>-<n> ({SHM_SEGMENT_PATTERN}: "
+                "the instance letters and digits, n a number)"
             )
-        instance = name.rsplit("-", 1)[0]
+        instance = parsed.group(1)
         with self._lock:
+            known = self._maps.get(owner)
+            found = known.get(name) if known is not None else None
+        if found is None:
+            handed = self._handover.claim(name) if self._handover is not None else None
+            found = Segment(name, mapped=map_fd(*handed)) if handed is not None else self._take_file(name)
+        with self._lock:
+            if any(name in m for o, m in self._maps.items() if o != owner):
+                raise InvalidArgument(f"shared segment {name} is another rank's")
             maps = self._maps.setdefault(owner, OrderedDict())
-            mapped = maps.get(name)
-            if mapped is None:
-                mapped = self._map(name)
-                for old in {n.rsplit("-", 1)[0] for n in maps} - {instance}:
-                    self._sweep(maps, old)  # a restarted trainer: its predecessor's segments are done
-                maps[name] = mapped
-                while len(maps) > self._per_owner:
-                    self._forget(maps.popitem(last=False)[0])
+            segment = maps.setdefault(name, found)
+            for old in {_instance(n) for n in maps} - {instance}:
+                self._sweep(maps, old)  # a restarted trainer: its predecessor's segments are done
+            while len(maps) > self._per_owner:
+                self._forget(maps.popitem(last=False)[1])
             maps.move_to_end(name)
-        if size > len(mapped):
-            raise InvalidArgument(
-                f"shared segment {name} holds {len(mapped)} bytes; the save declares {size}"
-            )
-        return memoryview(mapped)[:size]
+        return segment
 
-    def _map(self, name: str) -> FdMapping:
+    def _take_file(self, name: str) -> Segment:
+        """An older client's segment file, opened without following a link or blocking (a FIFO
+        or device under the name is refused, not waited on), and taken over under our name."""
         path = os.path.join(self.directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
         except FileNotFoundError:
             raise FailedPrecondition(
-                f"shared segment {name} is not in {self.directory} (a sidecar restart forgets segments; "
-                "the trainer creates new ones)"
+                f"shared segment {name} was not handed over and is not in {self.directory} (a sidecar "
+                "restart forgets segments; the trainer creates new ones)"
             ) from None
         except OSError as exc:
             raise FailedPrecondition(f"cannot open shared segment {path}: {exc.strerror}") from None
@@ -189,14 +274,13 @@ class Segments:
         except BaseException:
             os.close(fd)
             raise
-        mapped = map_fd(fd, info.st_size)  # keeps fd: encoding workers map the same pages
-        try:  # ours now, under our name: a restarted trainer restores from it
-            os.rename(path, os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
+        held = self._prefix + name.removeprefix("strata-")
+        try:  # ours now, under our name (the trainer's name is free for its next segment)
+            os.rename(path, os.path.join(self.directory, held))
         except OSError as exc:
             log.warning("could not take over shared segment %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        return mapped
+            held = ""
+        return Segment(name, fd=fd, held=held)
 
     def handoff(self, blobs: list[memoryview], size: int) -> str:
         """A new segment holding ``blobs`` (``size`` bytes), for a restoring trainer to copy from
@@ -219,29 +303,6 @@ class Segments:
             os.close(fd)
         return name
 
-    def scratch(self, size: int) -> tuple[str, memoryview] | None:
-        """A new writable segment of ``size`` bytes to assemble a restore in (then handed to the
-        trainer as it is), or None without a shm dir or room in it."""
-        if not self.directory or size <= 0:
-            return None
-        name = f"{self._prefix}r{uuid.uuid4().hex[:16]}"
-        path = os.path.join(self.directory, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
-        try:
-            os.posix_fallocate(fd, 0, size)
-            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            log.info("no room in %s for a %d-byte restore segment: %s", self.directory, size, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return None
-        finally:
-            os.close(fd)
-        return name, memoryview(mapped)
-
     def remove(self, name: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, name))
@@ -249,28 +310,259 @@ class Segments:
     def exists(self, name: str) -> bool:
         return os.path.exists(os.path.join(self.directory, name))
 
-    def _forget(self, name: str) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(self.directory, self._prefix + name.removeprefix("strata-")))
+    def _forget(self, segment: Segment) -> None:
+        if segment.held:  # the file we took over (its descriptor closes with its last save)
+            self.remove(segment.held)
 
-    def _sweep(self, maps: OrderedDict[str, FdMapping], instance: str) -> None:
-        """Forget an instance's mappings and unlink any segment of it never mapped (the spare
-        a crashed trainer had warmed up)."""
-        for name in [n for n in maps if n.rsplit("-", 1)[0] == instance]:
-            del maps[name]
-            self._forget(name)
-        for path in Path(self.directory).glob(f"{glob.escape(instance)}-*"):
-            with contextlib.suppress(OSError):
-                path.unlink()
+    def _sweep(self, maps: OrderedDict[str, Segment], instance: str) -> None:
+        """Forget an instance's segments (only ever what this sidecar took over)."""
+        for name in [n for n in maps if _instance(n) == instance]:
+            self._forget(maps.pop(name))
 
     def close(self) -> None:
+        if self._handover is not None:
+            self._handover.close()
         with self._lock:
             for maps in self._maps.values():
-                for instance in {n.rsplit("-", 1)[0] for n in maps}:
+                for instance in {_instance(n) for n in maps}:
                     self._sweep(maps, instance)
             self._maps.clear()
         with _LIVE_LOCK:
             _LIVE.discard(self._id)
+
+
+def _instance(name: str) -> str:
+    """The client instance of a name that matched SHM_SEGMENT_PATTERN."""
+    return name.split("-")[1]
+
+
+class Handover:
+    """The socket trainers hand their sealed memfd segments over on (``SHM_HANDOVER_CAPABILITY``).
+
+    One thread serves every connection, without blocking on any: a message is one name and one
+    descriptor, checked (a regular file sealed against shrinking and growing) and kept until a
+    save names it (:meth:`claim`), at most ``MAX_PENDING`` per connection (the oldest is dropped),
+    and dropped with its connection.
+    """
+
+    MAX_PENDING = 8
+    MAX_CONNECTIONS = 1024
+    MAX_LENT = 256
+    LEND_S = 120.0
+    _NEEDED = (("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK), ("F_SEAL_GROW", fcntl.F_SEAL_GROW))
+
+    def __init__(self, directory: str, name: str, socket_mode: int) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise OSError("this platform has no memfd_create")
+        self.path = os.path.join(directory, name)
+        self._listener = _listen(self.path, socket_mode)
+        self._inode = os.stat(self.path).st_ino
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[int, int, socket.socket]] = {}  # name -> fd, size, connection
+        self._by_conn: dict[socket.socket, list[str]] = {}
+        #: one-time names of held segments lent to restoring trainers: read-only fd, expiry
+        self._lent: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._prefix = "strata-fd-" + name.removeprefix(".strata-segments-").removesuffix(".sock") + "-"
+        assert _SOCKET.fullmatch(name), name
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="strata-shm-handover", daemon=True)
+        self._thread.start()
+
+    def claim(self, name: str) -> tuple[int, int] | None:
+        """The descriptor and size of segment ``name``, now the caller's; None if not handed over."""
+        with self._lock:
+            entry = self._pending.pop(name, None)
+            if entry is None:
+                return None
+            self._by_conn[entry[2]].remove(name)
+        return entry[0], entry[1]
+
+    def lend(self, mapped: FdMapping) -> str | None:
+        """A one-time name under which a trainer gets a read-only descriptor of ``mapped``'s
+        segment on this socket; None where it cannot be reopened read-only."""
+        try:
+            fd = os.open(f"/proc/self/fd/{mapped.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.info("cannot lend a held segment read-only (%s); a restore gets a copy", exc)
+            return None
+        name = self._prefix + uuid.uuid4().hex
+        now = time.monotonic()
+        with self._lock:
+            self._expire_locked(now)
+            while len(self._lent) >= self.MAX_LENT:
+                os.close(self._lent.popitem(last=False)[1][0])
+            self._lent[name] = (fd, now + self.LEND_S)
+        return name
+
+    def _expire_locked(self, now: float) -> None:
+        for name in [n for n, (_, until) in self._lent.items() if until < now]:
+            os.close(self._lent.pop(name)[0])
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(10)
+        with self._lock:
+            for fd, _ in self._lent.values():
+                os.close(fd)
+            self._lent.clear()
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self._inode:  # still ours, not a successor's
+                os.unlink(self.path)
+
+    def _serve(self) -> None:
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select():
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r:
+                        self._receive(key.fileobj)  # type: ignore[arg-type]
+        except Exception:  # never expected: the sidecar goes on, taking segment files only
+            log.exception("the shared-memory handover socket stopped")
+        finally:
+            with self._lock:
+                for conn in list(self._by_conn):
+                    self._drop_locked(conn)
+            for sock in (self._listener, self._wake_r, self._wake_w):
+                sock.close()
+            self._selector.close()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        with self._lock:
+            if len(self._by_conn) >= self.MAX_CONNECTIONS:
+                conn.close()
+                return
+            self._by_conn[conn] = []
+        conn.setblocking(False)
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _receive(self, conn: socket.socket) -> None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn, 256, 4)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds, flags = b"", [], 0
+        if not data and not fds:  # the trainer closed it (or it broke)
+            with self._lock:
+                self._drop_locked(conn)
+            return
+        lent = -1
+        if data.startswith(b"get ") and not fds:
+            answer, lent = self._give(data[4:].decode("ascii", "replace"))
+        else:
+            answer = self._take(data, fds, flags, conn)
+        try:
+            if lent >= 0:
+                socket.send_fds(conn, [answer.encode()], [lent])
+            else:
+                conn.send(answer.encode())
+        except OSError:  # a full or broken socket: the trainer learns nothing and saves by file
+            with self._lock:
+                self._drop_locked(conn)
+        finally:
+            if lent >= 0:
+                os.close(lent)  # the trainer has its own descriptor now
+
+    def _give(self, name: str) -> tuple[str, int]:
+        """A lent segment's read-only descriptor, once (the caller sends and closes it)."""
+        with self._lock:
+            self._expire_locked(time.monotonic())
+            entry = self._lent.pop(name, None)
+        if entry is None:
+            return f"error: no segment is lent as {name!r} (it was fetched already, or expired)", -1
+        return "ok", entry[0]
+
+    def _take(self, data: bytes, fds: list[int], flags: int, conn: socket.socket) -> str:
+        if len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            for fd in fds:
+                os.close(fd)
+            return f"error: a message carries one segment name and one descriptor (got {len(fds)})"
+        fd = fds[0]
+        name = data.decode("ascii", "replace")
+        why = self._check(name, fd)
+        if why:
+            os.close(fd)
+            return f"error: {why}"
+        size = os.fstat(fd).st_size
+        with self._lock:
+            if name in self._pending or conn not in self._by_conn:
+                os.close(fd)
+                return f"error: segment {name} was handed over already"
+            names = self._by_conn[conn]
+            while len(names) >= self.MAX_PENDING:
+                os.close(self._pending.pop(names.pop(0))[0])
+            names.append(name)
+            self._pending[name] = (fd, size, conn)
+        return "ok"
+
+    def _check(self, name: str, fd: int) -> str:
+        if not _SEGMENT.fullmatch(name):
+            return f"segment name {name!r} must be strata-<instance>-<n> ({SHM_SEGMENT_PATTERN})"
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            return f"segment {name} is not a non-empty memfd"
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        missing = [what for what, bit in self._NEEDED if not seals & bit]
+        if missing:
+            return (
+                f"segment {name} is not sealed with {' and '.join(missing)}: its writer could take "
+                "pages from under the sidecar (create it with memfd_create(MFD_ALLOW_SEALING) and add "
+                "F_SEAL_SHRINK | F_SEAL_GROW)"
+            )
+        return ""
+
+    def _drop_locked(self, conn: socket.socket) -> None:
+        for name in self._by_conn.pop(conn, []):
+            os.close(self._pending.pop(name)[0])
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
+
+
+def socket_tag(grpc_socket: str) -> str:
+    """The tag of the handover socket of the sidecar serving ``grpc_socket``."""
+    return hashlib.sha256(os.path.abspath(grpc_socket).encode()).hexdigest()[:16]
+
+
+def _listen(path: str, mode: int) -> socket.socket:
+    """A listening SOCK_SEQPACKET socket at ``path``: one a sidecar that is gone left there is
+    replaced, a live one (another sidecar on this gRPC socket) or anything else is not (OSError)."""
+    if os.path.lexists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.settimeout(1)
+            probe.connect(path)
+        except ConnectionRefusedError:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # nobody listens: a sidecar that crashed
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(path)  # EADDRINUSE where anything is still there: never replaced
+        os.chmod(path, mode)  # what connects can only hand over descriptors, which are checked
+        sock.listen(64)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 #: the Segments of this process (several sidecars run in one process in tests)
@@ -282,12 +574,11 @@ _IDS = itertools.count()
 def _remove_stale_held(directory: str) -> None:
     """Held segments of sidecars that are gone (a crash, or this process's predecessor in a
     restarted container, which may have had the same PID)."""
-    for path in Path(directory).glob("strata-held-p*-*"):
-        owner = path.name.removeprefix("strata-held-p").split("-", 1)[0]
-        pid_text = owner.split(".", 1)[0]
-        if not pid_text.isdigit():
+    for path in Path(directory).glob("strata-held-p*"):
+        held = _HELD.fullmatch(path.name)
+        if held is None:
             continue
-        pid = int(pid_text)
+        owner, pid = held.group(1), int(held.group(2))
         with _LIVE_LOCK:
             alive = owner in _LIVE if pid == os.getpid() else True
         if alive and pid != os.getpid():

@@ -12,18 +12,23 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import mmap
 import os
+import re
+import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from sidecar.api import SHM_LENT_PATTERN
 from sidecar.api.dtypes import ITEMSIZE
 
 log = logging.getLogger("strata.client")
@@ -52,33 +57,54 @@ class Slot:
 
 
 class SharedSegment:
-    """A file in the sidecar's tmpfs, mapped here; the sidecar maps it too and unlinks it.
+    """Shared memory the client stages saves into and the sidecar reads.
 
-    Space is reserved with fallocate, so a tmpfs that is too small fails here
-    with ENOSPC instead of killing the trainer with SIGBUS on first touch.
+    With ``handover`` (a sidecar that takes them, ``save.shm.fd``) a memfd sealed against
+    shrinking and growing, handed to the sidecar over its socket: the sidecar maps only what
+    its writer can never take back. Otherwise a file in the sidecar's tmpfs, which the sidecar
+    takes over (renames) and copies at each save. Space is reserved with fallocate, so too little
+    memory fails here with ENOSPC instead of killing the trainer with SIGBUS on first touch.
     """
 
-    def __init__(self, directory: str, name: str, size: int) -> None:
+    def __init__(self, directory: str, name: str, size: int, handover: Handover | None = None) -> None:
         self.name = name
-        self.path = os.path.join(directory, name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.path = "" if handover is not None else os.path.join(directory, name)
+        #: the memfd (kept open while the segment lives; None for a file)
+        self.fd: int | None = None
+        if handover is not None:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        else:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self.path, flags, 0o600)
         try:
             try:
+                if handover is not None:
+                    os.ftruncate(fd, size)
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
-                os.unlink(self.path)
+                if self.path:
+                    os.unlink(self.path)
                 if exc.errno != errno.ENOSPC:
                     raise
+                where = f"the shared-memory directory {directory}" if self.path else "shared memory"
                 raise OSError(
                     exc.errno,
-                    f"the shared-memory directory {directory} is full: no room for a {size}-byte staging "
-                    f"segment. Each rank needs two segments of its snapshot size there, and their pages "
-                    f"count against the trainer container's memory limit: raise that emptyDir's sizeLimit "
-                    f"(or the tmpfs size) and the trainer's memory limit by 2 x {size} bytes per rank",
+                    f"{where} is full: no room for a {size}-byte staging segment. Each rank needs two "
+                    f"segments of its snapshot size, and their pages count against the trainer "
+                    f"container's memory limit: raise that emptyDir's sizeLimit (or the tmpfs size) "
+                    f"and the trainer's memory limit by 2 x {size} bytes per rank",
                 ) from None
             self._map = mmap.mmap(fd, size)
+            if handover is not None:
+                fcntl.fcntl(
+                    fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                )
+                handover.send(name, fd)
+                self.fd = fd
+                weakref.finalize(self, os.close, fd)
         finally:
-            os.close(fd)
+            if self.fd is None:
+                os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self._registered = False
 
@@ -95,20 +121,110 @@ class SharedSegment:
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # normally the sidecar already did
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # normally the sidecar took it over already
+
+
+class Handover:
+    """The connection segments are handed to the sidecar on (``SHM_HANDOVER_CAPABILITY``): one
+    message per segment, its name and its descriptor; the sidecar answers ``ok`` or why not.
+    Segments handed over and not yet saved from live as long as the connection."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def send(self, name: str, fd: int) -> None:
+        """Hand ``fd`` over as segment ``name``; OSError when the sidecar cannot be reached or
+        refuses it (the answer says why)."""
+        with self._lock:
+            for attempt in range(2):  # a connection to a sidecar that restarted is dead: once more
+                try:
+                    if self._sock is None:
+                        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+                        conn.settimeout(30)
+                        try:
+                            conn.connect(self.path)
+                        except OSError:
+                            conn.close()
+                            raise
+                        self._sock = conn
+                    socket.send_fds(self._sock, [name.encode()], [fd])
+                    answer = self._sock.recv(4096)
+                except OSError:
+                    self.close_locked()
+                    if attempt:
+                        raise
+                    continue
+                if not answer:
+                    self.close_locked()
+                    continue
+                if answer != b"ok":
+                    raise OSError(
+                        f"the sidecar refused shared segment {name}: {answer.decode(errors='replace')}"
+                    )
+                return
+            raise OSError(f"the sidecar closed {self.path} while taking shared segment {name}")
+
+    def close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()
+
+
+def open_segment(directory: str, name: str) -> int:
+    """A read-only descriptor of the segment a restore header names: a held segment the sidecar
+    lends back on its handover socket (SHM_LENT_PATTERN), else a file in ``directory``. OSError
+    when it is not there (any more)."""
+    lent = re.fullmatch(SHM_LENT_PATTERN, name)
+    if lent is None:
+        return os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
+        conn.settimeout(30)
+        conn.connect(os.path.join(directory, f".strata-segments-{lent.group(1)}.sock"))
+        conn.send(b"get " + name.encode())
+        answer, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+    if answer == b"ok" and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    raise OSError(errno.ENOENT, f"the sidecar did not lend it ({answer.decode(errors='replace')})")
 
 
 class SegmentFactory:
-    """Creates this client's segments: ``strata-<instance>-<n>``, unique per client instance."""
+    """Creates this client's segments, ``strata-<instance>-<n>`` with an instance unique per
+    client: memfds handed over to the sidecar where it takes them (``handover``: its socket's
+    name in the shm dir), else files in the shm dir."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, handover: str = "") -> None:
         self.directory = directory
         self.instance = uuid.uuid4().hex[:16]
         self._count = itertools.count()
+        self._handover = Handover(os.path.join(directory, handover)) if handover else None
 
     def create(self, size: int) -> SharedSegment:
-        return SharedSegment(self.directory, f"strata-{self.instance}-{next(self._count)}", size)
+        name = f"strata-{self.instance}-{next(self._count)}"
+        if self._handover is not None:
+            try:
+                return SharedSegment(self.directory, name, size, self._handover)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise
+                # The sidecar's socket is gone or refused it: files, which it copies at each save.
+                log.warning("shared segments go through files from now on: %s", exc)
+                self._handover.close()
+                self._handover = None
+        return SharedSegment(self.directory, name, size)
+
+    def close(self) -> None:
+        if self._handover is not None:
+            self._handover.close()
 
 
 class HostBuffers:

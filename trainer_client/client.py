@@ -47,6 +47,8 @@ from sidecar.api import (
     PROTOCOL_VERSION,
     RESHARD_MARKER,
     RNG_STATE_KEY,
+    SHM_HANDOVER_CAPABILITY,
+    SHM_HANDOVER_SOCKET,
     SHM_NAME_PATTERN,
     TOKEN_METADATA_KEY,
     channel_options,
@@ -67,6 +69,7 @@ from trainer_client._staging import (
     as_numpy_bytes,
     dtype_name,
     lease_layout,
+    open_segment,
     span_bytes,
     torch_dtype,
     total_bytes,
@@ -360,7 +363,7 @@ class CheckpointClient:
         elif not os.access(offered, os.W_OK | os.X_OK):
             reason = f"the sidecar's shm dir {offered} is not writable from here"
         if not reason:
-            return SegmentFactory(offered)
+            return SegmentFactory(offered, _handover_socket(info.capabilities))
         if s.shm == "on":
             raise SidecarUnavailable(f"shared-memory saves are required (STRATA_SHM=on), but {reason}")
         log.info("shared-memory saves off (%s); saves stream over gRPC", reason)
@@ -406,6 +409,8 @@ class CheckpointClient:
             self._leases.clear()
             for b in self._buffers:
                 b.reset()
+        if self._segments is not None:
+            self._segments.close()  # segments handed over and never saved from are dropped
 
     def __enter__(self) -> CheckpointClient:
         return self
@@ -1621,6 +1626,15 @@ class _InPlace:
         return out
 
 
+def _handover_socket(capabilities: Sequence[str]) -> str:
+    """The sidecar's socket (in its shm dir) that takes sealed memfd segments, or ""."""
+    for cap in capabilities:
+        name = cap.removeprefix(SHM_HANDOVER_CAPABILITY)
+        if name != cap and re.fullmatch(SHM_HANDOVER_SOCKET, name):
+            return name
+    return ""
+
+
 def _writable_whole(t: torch.Tensor, meta: pb.TensorMeta, seen: set[int]) -> bool:
     return (
         isinstance(t, torch.Tensor)
@@ -1653,10 +1667,9 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.
     if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
         raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
     try:
-        # O_NONBLOCK: a FIFO put under the name must not hang the restore
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_segment(shm_dir, name)
     except OSError as exc:
-        raise _SegmentGone(f"shared segment {name}: {exc.strerror}") from None
+        raise _SegmentGone(f"shared segment {name}: {exc.strerror or exc}") from None
     try:
         found = os.fstat(fd)
         size = found.st_size

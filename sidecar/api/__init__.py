@@ -48,6 +48,22 @@ RNG_STATE_KEY = "__strata_rng__"
 MAX_STEP = 10**12 - 1
 #: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
 SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
+#: What a Save header may name (a full match): ``strata-<instance>-<n>``, the instance 1-64 letters
+#: or digits (no dash, so no name stands for another instance's), n a decimal index.
+SHM_SEGMENT_PATTERN = r"strata-([A-Za-z0-9]{1,64})-([0-9]{1,9})"
+#: A sidecar that takes segments as sealed memfds offers the capability ``save.shm.fd=<name>``:
+#: ``<name>`` (a full match of SHM_HANDOVER_SOCKET) is its SOCK_SEQPACKET socket in its shm dir. A
+#: client hands each segment over as a memfd sealed against shrinking and growing, one message per
+#: segment, its name (SHM_SEGMENT_PATTERN) as data and the descriptor as SCM_RIGHTS; the sidecar
+#: answers ``ok`` or ``error: <why>``. A Save header then names the segment. Segments handed over
+#: on a connection and never named by a save are dropped when the connection closes.
+#: A Restore header may name a held segment lent back instead of a file: ``strata-fd-<tag>-<token>``
+#: (SHM_LENT_PATTERN). The client sends ``get <name>`` (no descriptor) on the socket
+#: ``.strata-segments-<tag>.sock`` in the shm dir and gets ``ok`` with a read-only descriptor of the
+#: segment (SCM_RIGHTS), or ``error: <why>``. A token is good once, for two minutes.
+SHM_HANDOVER_CAPABILITY = "save.shm.fd="
+SHM_LENT_PATTERN = r"strata-fd-([0-9a-f]{16})-([0-9a-f]{32})"
+SHM_HANDOVER_SOCKET = r"\.strata-segments-([0-9a-f]{16})\.sock"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -75,7 +91,11 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RESHARD_MARKER",
     "RNG_STATE_KEY",
+    "SHM_HANDOVER_CAPABILITY",
+    "SHM_HANDOVER_SOCKET",
+    "SHM_LENT_PATTERN",
     "SHM_NAME_PATTERN",
+    "SHM_SEGMENT_PATTERN",
     "TOKEN_METADATA_KEY",
     "channel_options",
     "default_socket_path",

@@ -173,11 +173,14 @@ class Admission:
                 f"step {epoch.restore[1]}; it saves later steps only (committed checkpoints are never "
                 "overwritten)"
             )
+        # Before the lock every job shares: a client-named file is opened here (never blocking).
+        source = self.shared.segments.acquire(segment[0], identity.slot) if segment is not None else None
+        in_place = source is not None and source.in_place
         buffer: bytearray | memoryview
         with self.shared.lock:
             held = self.held.slots.setdefault(identity.slot, [])
             for snap in held:
-                if segment is not None and snap.segment == segment[0]:
+                if in_place and segment is not None and snap.segment == segment[0]:
                     raise FailedPrecondition(
                         f"shared segment {segment[0]} still holds step {snap.step} ({snap.state}); "
                         "a client must stage into its other segment"
@@ -193,8 +196,11 @@ class Admission:
                     "save less often or wait for the previous upload"
                 )
             memory = None
-            if segment is None:
-                what = f"the streamed save of step {step} (rank {identity.rank})"
+            if source is not None and source.in_place:  # a sealed memfd: read where it lies
+                buffer = source.view(offset)
+            else:  # streamed, or copied out of a segment file (which its writer may shrink)
+                kind = "streamed" if source is None else "shared-memory"
+                what = f"the {kind} save of step {step} (rank {identity.rank})"
                 try:
                     memory = self.memory.reserve("snapshot", offset, what, retry=True)
                 except ResourceExhausted:
@@ -205,17 +211,22 @@ class Admission:
                 # Shareable with the encoding workers when there are some and it may be quantized.
                 pool = self.shared.encode_pool is not None and self.shared.quant.enabled
                 buffer = zeroed(offset, shareable=pool)
-            else:  # mapping is cheap (no page is touched); under the lock so a refused save maps nothing
-                buffer = self.shared.segments.view(segment[0], offset, identity.slot)
             snap = Snapshot(identity, step, save_id, entries, tree_value, offset, buffer, memory=memory)
             snap.attempt, snap.generation = epoch.attempt, epoch.generation
             snap.metadata = metadata[0] if metadata else None
             snap.touched = {t.name: t.touched for t in tensors if t.touched}
             snap.replicas = list(replicas)
-            if segment is not None:
+            if in_place and segment is not None:
                 snap.segment, snap.received = segment[0], offset
             held.append(snap)
             self.reports.count_save_locked(identity.slot)
+        if source is not None and not in_place:
+            try:
+                source.read_into(memoryview(buffer), offset)
+            except BaseException:
+                self.held.release(snap)
+                raise
+            snap.received = offset
         self.held.update_gauge()
         self.commits.rank_back(
             identity, epoch.attempt

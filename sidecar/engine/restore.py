@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,7 +42,7 @@ from .attempts import Attempts
 from .held import Held
 from .redundancy import Redundancy
 from .state import Shared
-from .types import Identity, JobKey, RestoreData, Slot, Snapshot, check_job, restore_header
+from .types import Identity, JobKey, RestoreData, Slot, Snapshot, check_job, restore_header, zeroed
 
 log = logging.getLogger(__name__)
 
@@ -472,34 +470,23 @@ class Restorer:
             memory = self.memory.reserve(
                 "restore", manifest.total_bytes, f"fetching step {target[1]} from a peer"
             )
-            # Assembled straight in a segment the trainer can read (no copy to hand it over).
-            scratch = self.shared.segments.scratch(manifest.total_bytes)
-            buf = scratch[1] if scratch is not None else memoryview(bytearray(manifest.total_bytes))
+            # In memory of the sidecar's own: a file in the shm dir could be shrunk under a mapping
+            # of it by any trainer there (a SIGBUS); a shared-memory restore gets a copy.
+            buf = memoryview(zeroed(manifest.total_bytes))
             pos = 0
             mac = stream_opener(secret, req.mac, stream)
-            fd = -1
-            if scratch is not None:
-                try:
-                    fd = os.open(os.path.join(self.shared.segments.directory, scratch[0]), os.O_WRONLY)
-                except OSError:
-                    self.shared.segments.remove(scratch[0])
-                    scratch, buf = None, memoryview(bytearray(manifest.total_bytes))
 
             digests = mf.StreamDigests(manifest.tensors)  # checked as it comes, not read again
 
             def take(
                 item: tuple[int, bytes],
-                fd: int = fd,
                 buf: memoryview = buf,
                 mac: Any = mac,
                 digests: mf.StreamDigests = digests,
             ) -> None:
                 at, chunk = item
                 chunk = mac.apply(chunk)  # decrypted, in order (a buffer reused per chunk)
-                if fd >= 0:
-                    os.pwrite(fd, chunk, at)  # a kernel copy, without the GIL
-                else:
-                    buf[at : at + len(chunk)] = chunk
+                buf[at : at + len(chunk)] = chunk
                 digests.update(at, chunk)
 
             behind = Behind(take, depth=32)
@@ -514,8 +501,6 @@ class Restorer:
                         pos = end
                 finally:
                     behind.close()
-                    if fd >= 0:
-                        os.close(fd)
                 if pos != len(buf):
                     raise ValueError(f"stream ended after {pos} of {len(buf)} bytes")
                 trailer = dict(stream.trailing_metadata() or ())
@@ -528,8 +513,6 @@ class Restorer:
             except BaseException as exc:
                 stream.cancel()
                 memory.release()
-                if scratch is not None:
-                    self.shared.segments.remove(scratch[0])
                 if not isinstance(exc, (grpc.RpcError, ValueError, OSError)):
                     raise
                 log.warning(
@@ -548,11 +531,7 @@ class Restorer:
                     target[1],
                     address,
                 )
-            data = _peer_data(manifest, target, view, memory)
-            if scratch is not None:
-                data.segment, data.handoff = (scratch[0], manifest.total_bytes), True
-                weakref.finalize(data, self.shared.segments.remove, scratch[0])  # never served: gone
-            return data
+            return _peer_data(manifest, target, view, memory)
         return None
 
     def prefetch(self, identity: Identity) -> None:

@@ -33,7 +33,7 @@ from sidecar.gang import (
 from sidecar.metrics import Metrics
 from sidecar.pipeline.settings import quantization
 from sidecar.pipeline.workers import shared_pool
-from sidecar.shm import Segments, check_dir
+from sidecar.shm import Segments, check_dir, socket_tag
 from sidecar.store.base import Store
 
 from .types import JobKey
@@ -60,7 +60,9 @@ class Shared:
         self.uploads = ThreadPoolExecutor(settings.upload_concurrency, thread_name_prefix="strata-upload")
         self._gangs: dict[JobKey, JobGang] = {}
         self.peers = peers if peers is not None else Peers([])
-        self.segments = Segments(check_dir(settings.shm_dir))
+        self.segments = Segments(
+            check_dir(settings.shm_dir), socket_mode=settings.socket_mode, tag=socket_tag(settings.socket)
+        )
         self.quant = quantization(settings)
         #: worker processes that quantize (None: in this process); started in the background
         #: when quantization is on, so the first save does not wait for them

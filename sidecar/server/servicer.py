@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 
 from sidecar import __version__
-from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, pb, pb_grpc
+from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SHM_HANDOVER_CAPABILITY, pb, pb_grpc
 from sidecar.budget import Reservation
 from sidecar.engine import Engine, Identity, RestoreData, TensorSpec, check_protocol, restore_header
 from sidecar.errors import Aborted, InvalidArgument, NotFound, StrataError
@@ -68,7 +68,9 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         return pb.HandshakeResponse(
             protocol_version=PROTOCOL_VERSION,  # the newest it speaks; it serves the client's own
             server_version=__version__,
-            capabilities=CAPABILITIES + (["save.shm"] if shm_dir else []),
+            capabilities=CAPABILITIES
+            + (["save.shm"] if shm_dir else [])
+            + ([SHM_HANDOVER_CAPABILITY + handover] if (handover := self.engine.segments.handover) else []),
             shm_dir=shm_dir,
             max_message_bytes=self.max_message_bytes,
             max_snapshot_bytes=self.engine.settings.max_snapshot_bytes,

@@ -5,8 +5,14 @@ tmpfs falls back to streaming, and hostile segment names are refused."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +22,16 @@ import torch
 from conftest import hold_stream
 
 from sidecar import manifest as mf
-from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
-from trainer_client import SidecarUnavailable
+from sidecar.api import (
+    PROTOCOL_VERSION,
+    SHM_HANDOVER_CAPABILITY,
+    SHM_LENT_PATTERN,
+    channel_options,
+    pb,
+    pb_grpc,
+)
+from trainer_client import CheckpointClient, SidecarUnavailable
+from trainer_client._staging import open_segment
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
@@ -25,8 +39,9 @@ def state(value: float) -> dict[str, torch.Tensor]:
 
 
 def shm_files(server: Any) -> list[str]:
-    """Segments under the trainers' names (the sidecar's held ones are apart)."""
-    return sorted(f for f in os.listdir(server.settings.shm_dir) if not f.startswith("strata-held-"))
+    """Segment files under the trainers' names (the sidecar's held ones are apart; its handover
+    socket is a dot file)."""
+    return sorted(f for f in os.listdir(server.settings.shm_dir) if not f.startswith(("strata-held-", ".")))
 
 
 def held_files(server: Any) -> list[str]:
@@ -41,11 +56,9 @@ def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
     assert client._segments is not None and all(b.shared for b in client._buffers)
     for step in range(4):
         client.save(step, state(float(step))).durable.result(30)
-        # The sidecar takes what it maps under its own name; only the spare the client warmed up
-        # may still be there under the client's, and the sidecar holds at most two per rank.
-        spare = client._buffers[1 - client._held].segment
-        assert shm_files(server) == ([spare.name] if step == 0 else [])
-        assert 1 <= len(held_files(server)) <= 2
+        # Sealed memfds handed over, nothing in the tmpfs: the spare too is one.
+        assert all(b.segment is not None and b.segment.fd is not None for b in client._buffers)
+        assert shm_files(server) == [] and held_files(server) == []
     received = server.metrics.received_bytes.labels(job_name)._value.get()
     assert received == 4 * client._buffers[0].span_bytes
     out = state(-1.0)
@@ -54,8 +67,16 @@ def test_saves_travel_through_shared_memory_and_leave_nothing_in_the_tmpfs(
     assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
 
 
-def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(make_sidecar, make_client, job_name):
+def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(
+    make_sidecar, make_client, job_name, monkeypatch
+):
     server = make_sidecar()
+    copy = server.engine.segments.handoff
+
+    def no_copy(blobs: list[memoryview], size: int) -> str:
+        raise AssertionError("the held segment is lent, not copied")
+
+    monkeypatch.setattr(server.engine.segments, "handoff", no_copy)
     first = make_client(server, job_name, capture_rng=False, generation="r/0")
     first.save(7, state(7.0)).durable.result(30)
     first._buffers = []  # killed: the sidecar keeps the committed snapshot in its segment
@@ -64,9 +85,10 @@ def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(make_sid
     assert second.restore(out) == 7
     assert second.last_restore["source"] == "memory" and second.last_restore["shared_memory"] is True
     assert torch.equal(out["w"], state(7.0)["w"]) and torch.equal(out["b"], state(7.0)["b"])
-    for name in held_files(server):  # gone from the tmpfs (the sidecar's mapping still has it)
-        os.unlink(os.path.join(server.settings.shm_dir, name))
-    # The sidecar hands over a copy instead, which the client removes once read.
+    assert held_files(server) == [] and shm_files(server) == []
+    # Where the sidecar cannot lend it, it hands over a copy, which the client removes once read.
+    monkeypatch.setattr(server.engine.segments, "handoff", copy)
+    monkeypatch.setattr(server.engine.segments, "held_name", lambda name: None)
     third = make_client(server, job_name, capture_rng=False, generation="r/2")
     out = state(-1.0)
     assert third.restore(out) == 7
@@ -79,6 +101,23 @@ def test_a_restarted_trainer_reads_the_held_snapshot_from_shared_memory(make_sid
     assert fourth.restore(out) == 7
     assert fourth.last_restore["source"] == "memory" and fourth.last_restore["shared_memory"] is False
     assert torch.equal(out["w"], state(7.0)["w"])
+
+
+def test_a_held_segment_is_lent_read_only_and_once(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    lent = server.engine.segments.held_name(client._buffers[client._held].segment.name)
+    assert lent is not None and re.fullmatch(SHM_LENT_PATTERN, lent)
+    fd = open_segment(server.settings.shm_dir, lent)
+    try:
+        assert os.fstat(fd).st_size >= client._buffers[client._held].span_bytes
+        with pytest.raises(OSError):
+            os.write(fd, b"x")  # the restoring trainer may read it, not change it
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="did not lend it"):
+        open_segment(server.settings.shm_dir, lent)
 
 
 def test_a_segment_restore_writes_into_the_live_tensors_once_the_checkpoint_fits(
@@ -133,22 +172,35 @@ def test_a_segment_restore_writes_into_the_live_tensors_once_the_checkpoint_fits
     assert all(torch.equal(v, before[k]) for k, v in unfit["model"].state_dict().items())
 
 
-def test_a_crashed_trainers_spare_segment_is_removed_when_its_successor_saves(
+def test_a_crashed_trainers_segments_are_released_when_its_successor_saves(
     make_sidecar, make_client, job_name
 ):
     server = make_sidecar()
     crashed = make_client(server, job_name, capture_rng=False)
     crashed.save(1, state(1.0)).durable.result(30)
-    assert len(shm_files(server)) == 1  # the spare, never mapped by the sidecar
-    crashed._buffers = []  # as if killed: it never cleans up
+    crashed._buffers = []  # as if killed: it never cleans up, and leaves no file behind
+    assert shm_files(server) == [] and held_files(server) == []
     successor = make_client(server, job_name, capture_rng=False, attempt=1)
     successor.save(2, state(2.0)).durable.result(30)
-    spare = successor._buffers[1 - successor._held].segment
-    assert shm_files(server) == [spare.name]
-    # the crashed trainer's segment the sidecar held is released with it: only the successor's
-    assert len(held_files(server)) == 1
-    server.stop(grace=1)  # a stopping sidecar sweeps what it knows
-    assert shm_files(server) == [] and held_files(server) == []
+    (held,) = server.engine.segments._maps.values()  # the rank's segments: the successor's only
+    assert {n.split("-")[1] for n in held} == {successor._segments.instance}
+
+
+def test_a_segment_file_is_taken_over_and_only_what_was_taken_is_removed(make_sidecar, job_name):
+    server = make_sidecar()
+    shm = Path(server.settings.shm_dir)
+    # A client staging through files (an older one): the sidecar takes the segment it saves from
+    # under a name of its own; the spare it never saw stays the trainer's.
+    make_segment(server, "strata-crashed-0", 64)
+    make_segment(server, "strata-crashed-1", 64)
+    assert shm_save(server, job_name, "strata-crashed-0", 64).bytes_received == 64
+    assert shm_files(server) == ["strata-crashed-1"] and len(held_files(server)) == 1
+    # Its successor saves: what the sidecar took from the predecessor is released.
+    make_segment(server, "strata-successor-0", 64)
+    assert shm_save(server, job_name, "strata-successor-0", 64, step=2).bytes_received == 64
+    assert [p.name for p in shm.glob("strata-held-*")] == [held_path(shm, "strata-successor-0").name]
+    server.stop(grace=1)  # a stopping sidecar removes what it took over, and nothing else
+    assert shm_files(server) == ["strata-crashed-1"] and held_files(server) == []
 
 
 def test_the_committed_segment_is_never_staged_into(make_sidecar, make_client, job_name, monkeypatch):
@@ -204,6 +256,9 @@ def test_a_restarted_sidecar_gets_the_save_streamed_then_new_segments(
     assert client._held is None and client._segments is not None
     assert client.save(4, state(4.0)).durable.result(30).step == 4
     assert all(b.shared for b in client._buffers) and client._held is not None
+    # handed over to the new sidecar on the same socket: memfds still, no file in the tmpfs
+    assert all(b.segment is not None and b.segment.fd is not None for b in client._buffers)
+    assert shm_files(second) == []
     out = state(-1.0)
     assert make_client(second, job_name, capture_rng=False).restore(out) == 4
     assert torch.equal(out["w"], state(4.0)["w"])
@@ -239,16 +294,28 @@ def test_policy_on_needs_a_sidecar_that_offers_shared_memory(make_sidecar, make_
 # --- hostile headers, sent with the raw stub ------------------------------------------------------
 
 
-def shm_save(server: Any, job: str, name: str, size: int, nbytes: int = 64, chunk: bool = False) -> Any:
-    channel = grpc.insecure_channel(f"unix:{server.socket_path}", options=channel_options(8 << 20))
+def shm_save(
+    server: Any,
+    job: str,
+    name: str,
+    size: int,
+    nbytes: int = 64,
+    chunk: bool = False,
+    step: int = 1,
+    timeout: float = 30,
+) -> Any:
+    """A shared-memory save of one ``nbytes`` tensor at offset 0 of segment ``name`` (``server``: a
+    sidecar, or the path of its socket)."""
+    path = server if isinstance(server, str) else server.socket_path
+    channel = grpc.insecure_channel(f"unix:{path}", options=channel_options(8 << 20))
     stub = pb_grpc.CheckpointerStub(channel)
     h = pb.SaveHeader(
         protocol_version=PROTOCOL_VERSION,
         identity=pb.Identity(
             namespace="default", job=job, rank=0, world_size=1, attempt=0, generation="shm/0"
         ),
-        step=1,
-        save_id="s1",
+        step=step,
+        save_id=f"s{step}",
         tensors=[pb.TensorMeta(name="w", dtype="uint8", shape=[nbytes], nbytes=nbytes, offset=0)],
         shm=pb.SharedSegment(name=name, size=size),
     )
@@ -257,7 +324,7 @@ def shm_save(server: Any, job: str, name: str, size: int, nbytes: int = 64, chun
         msgs.append(pb.SaveRequest(chunk=bytes(nbytes)))
     msgs.append(pb.SaveRequest(footer=pb.SaveFooter(total_bytes=nbytes)))
     try:
-        return stub.Save(iter(msgs), timeout=30)
+        return stub.Save(iter(msgs), timeout=timeout)
     finally:
         channel.close()
 
@@ -271,8 +338,10 @@ def make_segment(server: Any, name: str, size: int) -> Path:
 @pytest.mark.parametrize(
     ("name", "size", "code", "match"),
     [
-        ("../../etc/passwd", 64, grpc.StatusCode.INVALID_ARGUMENT, "must match"),
-        ("strata-x/../../y", 64, grpc.StatusCode.INVALID_ARGUMENT, "must match"),
+        ("../../etc/passwd", 64, grpc.StatusCode.INVALID_ARGUMENT, "must be strata-<instance>-<n>"),
+        ("strata-x/../../y", 64, grpc.StatusCode.INVALID_ARGUMENT, "must be strata-<instance>-<n>"),
+        ("strata-0", 64, grpc.StatusCode.INVALID_ARGUMENT, "must be strata-<instance>-<n>"),
+        ("strata-held-x-0", 64, grpc.StatusCode.INVALID_ARGUMENT, "must be strata-<instance>-<n>"),
         ("strata-missing-0", 64, grpc.StatusCode.FAILED_PRECONDITION, "is not in"),
         ("strata-small-0", 16, grpc.StatusCode.INVALID_ARGUMENT, "beyond shared segment size 16"),
     ],
@@ -333,3 +402,162 @@ def subprocess_pid_that_exited() -> int:
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     return int(proc.stdout)
+
+
+# --- a hostile neighbour: one trainer's segments never reach the sidecar or another job ---------
+
+
+def held_path(shm: Path, name: str) -> Path:
+    """The file the sidecar holds segment ``name`` under, once it took it over."""
+    found = sorted(shm.glob(f"strata-held-p*-{name.removeprefix('strata-')}"))
+    assert len(found) == 1, sorted(os.listdir(shm))
+    return found[0]
+
+
+def test_a_trainer_shrinking_its_segment_fails_that_save_and_no_other_job(short_tmp, job_name):
+    # A sidecar process of its own: a SIGBUS in it must fail this test, not end the test run.
+    shm, sock = short_tmp / "shm", short_tmp / "hostile.sock"
+    shm.mkdir()
+    log = (short_tmp / "sidecar.log").open("wb")
+    strata = str(Path(sys.executable).parent / "strata")
+    args = ["--storage", f"file://{short_tmp}/store", "--socket", str(sock), "--shm-dir", str(shm)]
+    sidecar = subprocess.Popen(
+        [strata, "sidecar", *args, "--metrics-port", "0"],
+        stdout=log,
+        stderr=log,
+    )
+    clients: list[CheckpointClient] = []
+
+    def client(generation: str) -> CheckpointClient:
+        made = CheckpointClient(
+            job=job_name, socket=str(sock), connect_timeout_s=30, capture_rng=False, generation=generation
+        )
+        clients.append(made)
+        return made
+
+    try:
+        victim = client("v/0")
+        victim.save(3, state(3.0)).durable.result(30)
+        # The neighbour stages through a file, as older clients do, and shrinks it once the
+        # sidecar has taken it over.
+        segment = shm / "strata-shrinker-0"
+        segment.write_bytes(bytes(range(256)) * 16)
+        assert shm_save(str(sock), "neighbour", segment.name, 4096, nbytes=4096).bytes_received == 4096
+        os.truncate(held_path(shm, segment.name), 0)
+        with pytest.raises(grpc.RpcError) as info:
+            shm_save(str(sock), "neighbour", segment.name, 4096, nbytes=4096, step=2)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "strata-shrinker-0" in info.value.details() and "shrank" in info.value.details()
+        assert sidecar.poll() is None, (short_tmp / "sidecar.log").read_text()
+        # The other job's snapshot held in memory restores bit for bit, from memory.
+        out = state(-1.0)
+        reader = client("v/1")
+        assert reader.restore(out) == 3 and reader.last_restore["source"] == "memory"
+        assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+        assert sidecar.poll() is None
+    finally:
+        for made in clients:
+            made.close(wait=False)
+        sidecar.terminate()
+        try:
+            sidecar.wait(30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait()
+        log.close()
+
+
+def hand_over(server: Any, name: str, fd: int) -> str:
+    """Hand ``fd`` to the sidecar as segment ``name``, as the client does; the sidecar's answer."""
+    with grpc.insecure_channel(f"unix:{server.socket_path}") as channel:
+        hello = pb_grpc.CheckpointerStub(channel).Handshake(
+            pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION), timeout=10
+        )
+    (socket_name,) = [
+        c.removeprefix(SHM_HANDOVER_CAPABILITY)
+        for c in hello.capabilities
+        if c.startswith(SHM_HANDOVER_CAPABILITY)
+    ]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(10)
+        conn.connect(os.path.join(server.settings.shm_dir, socket_name))
+        socket.send_fds(conn, [name.encode()], [fd])
+        return conn.recv(4096).decode()
+
+
+def test_a_segment_its_writer_may_still_shrink_is_refused(make_sidecar, job_name):
+    server = make_sidecar()
+    fd = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 64)
+        answer = hand_over(server, "strata-unsealed-0", fd)
+    finally:
+        os.close(fd)
+    assert answer.startswith("error") and "F_SEAL_SHRINK" in answer, answer
+    with pytest.raises(grpc.RpcError) as info:
+        shm_save(server, job_name, "strata-unsealed-0", 64)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+    # What the client hands over is sealed against shrinking: its writer cannot take pages back.
+    client = CheckpointClient(job=job_name, socket=server.socket_path, capture_rng=False)
+    try:
+        client.save(1, state(1.0)).durable.result(30)
+        segment = client._buffers[client._held].segment
+        assert segment is not None and segment.fd is not None
+        with pytest.raises(PermissionError):
+            os.ftruncate(segment.fd, 0)
+    finally:
+        client.close(wait=False)
+
+
+def test_a_fifo_named_as_a_segment_is_refused_at_once_and_blocks_no_other_job(
+    make_sidecar, make_client, job_name
+):
+    server = make_sidecar()
+    fifo = Path(server.settings.shm_dir) / "strata-fifo-0"
+    os.mkfifo(fifo)
+    failed: list[grpc.RpcError] = []
+
+    def hostile() -> None:
+        try:
+            shm_save(server, "neighbour", fifo.name, 64, timeout=15)
+        except grpc.RpcError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=hostile)
+    thread.start()
+    try:
+        other = make_client(server, job_name, capture_rng=False)  # a handshake
+        assert other.save(1, state(1.0)).durable.result(30).step == 1
+        thread.join(30)
+        assert len(failed) == 1
+        assert failed[0].code() == grpc.StatusCode.INVALID_ARGUMENT, failed[0].details()
+        assert "strata-fifo-0" in failed[0].details() and "regular file" in failed[0].details()
+    finally:
+        with contextlib.suppress(OSError):  # a reader stuck on the FIFO gets its writer and returns
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(30)
+
+
+def test_a_segment_name_never_reaches_another_jobs_segments(make_sidecar, job_name):
+    server = make_sidecar()
+    shm = Path(server.settings.shm_dir)
+    # Another job stages through files: a segment the sidecar holds a snapshot in, and the spare
+    # it has not seen yet.
+    make_segment(server, "strata-victim0-0", 64)
+    make_segment(server, "strata-victim0-1", 64)
+    assert shm_save(server, "victim", "strata-victim0-0", 64).bytes_received == 64
+    before = set(os.listdir(shm))
+    # A trainer naming its segment "strata-0", then restarting (a new instance): its predecessor's
+    # segments are swept, and "strata-0" must not stand for every segment in the directory.
+    codes = []
+    for step, name in enumerate(["strata-0", "strata-next-0"], start=1):
+        make_segment(server, name, 64)
+        try:
+            shm_save(server, job_name, name, 64, step=step)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    assert before <= set(os.listdir(shm)), sorted(before - set(os.listdir(shm)))
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK]
+    # The other job's next save goes through its spare, untouched.
+    assert shm_save(server, "victim", "strata-victim0-1", 64, step=2).bytes_received == 64

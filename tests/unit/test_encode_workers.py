@@ -4,7 +4,9 @@ fallback that never changes the result."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,14 +74,18 @@ def test_a_diff_gathers_its_changed_rows_in_the_workers(pool):
     assert qz.relative_l2_error(want[mask], got[mask]) == pytest.approx(pooled.error, rel=1e-6)
 
 
-def test_a_trainer_segment_is_mapped_by_fd_after_its_name_is_gone(pool, tmp_path: Path):
-    segments = shm.Segments(str(tmp_path))
+def test_a_trainer_segment_is_mapped_by_the_fd_it_was_handed_over_as(pool, short_tmp: Path):
+    segments = shm.Segments(str(short_tmp))
+    values = np.random.default_rng(3).standard_normal((ROWS, DIM), dtype=np.float32)
+    fd = os.memfd_create("strata-t1-0", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        values = np.random.default_rng(3).standard_normal((ROWS, DIM), dtype=np.float32)
-        (tmp_path / "strata-t1-0").write_bytes(values.tobytes())
-        view = segments.view("strata-t1-0", values.nbytes, owner=0)
-        for p in tmp_path.iterdir():
-            p.unlink()  # renamed to a held name, then gone: the workers go by fd
+        os.write(fd, values.tobytes())
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        conn.connect(str(short_tmp / segments.handover))
+        socket.send_fds(conn, [b"strata-t1-0"], [fd])
+        assert conn.recv(256) == b"ok"
+        view = segments.acquire("strata-t1-0", owner=0).view(values.nbytes)
         tensor = view[DIM * 4 * 8 :]  # a tensor at an offset inside the segment
         shape = [ROWS - 8, DIM]
         source = shm.source_of(tensor)
@@ -88,6 +94,8 @@ def test_a_trainer_segment_is_mapped_by_fd_after_its_name_is_gone(pool, tmp_path
         alone = enc.encode(tensor, "float32", shape, bits=2)
         assert bytes(pooled.pieces[0]) == bytes(alone.pieces[0])
     finally:
+        conn.close()
+        os.close(fd)
         segments.close()
 
 
