@@ -184,7 +184,9 @@ def open_segment(directory: str, name: str) -> int:
     when it is not there (any more)."""
     lent = re.fullmatch(SHM_LENT_PATTERN, name)
     if lent is None:
-        return os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put under the name must not hang the restore (it is then refused)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        return os.open(os.path.join(directory, name), flags)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
         conn.settimeout(30)
         conn.connect(os.path.join(directory, f".strata-segments-{lent.group(1)}.sock"))

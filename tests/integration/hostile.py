@@ -436,6 +436,9 @@ class Attacker:
             n = 0
             for msg in self.stub.Restore(req, timeout=STEP_TIMEOUT_S):
                 n += len(msg.chunk)
+                if msg.HasField("header") and msg.header.shm_handoff:
+                    # A copy handed over in the shm dir: the call ends once the client removed it.
+                    (Path(self.sidecar.shm_dir) / msg.header.shm.name).unlink(missing_ok=True)
             return n
 
         self.call(what, read)

@@ -16,28 +16,55 @@ def state(value: float) -> dict[str, torch.Tensor]:
     return {"w": torch.full((256, 64), value), "b": torch.full((3,), value, dtype=torch.float64)}
 
 
-def held_files(server: Any) -> list[str]:
-    return sorted(f for f in os.listdir(server.settings.shm_dir) if f.startswith("strata-held-"))
+def swap_before_open(monkeypatch: Any, swap: Any) -> list[str]:
+    """Whatever segment the sidecar names, ``swap(path)`` replaces it just before the client opens
+    it: another process that can write the shm dir winning the race. The names swapped."""
+    import trainer_client.client as client_module
+
+    original = client_module.open_segment
+    swapped: list[str] = []
+
+    def racing(directory: str, name: str) -> int:
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            swap(path)
+            swapped.append(name)
+        return original(directory, name)
+
+    monkeypatch.setattr(client_module, "open_segment", racing)
+    return swapped
 
 
-def replace_by_rename(directory: str, name: str, fill: int) -> None:
-    """Put another file of the same size under ``name`` (the sidecar's mapping keeps the old one)."""
-    path = os.path.join(directory, name)
-    other = os.path.join(directory, f"{name}.other")
+def files_only(monkeypatch: Any) -> None:
+    """The client stages into files in the shm dir (an older client, or no memfd): the sidecar
+    hands restores back through a file there, which is what another process could replace."""
+    import trainer_client.client as client_module
+
+    monkeypatch.setattr(client_module, "_handover_socket", lambda capabilities: "")
+
+
+def replace_by_rename(path: str, fill: int) -> None:
+    """Put another file of the same size under ``path`` (a mapping of the old one keeps it)."""
+    other = f"{path}.other"
     with open(other, "wb") as f:
         f.write(bytes([fill]) * os.path.getsize(path))
     os.rename(other, path)
 
 
-def test_a_file_renamed_over_the_held_segment_is_not_restored(make_sidecar, make_client, job_name, caplog):
+def replace_by_fifo(path: str) -> None:
+    os.unlink(path)
+    os.mkfifo(path)
+
+
+def test_a_file_renamed_over_the_segment_a_restore_reads_is_not_restored(
+    make_sidecar, make_client, job_name, caplog, monkeypatch
+):
+    files_only(monkeypatch)
     server = make_sidecar()
     first = make_client(server, job_name, capture_rng=False, generation="r/0")
     first.save(7, state(7.0)).durable.result(30)
-    first._buffers = []  # killed: the sidecar keeps the committed snapshot in its segment
-    held = held_files(server)
-    assert held
-    for name in held:
-        replace_by_rename(server.settings.shm_dir, name, 0x5A)
+    first._buffers = []  # killed: the sidecar keeps the committed snapshot
+    swapped = swap_before_open(monkeypatch, lambda path: replace_by_rename(path, 0x5A))
     second = make_client(server, job_name, capture_rng=False, generation="r/1")
     out = state(-1.0)
     try:
@@ -45,9 +72,10 @@ def test_a_file_renamed_over_the_held_segment_is_not_restored(make_sidecar, make
     except RestoreError as exc:  # a clear error naming the tensor is acceptable too
         assert "digest" in str(exc) and "'w'" in str(exc), exc
     else:
+        assert swapped, "the restore read no segment by name"
         assert step == 7
         assert torch.equal(out["w"], state(7.0)["w"]) and torch.equal(out["b"], state(7.0)["b"])
-        # the sidecar's own mapping (checked against the digests) served it instead
+        # the sidecar's own copy (checked against the digests) served it instead, over gRPC
         assert second.last_restore is not None and second.last_restore["shared_memory"] is False
         assert second.last_restore["unverified_tensors"] == 0
         assert "differs from what was saved" in caplog.text
@@ -88,19 +116,18 @@ def test_restores_from_storage_are_checked_and_lossy_tensors_counted_unverified(
         assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
 
 
-def test_a_fifo_put_under_the_held_segments_name_does_not_hang_the_restore(
-    make_sidecar, make_client, job_name
+def test_a_fifo_put_under_the_segments_name_does_not_hang_the_restore(
+    make_sidecar, make_client, job_name, monkeypatch
 ):
+    files_only(monkeypatch)
     server = make_sidecar()
     first = make_client(server, job_name, capture_rng=False, generation="f/0")
     first.save(5, state(5.0)).durable.result(30)
     first._buffers = []
-    for name in held_files(server):
-        path = os.path.join(server.settings.shm_dir, name)
-        os.unlink(path)
-        os.mkfifo(path)
+    swapped = swap_before_open(monkeypatch, replace_by_fifo)
     second = make_client(server, job_name, capture_rng=False, generation="f/1")
     out = state(-1.0)
     assert second.restore(out) == 5  # the sidecar's own copy, over gRPC
+    assert swapped, "the restore read no segment by name"
     assert second.last_restore is not None and second.last_restore["shared_memory"] is False
     assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
