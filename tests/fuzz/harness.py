@@ -12,7 +12,7 @@ Targets
 
 Properties, checked on every case
   - the sidecar process lives and answers another client (a health Handshake between cases);
-  - its VmRSS stays within --memory-budget + a fixed margin over its idle size;
+  - its peak RSS (VmHWM, reset per case) stays within --memory-budget + a fixed margin over its idle size;
   - no call outlives its deadline (a hang);
   - every failure is a named status (never INTERNAL or UNKNOWN, never an empty message); an
     in-process reader raises the project's own error types only (never a bare KeyError,
@@ -292,15 +292,24 @@ class Sidecar:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def rss(self) -> int:
+    def rss(self, field: str = "VmRSS") -> int:
         assert self.proc is not None
         try:
             for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
         except OSError:
             pass
         return 0
+
+    def peak_rss(self) -> int:
+        """The resident peak since the last call (VmHWM, then reset): a spike during a request
+        counts, not only what is left after it."""
+        peak = self.rss("VmHWM")
+        assert self.proc is not None
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+        return peak
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -433,6 +442,7 @@ class Harness:
         prefix = mf.job_prefix(NS, "tmpl")
         self._template = {o.key: self.store.get(o.key) for o in self.store.list(prefix).objects}
         self.sidecar.idle_rss = self.sidecar.rss()
+        self.sidecar.peak_rss()  # the start's peak is not a case's
 
     def _connect(self) -> None:
         opts = channel_options(256 * MiB)
@@ -511,10 +521,10 @@ class Harness:
             )
             self.restart()
             return
-        rss = sc.rss()
+        rss = sc.peak_rss()
         c.max_rss = max(c.max_rss, rss)
         if rss > sc.idle_rss + MEMORY_BUDGET + RSS_MARGIN:
-            c.note("budget", case.target if case else "?", f"VmRSS {rss >> 20} MiB over budget", case)
+            c.note("budget", case.target if case else "?", f"peak RSS {rss >> 20} MiB over budget", case)
             self.restart()  # a fresh process, so one finding is not counted on every later case
 
     # running one case
