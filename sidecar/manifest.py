@@ -765,9 +765,32 @@ class Epoch:
         raw = _load_json(data, key, "EPOCH record", MAX_RECORD_BYTES, MAX_RECORD_DEPTH)
         try:
             _check_format(raw, "strata.epoch", key)
-            return cls(**raw)
+            epoch = cls(**raw)
+            epoch._check()
+            return epoch
         except (TypeError, KeyError, ValueError) as exc:
             raise CorruptObject(key, f"not a valid EPOCH record ({exc})") from None
+
+    def _check(self) -> None:
+        _whole("attempt", self.attempt, 0)
+        _whole("world_size", self.world_size, 0, MAX_WORLD_SIZE)  # 0: unknown (a repaired record)
+        _text("generation", self.generation)
+        _text("restore_reason", self.restore_reason)
+        _number("created_at", self.created_at)
+        if self.restore_step is not None:
+            _whole("restore_step", self.restore_step, 0, MAX_STEP)
+        if self.restore_attempt is not None:
+            _whole("restore_attempt", self.restore_attempt, LEGACY_ATTEMPT)
+        if not isinstance(self.history, list):
+            raise ValueError(f"history {type(self.history).__name__} is not a list")
+        for i, h in enumerate(self.history):
+            if not isinstance(h, list) or len(h) not in (2, 3):
+                raise ValueError(f"history[{i}] {h!r} is not [attempt, restore step, generation]")
+            _whole(f"history[{i}] attempt", h[0], 0)
+            if h[1] is not None:
+                _whole(f"history[{i}] restore step", h[1], 0, MAX_STEP)
+            if len(h) > 2:
+                _text(f"history[{i}] generation", h[2])
 
     @property
     def restore(self) -> tuple[int, int] | None:

@@ -169,3 +169,35 @@ def test_load_manifest_checks_it_against_the_commit_that_lists_it(store):
     other_world = mf.Commit("ns", "job", 2, 1, 1, 16, [ref])  # attempt 1 listing attempt 0's manifest
     with pytest.raises(CorruptObject, match="attempt"):
         mf.load_manifest(store, other_world, 0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("attempt", "0"),
+        ("world_size", 10**12),
+        ("generation", 5),
+        ("restore_step", -2),
+        ("restore_attempt", "x"),
+        ("created_at", None),
+        ("history", {"0": 1}),
+        ("history", [[0]]),
+        ("history", [["r", None, "g"]]),
+        ("history", [[0, "5", "g"]]),
+        ("history", [[0, None, 7]]),
+    ],
+)
+def test_an_epoch_record_damaged_in_any_field_is_corrupt_naming_it(store, field, value):
+    mf.create_epoch(store, "ns", "job", mf.Generation.parse("run/0"), 1, None, mf.Fences())
+    mf.create_epoch(
+        store, "ns", "job", mf.Generation.parse("run/1"), 1, None, mf.read_fences(store, "ns", "job")
+    )
+    key = mf.epoch_key("ns", "job", 1)
+    body = json.loads(store.get(key))
+    assert mf.Epoch.from_json(json.dumps(body).encode(), key).history == [[0, None, "run/0"]]
+    body[field] = value
+    with pytest.raises(CorruptObject, match=f"{key}: .*{field}"):
+        mf.Epoch.from_json(json.dumps(body).encode(), key)
+    store.put(key, json.dumps(body).encode())
+    fences = mf.read_fences(store, "ns", "job")  # the record before it still reads
+    assert list(fences.damaged) == [1] and fences.newest is not None and fences.newest.attempt == 0
