@@ -49,9 +49,10 @@ from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
+import numpy as np
 import xxhash
 
-from sidecar.api import DCP_METADATA_KEY, MAX_STEP, RNG_STATE_KEY
+from sidecar.api import DCP_METADATA_KEY, MAX_STEP, MAX_WORLD_SIZE, RNG_STATE_KEY
 from sidecar.errors import (
     Aborted,
     CorruptObject,
@@ -77,6 +78,66 @@ _COMMIT_DIR_RE = re.compile(r"a(\d{4,})/")
 _COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/a(\d{4,})/COMMIT\Z")
 _LEGACY_COMMIT_KEY_RE = re.compile(r"/steps/(\d{12})/COMMIT\Z")
 _EPOCH_RE = re.compile(r"/EPOCH/(\d{8,})\Z")
+
+# What a reader of a bucket object parses is bounded before it is parsed: a larger or deeper body
+# is damage (CorruptObject), never a reason to exhaust memory or recurse (json.loads recurses per
+# level). A MANIFEST carries the state tree (the save path admits 128 levels and --max-tree-bytes,
+# 16 MiB by default) and an entry per tensor (--max-tensors, 100,000): far below its bounds.
+MAX_MANIFEST_BYTES = 512 << 20
+MAX_MANIFEST_DEPTH = 512
+#: COMMIT (a line per rank, MAX_WORLD_SIZE at most) and EPOCH (a line per earlier attempt).
+MAX_RECORD_BYTES = 64 << 20
+#: LATEST and the unusable markers: a few fields.
+MAX_SMALL_RECORD_BYTES = 1 << 20
+#: Every record but a MANIFEST nests a few levels.
+MAX_RECORD_DEPTH = 16
+#: What nesting depends on: quotes and brackets (escaped quotes and backslashes removed first).
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+
+
+def _nesting(data: bytes, limit: int) -> bool:
+    """Whether JSON ``data`` nests deeper than ``limit`` (brackets in strings do not count),
+    without parsing it: a few passes at memory speed."""
+    if len(data) <= limit:
+        return False
+    # Inside a string, "\\" and '\"' are the escapes that could hide or fake a quote; any other
+    # escaped character is a letter or "/", which the translation drops with the backslash.
+    structure = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    chars = np.frombuffer(structure, np.uint8)
+    depth, quotes = 0, 0
+    for at in range(0, len(chars), 1 << 22):  # in blocks: a few MiB of scratch at most
+        block = chars[at : at + (1 << 22)]
+        is_quote = block == 0x22
+        seen = np.cumsum(is_quote) + quotes  # quotes up to here: odd inside a string
+        outside = (seen & 1) == 0
+        step = np.where((block == 0x5B) | (block == 0x7B), 1, np.where(is_quote, 0, -1)) * outside
+        levels = np.cumsum(step) + depth
+        if int(levels.max()) > limit:
+            return True
+        depth, quotes = int(levels[-1]), int(seen[-1])
+    return False
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _load_json(
+    data: bytes | bytearray | memoryview, key: str, what: str, max_bytes: int, max_depth: int
+) -> Any:
+    """The JSON value of a bucket object's body, its size and nesting checked before parsing;
+    CorruptObject naming ``key`` for anything else than strict JSON within those bounds."""
+    body = bytes(data)
+    if len(body) > max_bytes:
+        raise CorruptObject(key, f"{what} of {len(body)} bytes exceeds the {max_bytes} a reader accepts")
+    if _nesting(body, max_depth):
+        raise CorruptObject(key, f"{what} nested deeper than {max_depth} levels")
+    try:
+        return json.loads(body, parse_constant=_no_constant)
+    except RecursionError:  # not reached within the bounds above; still damage if it is
+        raise CorruptObject(key, f"{what} nested too deeply") from None
+    except ValueError as exc:  # invalid JSON or UTF-8, an integer of too many digits
+        raise CorruptObject(key, f"not a valid {what} ({exc})") from None
 
 
 def check_name(kind: str, value: str) -> str:
@@ -351,19 +412,157 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, key: str = "MANIFEST") -> Manifest:
+        """A MANIFEST read from ``key``: every field of the type and range a writer writes, its
+        objects all in its own rank directory, and that directory the one ``key`` names (when
+        ``key`` is a MANIFEST key of the layout); CorruptObject naming the field otherwise."""
+        raw = _load_json(data, key, "manifest", MAX_MANIFEST_BYTES, MAX_MANIFEST_DEPTH)
         try:
-            raw = json.loads(data)
             if _check_format(raw, "strata.rank-manifest", key) == 1:
                 _manifest_from_format1(raw)
-            raw["tensors"] = [TensorEntry(**_fields(TensorEntry, t)) for t in raw["tensors"]]
-            raw["objects"] = [ObjectEntry(**_fields(ObjectEntry, o)) for o in raw["objects"]]
-            raw["replicas"] = [ReplicaEntry(**_fields(ReplicaEntry, r)) for r in raw.get("replicas", [])]
+            raw["tensors"] = _entries(TensorEntry, raw, "tensors")
+            raw["objects"] = _entries(ObjectEntry, raw, "objects")
+            raw["replicas"] = _entries(ReplicaEntry, raw, "replicas", required=False)
             if raw.get("base_commit") is not None:
-                raw["base_commit"] = CommitRef(**raw["base_commit"])
-            raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
-            return cls(**raw)
+                raw["base_commit"] = _entry(CommitRef, raw["base_commit"], "base_commit")
+            raw["required_commits"] = _entries(CommitRef, raw, "required_commits", required=False)
+            manifest = cls(**raw)
+            manifest._check(key)
+            return manifest
         except (TypeError, KeyError, ValueError) as exc:
             raise CorruptObject(key, f"not a valid manifest ({exc})") from None
+
+    def _check(self, key: str) -> None:
+        check_name("namespace", self.namespace)
+        check_name("job", self.job)
+        _whole("step", self.step, 0, MAX_STEP)
+        _whole("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _whole("rank", self.rank, 0, self.world_size - 1)
+        _whole("attempt", self.attempt, LEGACY_ATTEMPT)
+        _whole("total_bytes", self.total_bytes, 0)
+        _whole("restores", self.restores, 0)
+        for name in ("save_id", "policy", "generation"):
+            _text(name, getattr(self, name))
+        if not self.save_id or "/" in self.save_id:
+            raise ValueError(f"save_id {self.save_id!r} is not a key segment")
+        _number("created_at", self.created_at)
+        if self.checkpoint not in ("full", "diff"):
+            raise ValueError(f"checkpoint {self.checkpoint!r} is neither 'full' nor 'diff'")
+        if self.base_step is not None:
+            _whole("base_step", self.base_step, 0, MAX_STEP)
+        if not isinstance(self.requires, list):
+            raise ValueError(f"requires {self.requires!r} is not a list")
+        for i, required in enumerate(self.requires):
+            _whole(f"requires[{i}]", required, 0, MAX_STEP)
+        refs = [("base_commit", self.base_commit)] if self.base_commit is not None else []
+        refs += [(f"required_commits[{i}]", r) for i, r in enumerate(self.required_commits)]
+        for where, ref in refs:
+            _commit_ref(where, ref)
+        for i, t in enumerate(self.tensors):
+            _tensor(f"tensors[{i}]", t)
+        for i, replica in enumerate(self.replicas):
+            _replica(f"replicas[{i}]", replica, self.world_size)
+        home = self._home()
+        for i, o in enumerate(self.objects):
+            where = f"objects[{i}]"
+            _text(f"{where}.key", o.key)
+            _whole(f"{where}.size", o.size, 0)
+            _text(f"{where}.crc32", o.crc32)
+            _text(f"{where}.xxh3", o.xxh3)
+            if not _in_dir(home, o.key):
+                raise ValueError(
+                    f"{where}.key {o.key!r} is not an object of rank {self.rank} of step {self.step} "
+                    f"of {self.namespace}/{self.job}"
+                )
+        if key.endswith("/MANIFEST") and not _in_dir(home, key):
+            raise ValueError(
+                f"it is the MANIFEST of rank {self.rank} of step {self.step} (attempt {self.attempt}, "
+                f"save {self.save_id}) of {self.namespace}/{self.job}, not the one of its key"
+            )
+
+    def _home(self) -> re.Pattern[str]:
+        """The rank directory this manifest's objects (and the MANIFEST itself) lie in."""
+        # Format 1 recorded the attempt its keys spell (read as LEGACY_ATTEMPT): any is its own.
+        attempt = r"\d{4,}" if self.attempt == LEGACY_ATTEMPT else f"{self.attempt:04d}"
+        return re.compile(
+            re.escape(step_prefix(self.namespace, self.job, self.step))
+            + f"a{attempt}-{re.escape(self.save_id)}/rank-{self.rank}/"
+        )
+
+
+def _in_dir(home: re.Pattern[str], key: str) -> bool:
+    """``key`` names a file directly in ``home`` (no deeper path, no "." or ".." segment)."""
+    m = home.match(key)
+    rest = key[m.end() :] if m else ""
+    return bool(rest) and "/" not in rest and rest not in (".", "..")
+
+
+def _whole(name: str, value: Any, low: int, high: int = 1 << 63) -> None:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name} {value!r} is not an integer from {low} to {high}")
+
+
+def _text(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} {value!r} is not a string")
+
+
+def _number(name: str, value: Any) -> None:
+    if type(value) not in (int, float) or value != value:
+        raise ValueError(f"{name} {value!r} is not a number")
+
+
+def _shape(name: str, value: Any) -> None:
+    if not isinstance(value, list) or any(type(d) is not int or d < 0 for d in value):
+        raise ValueError(f"{name} {value!r} is not a list of sizes")
+
+
+def _entry(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {type(raw).__name__} {str(raw)[:64]!r} is not an object")
+    try:
+        return cls(**_fields(cls, raw))
+    except TypeError as exc:  # a field missing
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _entries(cls: type, raw: dict[str, Any], name: str, required: bool = True) -> list[Any]:
+    items = raw[name] if required else raw.get(name, [])
+    if not isinstance(items, list):
+        raise ValueError(f"{name}: {type(items).__name__} is not a list")
+    return [_entry(cls, item, f"{name}[{i}]") for i, item in enumerate(items)]
+
+
+def _commit_ref(where: str, ref: CommitRef) -> None:
+    _text(f"{where}.key", ref.key)
+    _text(f"{where}.sha256", ref.sha256)
+    try:
+        parse_commit_key(ref.key)
+    except ValueError:
+        raise ValueError(f"{where}.key {ref.key!r} is not a COMMIT key") from None
+
+
+def _tensor(where: str, t: TensorEntry) -> None:
+    for name in ("name", "dtype", "encoding", "cast", "role", "tracking", "crc32", "xxh3"):
+        _text(f"{where}.{name}", getattr(t, name))
+    where = f"{where} ({t.name[:64]!r})"
+    _shape(f"{where}.shape", t.shape)
+    _whole(f"{where}.nbytes", t.nbytes, 0)
+    _whole(f"{where}.offset", t.offset, 0)
+    _whole(f"{where}.stored_offset", t.stored_offset, -1)
+    _whole(f"{where}.stored_bytes", t.stored_bytes, -1)
+    _whole(f"{where}.bits", t.bits, 0, 64)
+    _whole(f"{where}.changed_rows", t.changed_rows, -1)
+    if t.rel_l2_error is not None:
+        _number(f"{where}.rel_l2_error", t.rel_l2_error)
+
+
+def _replica(where: str, r: ReplicaEntry, world_size: int) -> None:
+    for name in ("name", "dtype", "sample"):
+        _text(f"{where}.{name}", getattr(r, name))
+    _whole(f"{where}.index", r.index, 0)
+    _whole(f"{where}.owner", r.owner, 0, world_size - 1)
+    _shape(f"{where}.shape", r.shape)
+    _whole(f"{where}.nbytes", r.nbytes, 0)
 
 
 @dataclass
@@ -396,12 +595,12 @@ class Commit:
 
     @classmethod
     def from_json(cls, data: bytes, key: str = "COMMIT") -> Commit:
+        raw = _load_json(data, key, "COMMIT", MAX_RECORD_BYTES, MAX_RECORD_DEPTH)
         try:
-            raw = json.loads(data)
             if _check_format(raw, "strata.commit", key) == 1:
                 _commit_from_format1(raw)
-            raw["manifests"] = [ManifestRef(**m) for m in raw["manifests"]]
-            raw["required_commits"] = [CommitRef(**r) for r in raw.get("required_commits", [])]
+            raw["manifests"] = _entries(ManifestRef, raw, "manifests")
+            raw["required_commits"] = _entries(CommitRef, raw, "required_commits", required=False)
             commit = cls(**raw)
             commit._check(key)
             return commit
@@ -413,30 +612,36 @@ class Commit:
         with the key: a COMMIT damaged anywhere is corrupt (a restore falls back), never a request
         to refuse (a damaged world_size must not read as "saved by another number of ranks")."""
 
-        def whole(name: str, value: Any, low: int, high: int = 1 << 63) -> None:
-            if type(value) is not int or not low <= value <= high:
-                raise ValueError(f"{name} {value!r} is not an integer from {low} to {high}")
-
         check_name("namespace", self.namespace)
         check_name("job", self.job)
-        whole("step", self.step, 0, MAX_STEP)
-        whole("attempt", self.attempt, LEGACY_ATTEMPT)
-        whole("world_size", self.world_size, 1)
-        whole("total_bytes", self.total_bytes, 0)
-        ranks = [m.rank for m in self.manifests]
-        if ranks != list(range(self.world_size)):
-            raise ValueError(f"world_size {self.world_size} but manifests of ranks {ranks}")
+        _whole("step", self.step, 0, MAX_STEP)
+        _whole("attempt", self.attempt, LEGACY_ATTEMPT)
+        # Bounded before anything is sized by it (the ranks below, a restore's per-rank state).
+        _whole("world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _whole("total_bytes", self.total_bytes, 0)
+        _number("committed_at", self.committed_at)
+        _text("generation", self.generation)
+        if len(self.manifests) != self.world_size or any(m.rank != r for r, m in enumerate(self.manifests)):
+            ranks = [m.rank for m in self.manifests[:8]]
+            raise ValueError(
+                f"world_size {self.world_size} but {len(self.manifests)} manifests, of ranks {ranks}..."
+            )
         prefix = step_prefix(self.namespace, self.job, self.step)
-        for m in self.manifests:
-            whole("manifest size", m.size, 0)
-            if not isinstance(m.key, str) or not m.key.startswith(prefix) or not isinstance(m.sha256, str):
+        for i, m in enumerate(self.manifests):
+            _whole(f"manifests[{i}].size", m.size, 0)
+            _text(f"manifests[{i}].sha256", m.sha256)
+            if (
+                not isinstance(m.key, str)
+                or not m.key.startswith(prefix)
+                or not m.key.endswith(f"/rank-{m.rank}/MANIFEST")
+            ):
                 raise ValueError(f"manifest of rank {m.rank} names {m.key!r}, outside step {self.step}")
-        for r in self.requires:
-            whole("required step", r, 0, MAX_STEP)
-        for ref in self.required_commits:
-            if not isinstance(ref.key, str) or not isinstance(ref.sha256, str):
-                raise ValueError(f"required commit {ref!r} is not a key and a sha256")
-            parse_commit_key(ref.key)
+        if not isinstance(self.requires, list):
+            raise ValueError(f"requires {self.requires!r} is not a list")
+        for i, r in enumerate(self.requires):
+            _whole(f"requires[{i}]", r, 0, MAX_STEP)
+        for i, ref in enumerate(self.required_commits):
+            _commit_ref(f"required_commits[{i}]", ref)
         try:
             named = parse_commit_key(key)
         except ValueError:
@@ -557,12 +762,35 @@ class Epoch:
 
     @classmethod
     def from_json(cls, data: bytes, key: str = "EPOCH") -> Epoch:
+        raw = _load_json(data, key, "EPOCH record", MAX_RECORD_BYTES, MAX_RECORD_DEPTH)
         try:
-            raw = json.loads(data)
             _check_format(raw, "strata.epoch", key)
-            return cls(**raw)
+            epoch = cls(**raw)
+            epoch._check()
+            return epoch
         except (TypeError, KeyError, ValueError) as exc:
             raise CorruptObject(key, f"not a valid EPOCH record ({exc})") from None
+
+    def _check(self) -> None:
+        _whole("attempt", self.attempt, 0)
+        _whole("world_size", self.world_size, 0, MAX_WORLD_SIZE)  # 0: unknown (a repaired record)
+        _text("generation", self.generation)
+        _text("restore_reason", self.restore_reason)
+        _number("created_at", self.created_at)
+        if self.restore_step is not None:
+            _whole("restore_step", self.restore_step, 0, MAX_STEP)
+        if self.restore_attempt is not None:
+            _whole("restore_attempt", self.restore_attempt, LEGACY_ATTEMPT)
+        if not isinstance(self.history, list):
+            raise ValueError(f"history {type(self.history).__name__} is not a list")
+        for i, h in enumerate(self.history):
+            if not isinstance(h, list) or len(h) not in (2, 3):
+                raise ValueError(f"history[{i}] {h!r} is not [attempt, restore step, generation]")
+            _whole(f"history[{i}] attempt", h[0], 0)
+            if h[1] is not None:
+                _whole(f"history[{i}] restore step", h[1], 0, MAX_STEP)
+            if len(h) > 2:
+                _text(f"history[{i}] generation", h[2])
 
     @property
     def restore(self) -> tuple[int, int] | None:
@@ -651,8 +879,10 @@ def _read_epoch(store: Store, key: str, attempt: int) -> Epoch:
         epoch = Epoch.from_json(body, key)
     except CorruptObject as exc:
         try:
-            version = json.loads(body).get("format_version")
-        except (ValueError, AttributeError):
+            version = _load_json(body, key, "EPOCH record", MAX_RECORD_BYTES, MAX_RECORD_DEPTH).get(
+                "format_version"
+            )
+        except (CorruptObject, AttributeError):
             version = None
         # A newer sidecar's record is no damage: its fences cannot be guessed around.
         exc.newer_format = type(version) is int and version > FORMAT_VERSION  # type: ignore[attr-defined]
@@ -804,6 +1034,11 @@ def write_manifest(store: Store, prefix: str, manifest: Manifest) -> ManifestRef
     """Written after every object of the rank, so its presence means the data is whole."""
     body = manifest.to_json()
     key = prefix + "MANIFEST"
+    if len(body) > MAX_MANIFEST_BYTES:  # no reader would take it: fail the save, not a restore
+        raise FailedPrecondition(
+            f"the MANIFEST of rank {manifest.rank} would be {len(body)} bytes, over the "
+            f"{MAX_MANIFEST_BYTES} readers accept (fewer tensors or a smaller state tree)"
+        )
     store.put(key, body)
     return ManifestRef(manifest.rank, key, sha256(body), len(body))
 
@@ -1026,11 +1261,11 @@ def advance_latest(store: Store, namespace: str, job: str, attempt: int, step: i
 
 def _latest_position(body: bytes) -> tuple[int, int] | None:
     try:
-        raw = json.loads(body)
+        raw = _load_json(body, "LATEST", "LATEST", MAX_SMALL_RECORD_BYTES, MAX_RECORD_DEPTH)
         if "attempt" not in raw and is_legacy_key(str(raw.get("commit", ""))):
             return (LEGACY_ATTEMPT, int(raw["step"]))  # format 1's LATEST: {"step", "commit"}
         return (int(raw["attempt"]), int(raw["step"]))
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (CorruptObject, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -1169,8 +1404,8 @@ def _parse_marker(key: str, body: bytes) -> UnusableMarker | None:
     attempt = LEGACY_ATTEMPT if m.group(2) is None else int(m.group(2))
     step = int(m.group(1))
     try:
-        raw = json.loads(body)
-    except ValueError:
+        raw = _load_json(body, key, "marker", MAX_SMALL_RECORD_BYTES, MAX_RECORD_DEPTH)
+    except CorruptObject:
         raw = None
     if isinstance(raw, dict) and raw.get("kind") == "strata.unusable":
         cause = raw.get("cause")
@@ -1296,7 +1531,22 @@ def load_manifest(store: Store, commit: Commit, rank: int) -> Manifest:
     body = store.get(ref.key)
     if sha256(body) != ref.sha256:
         raise CorruptObject(ref.key, "sha256 differs from the one recorded in COMMIT")
-    return Manifest.from_json(body, ref.key)
+    manifest = Manifest.from_json(body, ref.key)
+    for name, want in (
+        ("namespace", commit.namespace),
+        ("job", commit.job),
+        ("step", commit.step),
+        ("attempt", commit.attempt),
+        ("rank", rank),
+        ("world_size", commit.world_size),
+    ):
+        if getattr(manifest, name) != want:
+            raise CorruptObject(
+                ref.key,
+                f"its {name} {getattr(manifest, name)!r} is not the {want!r} of the COMMIT listing it "
+                f"({commit.key}, rank {rank})",
+            )
+    return manifest
 
 
 def read_object(store: Store, entry: ObjectEntry) -> bytes:

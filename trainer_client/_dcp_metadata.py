@@ -227,7 +227,7 @@ def _item(fqn: str, node: Any) -> TensorStorageMetadata | BytesStorageMetadata:
         dtype = None
     if dtype is None:
         raise MetadataError(f"{where}: unknown dtype {t['dtype']!r}")
-    if t["memory_format"] not in _MEMORY_FORMATS:
+    if not isinstance(t["memory_format"], str) or t["memory_format"] not in _MEMORY_FORMATS:
         raise MetadataError(f"{where}: unknown memory format {t['memory_format']!r}")
     if type(t["requires_grad"]) is not bool or type(t["pin_memory"]) is not bool:
         raise MetadataError(f"{where}: requires_grad and pin_memory must be booleans")

@@ -297,7 +297,7 @@ def decode_skeleton(data: bytes) -> dict[str, Any]:
         )
     except RecursionError:
         raise ValueError("skeleton: nested too deeply") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # invalid JSON, or an integer past Python's digit limit
         raise ValueError(f"skeleton: invalid JSON ({e})") from None
     _decode(skeleton, None)
     return skeleton

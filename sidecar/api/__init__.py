@@ -46,6 +46,8 @@ RNG_STATE_KEY = "__strata_rng__"
 #: The largest step a checkpoint may have: keys spell steps as 12 decimal digits (``steps/<step:012d>/``),
 #: which list and sort in step order only up to here. Client and sidecar refuse larger steps at save.
 MAX_STEP = 10**12 - 1
+#: The most ranks a job may have: saves refuse more, and a COMMIT or MANIFEST saying more is damage.
+MAX_WORLD_SIZE = 65536
 #: Shared-memory segment names: ``strata-<client instance>-<n>``, a file name and nothing more.
 SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 #: What a Save header may name (a full match): ``strata-<instance>-<n>``, the instance 1-64 letters
@@ -87,6 +89,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_STEP",
+    "MAX_WORLD_SIZE",
     "MIN_PROTOCOL_VERSION",
     "PROTOCOL_VERSION",
     "RESHARD_MARKER",

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sidecar import manifest as mf
-from sidecar.api import pb
+from sidecar.api import MAX_WORLD_SIZE, pb
 from sidecar.budget import Reservation
 from sidecar.errors import InvalidArgument
 from sidecar.gang import Position
@@ -48,7 +48,9 @@ class Identity:
 
     def validate(self) -> None:
         check_job(self.namespace, self.job)
-        if self.world_size < 1 or self.rank >= self.world_size:
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgument(f"world size {self.world_size} is not from 1 to {MAX_WORLD_SIZE}")
+        if self.rank >= self.world_size:
             raise InvalidArgument(f"rank {self.rank} is outside world size {self.world_size}")
 
     @property

@@ -9,4 +9,5 @@ short derandomized pass.
 A reproducer is a corpus entry: copy it into ``corpus/`` (drop ``finding``, ``detail`` and
 ``count``; add ``known`` saying what it shows, and ``expect`` where a property beyond the general
 ones applies; see harness.replay). Keep entries small: a large input is a recipe (harness.RECIPES).
+Once the defect is fixed, rename ``known`` to ``shows``: the entry stays as a regression test.
 """

@@ -37,7 +37,11 @@ def test_a_later_versions_field_is_ignored_not_corruption() -> None:
         len(DATA),
         {},
         [mf.TensorEntry("w", "uint8", [len(DATA)], len(DATA), 0)],
-        [mf.ObjectEntry("k", len(DATA), xxh3=mf.xxh3(DATA))],
+        [
+            mf.ObjectEntry(
+                mf.rank_prefix("ns", "job", 1, 0, "s", 0) + "obj-00000", len(DATA), xxh3=mf.xxh3(DATA)
+            )
+        ],
     )
     raw = json.loads(manifest.to_json())
     raw["tensors"][0]["blake3"] = "future"

@@ -259,7 +259,7 @@ def _manifest_body(step: int, rank: int, kind: str = "full", base: int | None = 
         80,
         None,
         tensors,
-        [mf.ObjectEntry("k", 80, "00000000")],
+        [mf.ObjectEntry(mf.rank_prefix("default", "j", step, 1, "s1", rank) + "obj-00000", 80, "00000000")],
         checkpoint=kind,
         base_step=base,
         requires=[] if base is None else [base],
