@@ -1144,9 +1144,10 @@ def mark_unusable(
     reason: str,
     cause: str = "corrupt",
     by: str = "",
-) -> None:
+) -> bool:
     """Record that a rank could not restore (attempt, step), why (``cause``: see MARKER_CAUSES)
-    and who found it: no later attempt restores it, and each says so."""
+    and who found it: no later attempt restores it, and each says so. False when the write
+    failed (logged)."""
     if cause not in MARKER_CAUSES:
         raise ValueError(f"marker cause {cause!r} is not one of {MARKER_CAUSES}")
     body = {
@@ -1160,6 +1161,8 @@ def mark_unusable(
         store.put(_marker_key(namespace, job, position), json.dumps(body, sort_keys=True).encode())
     except StorageError as exc:
         log.warning("could not mark step %d unusable: %s", position[1], exc)
+        return False
+    return True
 
 
 def _parse_marker(key: str, body: bytes) -> UnusableMarker | None:

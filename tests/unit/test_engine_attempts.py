@@ -167,6 +167,19 @@ def test_an_unusable_commit_is_never_chosen_again(make_shared):
     assert epoch.restore == (0, 3) and shared.gang(("ns", "job")).epoch == epoch
 
 
+def test_a_marker_cleared_in_storage_is_restorable_again_on_the_same_sidecar(make_shared):
+    shared = make_shared()
+    attempts = attempts_of(shared)
+    commit_step(shared.store, 3, attempt=0)
+    commit_step(shared.store, 5, attempt=0)
+    attempts.mark_unusable(solo(), (0, 5), "rank 0: damaged")
+    fences = mf.read_fences(shared.store, "ns", "job")
+    assert attempts.decide_restore(solo(), fences) == ((0, 3), "")
+    # What `strata markers --clear` does: storage is the truth, this process remembers nothing.
+    assert [mk.position for mk in mf.clear_markers(shared.store, "ns", "job", {5})] == [(0, 5)]
+    assert attempts.decide_restore(solo(), fences) == ((0, 5), "")
+
+
 def test_adopting_an_attempt_fences_older_ones(make_shared):
     shared = make_shared()
     attempts = attempts_of(shared)
