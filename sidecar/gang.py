@@ -109,7 +109,11 @@ class JobGang:
     def refresh_fences(self) -> mf.Fences:
         fences = mf.read_fences(self.store, self.namespace, self.job, self.fences)
         with self.cond:
-            if fences.newest_attempt > self.fences.newest_attempt:
+            # the same attempt, but a damaged EPOCH record repaired since: its fence is known now
+            repaired = (
+                fences.newest_attempt == self.fences.newest_attempt and fences.unknown != self.fences.unknown
+            )
+            if fences.newest_attempt > self.fences.newest_attempt or repaired:
                 self.fences = fences
                 self.cond.notify_all()
             return self.fences

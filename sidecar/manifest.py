@@ -753,11 +753,16 @@ class Epoch:
     #: request named the step) or "fresh" (it asked for none); "" for the default, the newest usable
     #: commit. Left out of the record when "", so default records stay readable by older sidecars.
     restore_reason: str = ""
+    #: Earlier attempts whose restore step was unknown when this record was written (their own
+    #: records were damaged): left out of ``history``, since a guess would drop or invent a fence.
+    #: Left out of the record when empty; an older sidecar refuses a record that has it.
+    unknown_restores: list[int] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         body = asdict(self)
-        if not body["restore_reason"]:
-            del body["restore_reason"]
+        for optional in ("restore_reason", "unknown_restores"):
+            if not body[optional]:
+                del body[optional]
         return json.dumps(body, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -808,9 +813,13 @@ class Fences:
     newest: Epoch | None = None
     #: attempt -> the generation it ran, for every attempt before the newest
     generations: dict[int, str] = field(default_factory=dict)
-    #: attempt -> why its record (newer than ``newest``) is unreadable: its restore step is unknown,
-    #: so it fences nothing off, but its number is taken
+    #: attempt -> why its record is unreadable (newer than ``newest``, or one ``newest`` carries
+    #: as unknown): its number is taken
     damaged: dict[int, str] = field(default_factory=dict)
+    #: attempts whose restore step is unknown (a damaged record, now or when a later record was
+    #: written): :meth:`valid` takes them to fence nothing off (every checkpoint stays listed and
+    #: restorable by step), and :func:`newest_valid` never picks a commit they may have fenced
+    unknown: set[int] = field(default_factory=set)
 
     @property
     def newest_attempt(self) -> int:
@@ -839,9 +848,10 @@ def read_fences(store: Store, namespace: str, job: str, known: Fences | None = N
 
     A damaged newest record (it does not parse, or names another attempt) does not make the job
     unreadable: the fences come from the newest record before it that reads, the damaged
-    attempt's own restore step is unknown (it fences nothing off), and the record is reported
+    attempt's own restore step is unknown (:attr:`Fences.unknown`), and the record is reported
     (:attr:`Fences.damaged`, a warning naming ``strata repair-epoch``). The next attempt's record
-    carries that history on. A record of a newer format is no damage: it still raises."""
+    carries that history on, the damaged attempt as unknown (until its record is repaired). A
+    record of a newer format is no damage: it still raises."""
     start_after = (
         None if known is None or known.newest is None else epoch_key(namespace, job, known.newest.attempt)
     )
@@ -862,11 +872,25 @@ def read_fences(store: Store, namespace: str, job: str, known: Fences | None = N
         restores: dict[int, int | None] = {int(h[0]): h[1] for h in epoch.history}
         generations = {int(h[0]): str(h[2]) for h in epoch.history if len(h) > 2}
         restores[epoch.attempt] = epoch.restore_step
-        fences = Fences(restores, epoch, generations)
+        fences = Fences(restores, epoch, generations, unknown=set(epoch.unknown_restores))
+        for u in sorted(fences.unknown):  # repaired since this record was written?
+            fences.restores.pop(u, None)
+            try:
+                earlier = _read_epoch(store, epoch_key(namespace, job, u), u)
+            except CorruptObject as exc:
+                damaged[u] = str(exc)
+            except ObjectNotFound:
+                damaged[u] = "the record is missing"
+            else:
+                fences.unknown.discard(u)
+                fences.restores[u] = earlier.restore_step
+                fences.generations[u] = earlier.generation
         break
     if fences is None:
         base = known if known is not None else Fences()
-        fences = Fences(dict(base.restores), base.newest, dict(base.generations))
+        fences = Fences(dict(base.restores), base.newest, dict(base.generations), unknown=set(base.unknown))
+        damaged = {**base.damaged, **damaged}
+    fences.unknown |= set(damaged)
     if damaged:
         fences.damaged = damaged
         _report_damaged(namespace, job, fences)
@@ -889,6 +913,9 @@ def _read_epoch(store: Store, key: str, attempt: int) -> Epoch:
         raise
     if epoch.attempt != attempt or not isinstance(epoch.history, list):
         raise CorruptObject(key, f"EPOCH record says attempt {epoch.attempt}")
+    unknown = epoch.unknown_restores
+    if not isinstance(unknown, list) or any(type(u) is not int or not 0 <= u < attempt for u in unknown):
+        raise CorruptObject(key, f"not a valid EPOCH record (unknown_restores: {unknown!r})")
     try:
         for h in epoch.history:
             int(h[0])
@@ -953,7 +980,9 @@ def create_epoch(
     names = dict(fences.generations)
     if fences.newest is not None:
         names[fences.newest.attempt] = fences.newest.generation
-    history: list[list[Any]] = [[a, r, names.get(a, "")] for a, r in sorted(fences.restores.items())]
+    history: list[list[Any]] = [
+        [a, r, names.get(a, "")] for a, r in sorted(fences.restores.items()) if a not in fences.unknown
+    ]
     epoch = Epoch(
         attempt,
         str(generation),
@@ -962,6 +991,8 @@ def create_epoch(
         None if restore is None else restore[0],
         history,
         restore_reason=reason,
+        # a damaged record's fence is carried on as unknown, never dropped
+        unknown_restores=sorted(fences.unknown),
     )
     store.put(epoch_key(namespace, job, attempt), epoch.to_json(), if_none_match=True)
     log.info(
@@ -992,7 +1023,9 @@ def repair_epoch(
     if fences.newest is not None:
         names[fences.newest.attempt] = fences.newest.generation
     history: list[list[Any]] = [
-        [a, r, names.get(a, "")] for a, r in sorted(fences.restores.items()) if a < attempt
+        [a, r, names.get(a, "")]
+        for a, r in sorted(fences.restores.items())
+        if a < attempt and a not in fences.unknown
     ]
     epoch = Epoch(
         attempt,
@@ -1002,6 +1035,7 @@ def repair_epoch(
         None if restore is None else restore[0],
         history,
         restore_reason="requested",
+        unknown_restores=sorted(u for u in fences.unknown if u < attempt),
     )
     store.put(epoch_key(namespace, job, attempt), epoch.to_json())
     _reported_damage.discard(epoch_key(namespace, job, attempt))
@@ -1379,9 +1413,10 @@ def mark_unusable(
     reason: str,
     cause: str = "corrupt",
     by: str = "",
-) -> None:
+) -> bool:
     """Record that a rank could not restore (attempt, step), why (``cause``: see MARKER_CAUSES)
-    and who found it: no later attempt restores it, and each says so."""
+    and who found it: no later attempt restores it, and each says so. False when the write
+    failed (logged)."""
     if cause not in MARKER_CAUSES:
         raise ValueError(f"marker cause {cause!r} is not one of {MARKER_CAUSES}")
     body = {
@@ -1395,6 +1430,8 @@ def mark_unusable(
         store.put(_marker_key(namespace, job, position), json.dumps(body, sort_keys=True).encode())
     except StorageError as exc:
         log.warning("could not mark step %d unusable: %s", position[1], exc)
+        return False
+    return True
 
 
 def _parse_marker(key: str, body: bytes) -> UnusableMarker | None:
@@ -1472,6 +1509,8 @@ def newest_valid(
     one LIST of newer step directories, one LIST per newer step, one HEAD of LATEST's COMMIT.
     A full listing only when LATEST is missing, unreadable or names a void commit."""
     fences = fences if fences is not None else read_fences(store, namespace, job)
+    if fences.unknown:
+        return _newest_across_unknown(store, namespace, job, fences, exclude)
     try:
         hint = _latest_position(store.get(latest_key(namespace, job)))
     except ObjectNotFound:
@@ -1497,6 +1536,38 @@ def newest_valid(
         log.info("%s/%s: LATEST names a fenced-off or unusable commit; scanning", namespace, job)
     found = [p for p in valid_commits(store, namespace, job, fences) if p not in exclude]
     return max(found) if found else None
+
+
+def _newest_across_unknown(
+    store: Store,
+    namespace: str,
+    job: str,
+    fences: Fences,
+    exclude: set[tuple[int, int]] | frozenset[tuple[int, int]],
+) -> tuple[int, int] | None:
+    """:func:`newest_valid` when an attempt's restore step is unknown (its EPOCH record is
+    damaged). Attempt U saved only steps above its restore step, and every later attempt's fence
+    bounds what came before it too: a valid commit of U or a later attempt is newer than anything
+    U kept valid, so the newest of those is the pick. Without one, the newest older commit may be
+    one U fenced off (a rollback): refused, naming the record and its repair, rather than guessed.
+    The restore step is not recoverable from U's own saves (their records name no restore step)."""
+    top = max(fences.unknown)
+    found = [p for p in valid_commits(store, namespace, job, fences) if p not in exclude]
+    if not found or max(found)[0] >= top:
+        return max(found) if found else None
+    newest = max(found)
+    key = epoch_key(namespace, job, top)
+    why = fences.damaged.get(top, "unreadable when a later record was written").removeprefix(
+        f"corrupt object {key}: "
+    )
+    raise CorruptObject(
+        key,
+        f"the EPOCH record of attempt {top} is damaged ({why}) and that attempt committed no usable "
+        f"step: step {newest[1]} (attempt {newest[0]}) may be one it fenced off (a rollback), so no "
+        f"step is picked automatically. Repair the record with: strata repair-epoch --namespace "
+        f"{namespace} --job {job} --attempt {top} --restore-step <the step that attempt restored, or "
+        "none> (with --storage/--s3-endpoint), or restore an explicit step; `strata ls` lists them",
+    )
 
 
 def newest_committed(store: Store, namespace: str, job: str) -> int | None:

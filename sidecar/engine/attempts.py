@@ -63,7 +63,8 @@ class Attempts:
         self.store = shared.store
         self.held = held
         self.reports = reports
-        # Commits a restore found unusable, per job (also marked in storage).
+        # Markers whose write to storage failed, per job, until a write succeeds: storage holds
+        # every other marker (an operator clears them there, and the next attempt sees that).
         self._unusable: dict[JobKey, dict[Position, mf.UnusableMarker]] = {}
         # What each attempt's restore step passed over: (namespace, job, attempt) -> markers
         self._skipped: dict[tuple[str, str, int], list[mf.UnusableMarker]] = {}
@@ -278,6 +279,7 @@ class Attempts:
         """The restore step of a new attempt and how it was chosen (recorded in its EPOCH): the
         operator's one-shot restore request when this pod has one, else the newest usable commit."""
         ns, job = identity.job_key
+        self._write_pending_markers(identity)
         markers = mf.unusable_markers(self.store, ns, job)
         with self.shared.lock:
             # what skipped_by reports for the attempt this decides, without another LIST
@@ -369,11 +371,24 @@ class Attempts:
             f"sidecar {socket.gethostname()} pid {os.getpid()}"
         )
         marker = mf.UnusableMarker(position[0], position[1], cause, reason, by, time.time())
-        # Also remembered here: a marker that failed to write must not send us round in circles.
-        with self.shared.lock:
-            self._unusable.setdefault(identity.job_key, {})[position] = marker
-        mf.mark_unusable(self.store, *identity.job_key, position, reason, cause, by)
+        if not mf.mark_unusable(self.store, *identity.job_key, position, reason, cause, by):
+            # Remembered here until written: a marker that failed to write must not send us round
+            # in circles. A written one lives in storage only, where `strata markers --clear` works.
+            with self.shared.lock:
+                self._unusable.setdefault(identity.job_key, {})[position] = marker
         return marker
+
+    def _write_pending_markers(self, identity: Identity) -> None:
+        """Write again the markers whose write failed; each one written is storage's from then on."""
+        with self.shared.lock:
+            pending = list(self._unusable.get(identity.job_key, {}).values())
+        for mk in pending:
+            if mf.mark_unusable(self.store, *identity.job_key, mk.position, mk.detail, mk.cause, mk.by):
+                with self.shared.lock:
+                    job = self._unusable.get(identity.job_key, {})
+                    job.pop(mk.position, None)
+                    if not job:
+                        self._unusable.pop(identity.job_key, None)
 
     def skipped_by(self, identity: Identity, epoch: mf.Epoch) -> list[mf.UnusableMarker]:
         """The marked commits ``epoch``'s restore step passed over: valid as the attempts before it

@@ -220,6 +220,73 @@ def test_a_damaged_newest_epoch_record_leaves_checkpoints_reachable(
     assert mf.read_fences(fresh.store, "default", job_name).damaged == {}
 
 
+def _rolled_back_then_damaged(make_sidecar, make_client, job_name, tmp_path, restore):
+    """Attempt 0 commits steps 1-3; attempt 1 (the operator's rollback to ``restore``) commits
+    its own step 2 (if it restored step 1); then attempt 1's EPOCH record is torn."""
+    storage = f"file://{tmp_path}/store"
+    server = make_sidecar(storage)
+    client = make_client(server, job_name, generation="rb/0")
+    _saved(client, (1, 2, 3))
+    client.close()
+    fences = mf.read_fences(server.store, "default", job_name)
+    reason = "requested" if restore else "fresh"
+    mf.create_epoch(
+        server.store, "default", job_name, mf.Generation.parse("rb/1"), 1, restore, fences, reason
+    )
+    if restore:
+        client = make_client(server, job_name, generation="rb/1")
+        assert client.restore({"w": torch.zeros(4096)}) == restore[1]
+        client.save(2, {"w": torch.full((4096,), 20.0)}).durable.result(30)
+        client.close()
+        # LATEST is a hint: left at attempt 0's step 3, as a write that failed would leave it.
+        body = {"attempt": 0, "step": 3, "commit": mf.commit_key("default", job_name, 3, 0)}
+        server.store.put(mf.latest_key("default", job_name), json.dumps(body).encode())
+    server.stop(grace=1)
+    record = tmp_path / "store" / mf.epoch_key("default", job_name, 1)
+    record.write_bytes(record.read_bytes()[:-7])
+    return storage
+
+
+def test_a_damaged_rollback_record_never_brings_back_what_it_fenced_off(
+    make_sidecar, make_client, job_name, tmp_path
+):
+    storage = _rolled_back_then_damaged(make_sidecar, make_client, job_name, tmp_path, (0, 1))
+    fresh = make_sidecar(storage)
+    # Attempt 1's own step 2, not attempt 0's step 3 that its rollback fenced off.
+    out = {"w": torch.zeros(4096)}
+    client = make_client(fresh, job_name, generation="rb/2")
+    assert client.restore(out) == 2 and out["w"][0] == 20.0
+    client.close()
+    # The next record carries attempt 1 on as unknown: the fence is never dropped.
+    epoch = mf.Epoch.from_json(fresh.store.get(mf.epoch_key("default", job_name, 2)))
+    assert epoch.unknown_restores == [1] and 1 not in [h[0] for h in epoch.history]
+    assert epoch.restore == (1, 2)
+    fences = mf.read_fences(fresh.store, "default", job_name)
+    assert fences.unknown == {1} and 1 in fences.damaged
+    out = {"w": torch.zeros(4096)}
+    assert make_client(fresh, job_name, generation="rb/3").restore(out) == 2 and out["w"][0] == 20.0
+
+
+def test_a_damaged_fresh_start_record_refuses_the_automatic_pick(
+    make_sidecar, make_client, job_name, tmp_path, capsys
+):
+    storage = _rolled_back_then_damaged(make_sidecar, make_client, job_name, tmp_path, None)
+    fresh = make_sidecar(storage)
+    # Attempt 1 fenced off every step and committed none: any automatic pick would be a guess.
+    with pytest.raises(RestoreError, match=r"attempt 1 is damaged.*strata repair-epoch .*--attempt 1"):
+        make_client(fresh, job_name, generation="rb/2").restore({"w": torch.zeros(4096)})
+    assert fresh.store.list(mf.epoch_key("default", job_name, 2)).objects == []
+    capsys.readouterr()
+    assert cli.main(["ls", "--storage", storage, "--job", job_name]) == 0
+    listed = capsys.readouterr().out
+    assert all(f" {s} " in listed for s in (1, 2, 3)), listed
+    # Repaired (the operator says what attempt 1 restored), the pick is automatic again.
+    assert cli.main(["repair-epoch", "--storage", storage, "--job", job_name, "--attempt", "1",
+                     "--restore-step", "2"]) == 0  # fmt: skip
+    out = {"w": torch.zeros(4096)}
+    assert make_client(fresh, job_name, generation="rb/3").restore(out) == 2 and out["w"][0] == 2.0
+
+
 def test_a_damaged_world_size_in_a_commit_falls_back_with_a_reason(
     make_sidecar, make_client, job_name, tmp_path
 ):

@@ -49,7 +49,9 @@ def test_a_damaged_newest_epoch_record_falls_back_to_the_ones_before_it(store, d
     created = mf.create_epoch(store, "ns", "job", mf.Generation.parse("run/9"), 1, (1, 4), fences)
     assert created.attempt == 3
     after = mf.read_fences(store, "ns", "job")
-    assert after.damaged == {} and after.restores == {0: None, 1: 5, 3: 4}
+    assert after.restores == {0: None, 1: 5, 3: 4}
+    # ... and attempt 2 as unknown: a rollback's fence is never dropped from the history.
+    assert created.unknown_restores == [2] and after.unknown == {2} and list(after.damaged) == [2]
     # The repair rewrites the record with the history before it.
     repaired = mf.repair_epoch(store, "ns", "job", 2, (1, 3), after, "run/2")
     assert (repaired.attempt, repaired.restore, repaired.history) == (
@@ -58,6 +60,10 @@ def test_a_damaged_newest_epoch_record_falls_back_to_the_ones_before_it(store, d
         [[0, None, "run/0"], [1, 5, "run/1"]],
     )
     assert mf.epoch_damage(store, "ns", "job", 2) is None
+    # Repaired, the later record's unknown resolves to it.
+    healed = mf.read_fences(store, "ns", "job")
+    assert (healed.unknown, healed.damaged) == (set(), {})
+    assert healed.restores == {0: None, 1: 5, 2: 3, 3: 4}
     with pytest.raises(ValueError, match="not damaged"):
         mf.repair_epoch(store, "ns", "job", 2, (1, 3), after, "run/2")
 

@@ -11,7 +11,7 @@ from sidecar.engine.attempts import Attempts, check_protocol
 from sidecar.engine.held import Held
 from sidecar.engine.reports import Reports
 from sidecar.engine.types import Identity
-from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.errors import FailedPrecondition, InvalidArgument, StorageError
 
 
 def attempts_of(shared) -> Attempts:
@@ -165,6 +165,45 @@ def test_an_unusable_commit_is_never_chosen_again(make_shared):
     assert attempts.decide_restore(solo(), fences) == ((0, 3), "")
     epoch = attempts.reattempt(solo("run/0"))
     assert epoch.restore == (0, 3) and shared.gang(("ns", "job")).epoch == epoch
+
+
+def test_a_marker_cleared_in_storage_is_restorable_again_on_the_same_sidecar(make_shared):
+    shared = make_shared()
+    attempts = attempts_of(shared)
+    commit_step(shared.store, 3, attempt=0)
+    commit_step(shared.store, 5, attempt=0)
+    attempts.mark_unusable(solo(), (0, 5), "rank 0: damaged")
+    fences = mf.read_fences(shared.store, "ns", "job")
+    assert attempts.decide_restore(solo(), fences) == ((0, 3), "")
+    # What `strata markers --clear` does: storage is the truth, this process remembers nothing.
+    assert [mk.position for mk in mf.clear_markers(shared.store, "ns", "job", {5})] == [(0, 5)]
+    assert attempts.decide_restore(solo(), fences) == ((0, 5), "")
+
+
+def test_a_marker_that_failed_to_write_is_kept_until_written(make_shared, monkeypatch):
+    shared = make_shared()
+    attempts = attempts_of(shared)
+    commit_step(shared.store, 3, attempt=0)
+    commit_step(shared.store, 5, attempt=0)
+    put = shared.store.put
+    down = [True]
+
+    def flaky_put(key, *args, **kwargs):
+        if down[0] and "/UNUSABLE/" in key:
+            raise StorageError("503 SlowDown")
+        return put(key, *args, **kwargs)
+
+    monkeypatch.setattr(shared.store, "put", flaky_put)
+    attempts.mark_unusable(solo(), (0, 5), "rank 0: damaged")
+    assert mf.unusable_markers(shared.store, "ns", "job") == []
+    fences = mf.read_fences(shared.store, "ns", "job")
+    assert attempts.decide_restore(solo(), fences) == ((0, 3), "")  # remembered, not written
+    down[0] = False
+    assert attempts.decide_restore(solo(), fences) == ((0, 3), "")  # written now: storage's
+    [marker] = mf.unusable_markers(shared.store, "ns", "job")
+    assert marker.position == (0, 5) and marker.detail == "rank 0: damaged"
+    mf.clear_markers(shared.store, "ns", "job")
+    assert attempts.decide_restore(solo(), fences) == ((0, 5), "")
 
 
 def test_adopting_an_attempt_fences_older_ones(make_shared):
