@@ -50,13 +50,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sidecar.api import SHM_HANDOVER_SOCKET, SHM_SEGMENT_PATTERN
+from sidecar.api import SHM_HANDOVER_SOCKET, SHM_LENT_PATTERN, SHM_SEGMENT_PATTERN
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 _SEGMENT = re.compile(SHM_SEGMENT_PATTERN)
 _SOCKET = re.compile(SHM_HANDOVER_SOCKET)
 #: a held name: ``strata-held-p<pid>.<token>-...`` (see Segments._id)
+#: not in every Python's fcntl (Linux 5.1+): writes through new descriptors and mappings, and
+#: hole punching, fail; the writer's existing writable mapping keeps working
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+_SEALED_COPY = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_LENT = re.compile(SHM_LENT_PATTERN)
 _HELD = re.compile(r"strata-held-p(([0-9]{1,10})\.[0-9a-f]{1,40})-[A-Za-z0-9._-]{1,200}")
 
 
@@ -340,16 +345,20 @@ class Handover:
     """The socket trainers hand their sealed memfd segments over on (``SHM_HANDOVER_CAPABILITY``).
 
     One thread serves every connection, without blocking on any: a message is one name and one
-    descriptor, checked (a regular file sealed against shrinking and growing) and kept until a
-    save names it (:meth:`claim`), at most ``MAX_PENDING`` per connection (the oldest is dropped),
-    and dropped with its connection.
+    descriptor, checked (a memfd without holes, sealed against shrinking, growing and new
+    writes) and kept until a save names it (:meth:`claim`), at most ``MAX_PENDING`` per
+    connection (the oldest is dropped), and dropped with its connection.
     """
 
     MAX_PENDING = 8
     MAX_CONNECTIONS = 1024
     MAX_LENT = 256
     LEND_S = 120.0
-    _NEEDED = (("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK), ("F_SEAL_GROW", fcntl.F_SEAL_GROW))
+    _NEEDED = (
+        ("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK),
+        ("F_SEAL_GROW", fcntl.F_SEAL_GROW),
+        ("F_SEAL_FUTURE_WRITE", F_SEAL_FUTURE_WRITE),
+    )
 
     def __init__(self, directory: str, name: str, socket_mode: int) -> None:
         if not hasattr(os, "memfd_create"):
@@ -520,8 +529,23 @@ class Handover:
         if missing:
             return (
                 f"segment {name} is not sealed with {' and '.join(missing)}: its writer could take "
-                "pages from under the sidecar (create it with memfd_create(MFD_ALLOW_SEALING) and add "
-                "F_SEAL_SHRINK | F_SEAL_GROW)"
+                "pages from under the sidecar or punch holes in it (create it with "
+                "memfd_create(MFD_ALLOW_SEALING), fallocate it, map it, then add "
+                "F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)"
+            )
+        # A hole would be filled by the sidecar's first read of it, with pages charged to the
+        # sidecar's memory (a sparse 64 GiB segment would get it killed); with FUTURE_WRITE no new
+        # hole can be punched, so the check holds for the segment's life. (A page fallocated but
+        # never touched reads as a hole too: the client faults its pages in before handing over.)
+        try:
+            hole = os.lseek(fd, 0, os.SEEK_HOLE)
+        except OSError:
+            hole = 0
+        if hole < info.st_size:
+            return (
+                f"segment {name} has a hole at byte {hole} of {info.st_size}: every page of a segment "
+                "must be allocated and faulted in (posix_fallocate, then mmap with MAP_POPULATE) "
+                "before it is handed over"
             )
         return ""
 

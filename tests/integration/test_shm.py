@@ -6,7 +6,9 @@ tmpfs falls back to streaming, and hostile segment names are refused."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import fcntl
 import os
 import re
 import socket
@@ -561,3 +563,65 @@ def test_a_segment_name_never_reaches_another_jobs_segments(make_sidecar, job_na
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK]
     # The other job's next save goes through its spare, untouched.
     assert shm_save(server, "victim", "strata-victim0-1", 64, step=2).bytes_received == 64
+
+
+# --- what a segment's writer can still do to it ---------------------------------------------------
+
+F_SEAL_FUTURE_WRITE = 0x10  # not in every Python's fcntl
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, offset: int, size: int) -> int:
+    """fallocate(PUNCH_HOLE): the errno it fails with, 0 when it punched."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(size)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def sealed_memfd(size: int, seals: int, allocate: bool) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    if allocate:
+        os.posix_fallocate(fd, 0, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_sparse_segment_or_one_its_writer_may_punch_is_refused(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    # 64 GiB of nothing: each page the sidecar read would be allocated, charged to the sidecar.
+    every = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
+    fd = sealed_memfd(64 << 30, every, allocate=False)
+    try:
+        answer = hand_over(server, "strata-sparse-0", fd)
+    finally:
+        os.close(fd)
+    assert answer.startswith("error") and "strata-sparse-0" in answer and "hole" in answer, answer
+    # Allocated, but its writer may still punch holes (and write through new descriptors).
+    fd = sealed_memfd(1 << 20, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, allocate=True)
+    try:
+        assert punch_hole(fd, 0, 4096) == 0
+        answer = hand_over(server, "strata-punchable-0", fd)
+    finally:
+        os.close(fd)
+    assert answer.startswith("error") and "strata-punchable-0" in answer, answer
+    assert "F_SEAL_FUTURE_WRITE" in answer, answer
+    with pytest.raises(grpc.RpcError) as info:
+        shm_save(server, job_name, "strata-sparse-0", 64)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+    # The client's own segments are sealed so: it still writes them through its mapping, while a
+    # hole or a write by any other way is refused.
+    client = make_client(server, job_name, capture_rng=False)
+    for step in (1, 2, 3):
+        client.save(step, state(float(step))).durable.result(30)
+    segment = client._buffers[client._held].segment
+    assert segment is not None and segment.fd is not None
+    assert fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+    assert punch_hole(segment.fd, 0, 4096) == errno.EPERM
+    with pytest.raises(PermissionError):
+        os.pwrite(segment.fd, b"x", 0)
+    out = state(-1.0)
+    assert make_client(server, job_name, capture_rng=False, generation="g/1").restore(out) == 3
+    assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
