@@ -9,12 +9,14 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from sidecar.api import (
     pb_grpc,
 )
 from trainer_client import CheckpointClient, SidecarUnavailable
+from trainer_client import client as client_module
 from trainer_client._staging import open_segment
 
 
@@ -565,7 +568,7 @@ def test_a_segment_name_never_reaches_another_jobs_segments(make_sidecar, job_na
     assert shm_save(server, "victim", "strata-victim0-1", 64, step=2).bytes_received == 64
 
 
-# --- what a segment's writer can still do to it ---------------------------------------------------
+# --- what a segment's writer can still do to it, and restores handed over as sealed copies ---------
 
 F_SEAL_FUTURE_WRITE = 0x10  # not in every Python's fcntl
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -625,3 +628,85 @@ def test_a_sparse_segment_or_one_its_writer_may_punch_is_refused(make_sidecar, m
     out = state(-1.0)
     assert make_client(server, job_name, capture_rng=False, generation="g/1").restore(out) == 3
     assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+
+
+def test_a_restore_assembled_by_the_sidecar_is_lent_sealed_never_named_as_a_file(
+    make_sidecar, make_client, job_name, short_tmp, monkeypatch
+):
+    storage = f"file://{short_tmp}/sealed-store"
+    first = make_sidecar(storage)
+    make_client(first, job_name, capture_rng=False).save(4, state(4.0)).durable.result(30)
+    first.stop(grace=1)
+    second = make_sidecar(storage)  # memory gone: the restore is assembled from storage
+    named: list[str] = []
+
+    def inspect(directory: str, name: str) -> int:
+        named.append(name)
+        fd = open_segment(directory, name)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        want = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        assert seals & want == want, hex(seals)
+        # a memfd's inode is 0777: reopened read-write, it is still sealed
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            for change in (
+                lambda: os.pwrite(rw, b"x", 0),
+                lambda: os.ftruncate(rw, 0),
+                lambda: mmap.mmap(rw, 4096),
+                lambda: os.truncate(rw, 1 << 30),
+            ):
+                with pytest.raises(PermissionError):
+                    change()
+            assert punch_hole(rw, 0, 4096) == errno.EPERM
+        finally:
+            os.close(rw)
+        return fd
+
+    monkeypatch.setattr(client_module, "open_segment", inspect)
+    out = state(-1.0)
+    restorer = make_client(second, job_name, capture_rng=False)
+    assert restorer.restore(out) == 4
+    assert restorer.last_restore["source"] == "storage" and restorer.last_restore["shared_memory"] is True
+    assert torch.equal(out["w"], state(4.0)["w"]) and torch.equal(out["b"], state(4.0)["b"])
+    assert len(named) == 1 and re.fullmatch(SHM_LENT_PATTERN, named[0]), named
+    assert shm_files(second) == [] and held_files(second) == []
+    # taken: the sidecar no longer lends it, and its memory is released once the call ended
+    with pytest.raises(OSError, match="did not lend it"):
+        open_segment(second.settings.shm_dir, named[0])
+    deadline = time.monotonic() + 30
+    while second.engine.memory.held().get("restore", 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert second.engine.memory.held().get("restore", 0) == 0
+
+
+def test_a_handoff_file_truncated_under_the_client_falls_back_to_the_committed_bytes(
+    make_sidecar, make_client, job_name, short_tmp, monkeypatch
+):
+    storage = f"file://{short_tmp}/truncated-store"
+    first = make_sidecar(storage)
+    make_client(first, job_name, capture_rng=False).save(5, state(5.0)).durable.result(30)
+    first.stop(grace=1)
+    second = make_sidecar(storage)
+    assert second.engine.segments._handover is not None
+    second.engine.segments._handover.close()  # no handover socket: restores handed over as files
+    second.engine.segments._handover = None
+    fstat = os.fstat
+    truncated: list[str] = []
+
+    def truncate_after_fstat(fd: Any) -> os.stat_result:
+        """The handoff file's size as the client checks it, then truncated by a neighbour."""
+        found = fstat(fd)
+        target = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else ""
+        if os.path.basename(target).startswith("strata-held-") and not truncated:
+            truncated.append(target)
+            os.truncate(target, 0)
+        return found
+
+    restorer = make_client(second, job_name, capture_rng=False)
+    monkeypatch.setattr(os, "fstat", truncate_after_fstat)
+    out = state(-1.0)
+    assert restorer.restore(out) == 5
+    monkeypatch.setattr(os, "fstat", fstat)
+    assert truncated, "the restore was not handed over as a file"
+    assert restorer.last_restore["shared_memory"] is False  # fell back to gRPC
+    assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
