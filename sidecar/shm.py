@@ -1,17 +1,19 @@
 """Shared-memory segments a trainer staged a save into (same host only).
 
-The client creates its segments as memfds sealed against shrinking and growing
-(``F_SEAL_SHRINK | F_SEAL_GROW``), hands each one to the sidecar over its
-handover socket in the shm dir (SCM_RIGHTS), copies its tensors into
-them and sends only a header naming one. The sidecar maps a handed-over segment
-read-only only when its seals say the trainer can never take a page back, so a
-read of it never faults (a SIGBUS would take down every job this sidecar
-serves); what the trainer writes into it after a save is caught by the digests
-(the committed snapshot's segment is checked before a memory restore). A
-restarted trainer restores from the held segment without a copy: the sidecar
-lends it a read-only descriptor of it on the same socket, under a one-time name
-(``strata-fd-...``); where it cannot, it hands over a copy (a file it creates,
-``strata-held-p<pid>-r<random>``), as it does for a restore it assembled.
+The client creates its segments as memfds, allocated and faulted in whole, then sealed against
+shrinking, growing and writes other than through its own mapping (``F_SEAL_SHRINK |
+F_SEAL_GROW | F_SEAL_FUTURE_WRITE``), hands each one to the sidecar over its handover socket
+in the shm dir (SCM_RIGHTS), copies its tensors into them and sends only a header naming
+one. The sidecar maps a handed-over segment read-only only when its seals say the trainer can
+never take a page back nor punch a hole, and it has no hole (a read fault there would
+allocate a page charged to the sidecar), so a read of it never faults (a SIGBUS would take
+down every job this sidecar serves) nor allocates; what the trainer writes into it after a
+save is caught by the digests (the committed snapshot's segment is checked before a memory
+restore). A restarted trainer restores from the held segment without a copy: the sidecar
+lends it a descriptor of it on the same socket, under a one-time name (``strata-fd-...``).
+A restore the sidecar assembles (or a held segment it cannot lend) is a memfd it writes with
+``pwrite`` and seals against writes (``F_SEAL_WRITE``, which no one can lift), lent the same
+way; only without a handover socket is it a file (``strata-held-p<pid>-r<random>``).
 
 Older clients (or a host without memfd) create ``<shm_dir>/strata-<instance>-<n>``
 files instead. A file can be truncated by its writer at any time, so the
@@ -50,13 +52,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sidecar.api import SHM_HANDOVER_SOCKET, SHM_SEGMENT_PATTERN
+from sidecar.api import SHM_HANDOVER_SOCKET, SHM_LENT_PATTERN, SHM_SEGMENT_PATTERN
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 _SEGMENT = re.compile(SHM_SEGMENT_PATTERN)
 _SOCKET = re.compile(SHM_HANDOVER_SOCKET)
 #: a held name: ``strata-held-p<pid>.<token>-...`` (see Segments._id)
+#: not in every Python's fcntl (Linux 5.1+): writes through new descriptors and mappings, and
+#: hole punching, fail; the writer's existing writable mapping keeps working
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+_SEALED_COPY = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_LENT = re.compile(SHM_LENT_PATTERN)
 _HELD = re.compile(r"strata-held-p(([0-9]{1,10})\.[0-9a-f]{1,40})-[A-Za-z0-9._-]{1,200}")
 
 
@@ -283,18 +290,32 @@ class Segments:
         return Segment(name, fd=fd, held=held)
 
     def handoff(self, blobs: list[memoryview], size: int) -> str:
-        """A new segment holding ``blobs`` (``size`` bytes), for a restoring trainer to copy from
-        and remove; its name. OSError (a full tmpfs) leaves nothing behind."""
+        """A new segment holding ``blobs`` (``size`` bytes) for a restoring trainer to copy from;
+        its name. Where there is a handover socket, a memfd written here (never through a writable
+        mapping) and sealed against writes, shrinking and growing, lent under a one-time name
+        (SHM_LENT_PATTERN): nobody can change or truncate its bytes, nor rename anything over it.
+        Else a file in the directory, which the trainer removes (and must not map: its bytes are
+        anyone's who can write the directory). OSError (no room) leaves nothing behind."""
+        if self._handover is None:
+            return self._handoff_file(blobs, size)
+        fd = os.memfd_create("strata-restore", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, max(1, size))  # no room fails now, not as a fault later
+            _write_all(fd, blobs)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALED_COPY)
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._handover.lend_fd(fd)
+
+    def _handoff_file(self, blobs: list[memoryview], size: int) -> str:
         name = f"{self._prefix}r{uuid.uuid4().hex[:16]}"
         path = os.path.join(self.directory, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.posix_fallocate(fd, 0, max(1, size))  # ENOSPC now, not as a SIGBUS later
-            pos = 0
-            for blob in blobs:
-                while len(blob):
-                    n = os.pwrite(fd, blob, pos)
-                    pos, blob = pos + n, blob[n:]
+            _write_all(fd, blobs)
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -304,10 +325,18 @@ class Segments:
         return name
 
     def remove(self, name: str) -> None:
+        """Drop a handed-over segment: a lent one is withdrawn, a file removed."""
+        if _LENT.fullmatch(name) and self._handover is not None:
+            self._handover.withdraw(name)
+            return
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, name))
 
-    def exists(self, name: str) -> bool:
+    def pending(self, name: str) -> bool:
+        """Whether the trainer has yet to take a handed-over segment: a lent one is not yet
+        fetched (nor expired), a file is still there (the trainer removes it once read)."""
+        if _LENT.fullmatch(name) and self._handover is not None:
+            return self._handover.lent(name)
         return os.path.exists(os.path.join(self.directory, name))
 
     def _forget(self, segment: Segment) -> None:
@@ -340,16 +369,20 @@ class Handover:
     """The socket trainers hand their sealed memfd segments over on (``SHM_HANDOVER_CAPABILITY``).
 
     One thread serves every connection, without blocking on any: a message is one name and one
-    descriptor, checked (a regular file sealed against shrinking and growing) and kept until a
-    save names it (:meth:`claim`), at most ``MAX_PENDING`` per connection (the oldest is dropped),
-    and dropped with its connection.
+    descriptor, checked (a memfd without holes, sealed against shrinking, growing and new
+    writes) and kept until a save names it (:meth:`claim`), at most ``MAX_PENDING`` per
+    connection (the oldest is dropped), and dropped with its connection.
     """
 
     MAX_PENDING = 8
     MAX_CONNECTIONS = 1024
     MAX_LENT = 256
     LEND_S = 120.0
-    _NEEDED = (("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK), ("F_SEAL_GROW", fcntl.F_SEAL_GROW))
+    _NEEDED = (
+        ("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK),
+        ("F_SEAL_GROW", fcntl.F_SEAL_GROW),
+        ("F_SEAL_FUTURE_WRITE", F_SEAL_FUTURE_WRITE),
+    )
 
     def __init__(self, directory: str, name: str, socket_mode: int) -> None:
         if not hasattr(os, "memfd_create"):
@@ -389,6 +422,10 @@ class Handover:
         except OSError as exc:
             log.info("cannot lend a held segment read-only (%s); a restore gets a copy", exc)
             return None
+        return self.lend_fd(fd)
+
+    def lend_fd(self, fd: int) -> str:
+        """A one-time name under which a trainer gets ``fd`` (now this object's) on this socket."""
         name = self._prefix + uuid.uuid4().hex
         now = time.monotonic()
         with self._lock:
@@ -397,6 +434,19 @@ class Handover:
                 os.close(self._lent.popitem(last=False)[1][0])
             self._lent[name] = (fd, now + self.LEND_S)
         return name
+
+    def lent(self, name: str) -> bool:
+        """Whether ``name`` is still lent: neither fetched by a trainer nor expired nor withdrawn."""
+        with self._lock:
+            self._expire_locked(time.monotonic())
+            return name in self._lent
+
+    def withdraw(self, name: str) -> None:
+        """Stop lending ``name`` (a trainer that has its descriptor already keeps it)."""
+        with self._lock:
+            entry = self._lent.pop(name, None)
+        if entry is not None:
+            os.close(entry[0])
 
     def _expire_locked(self, now: float) -> None:
         for name in [n for n, (_, until) in self._lent.items() if until < now]:
@@ -520,8 +570,23 @@ class Handover:
         if missing:
             return (
                 f"segment {name} is not sealed with {' and '.join(missing)}: its writer could take "
-                "pages from under the sidecar (create it with memfd_create(MFD_ALLOW_SEALING) and add "
-                "F_SEAL_SHRINK | F_SEAL_GROW)"
+                "pages from under the sidecar or punch holes in it (create it with "
+                "memfd_create(MFD_ALLOW_SEALING), fallocate it, map it, then add "
+                "F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)"
+            )
+        # A hole would be filled by the sidecar's first read of it, with pages charged to the
+        # sidecar's memory (a sparse 64 GiB segment would get it killed); with FUTURE_WRITE no new
+        # hole can be punched, so the check holds for the segment's life. (A page fallocated but
+        # never touched reads as a hole too: the client faults its pages in before handing over.)
+        try:
+            hole = os.lseek(fd, 0, os.SEEK_HOLE)
+        except OSError:
+            hole = 0
+        if hole < info.st_size:
+            return (
+                f"segment {name} has a hole at byte {hole} of {info.st_size}: every page of a segment "
+                "must be allocated and faulted in (posix_fallocate, then mmap with MAP_POPULATE) "
+                "before it is handed over"
             )
         return ""
 
@@ -531,6 +596,14 @@ class Handover:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()
+
+
+def _write_all(fd: int, blobs: list[memoryview]) -> None:
+    pos = 0
+    for blob in blobs:
+        while len(blob):
+            n = os.pwrite(fd, blob, pos)
+            pos, blob = pos + n, blob[n:]
 
 
 def socket_tag(grpc_socket: str) -> str:

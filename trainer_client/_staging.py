@@ -56,14 +56,19 @@ class Slot:
     offset: int
 
 
+#: not in every Python's fcntl (Linux 5.1+)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+
+
 class SharedSegment:
     """Shared memory the client stages saves into and the sidecar reads.
 
-    With ``handover`` (a sidecar that takes them, ``save.shm.fd``) a memfd sealed against
-    shrinking and growing, handed to the sidecar over its socket: the sidecar maps only what
-    its writer can never take back. Otherwise a file in the sidecar's tmpfs, which the sidecar
-    takes over (renames) and copies at each save. Space is reserved with fallocate, so too little
-    memory fails here with ENOSPC instead of killing the trainer with SIGBUS on first touch.
+    With ``handover`` (a sidecar that takes them, ``save.shm.fd``) a memfd, fully allocated and
+    sealed against shrinking, growing and any write but through this client's own mapping, handed
+    to the sidecar over its socket: the sidecar maps only what its writer can never take back.
+    Otherwise a file in the sidecar's tmpfs, which the sidecar takes over (renames) and copies at
+    each save. Space is reserved with fallocate, so too little memory fails here with ENOSPC
+    instead of killing the trainer with SIGBUS on first touch.
     """
 
     def __init__(self, directory: str, name: str, size: int, handover: Handover | None = None) -> None:
@@ -94,11 +99,18 @@ class SharedSegment:
                     f"container's memory limit: raise that emptyDir's sizeLimit (or the tmpfs size) "
                     f"and the trainer's memory limit by 2 x {size} bytes per rank",
                 ) from None
-            self._map = mmap.mmap(fd, size)
             if handover is not None:
-                fcntl.fcntl(
-                    fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-                )
+                # Every page faulted in now (zeroed: what the first staging would do anyway), so
+                # none reads as a hole (the sidecar refuses a segment with one).
+                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            else:
+                self._map = mmap.mmap(fd, size)
+            if handover is not None:
+                # After our own mapping: it stays writable, while FUTURE_WRITE refuses new writable
+                # descriptors' writes and mappings and hole punching (the sidecar requires it: a
+                # hole it read would be filled with pages charged to its memory).
+                seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
                 handover.send(name, fd)
                 self.fd = fd
                 weakref.finalize(self, os.close, fd)

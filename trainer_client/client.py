@@ -16,6 +16,7 @@ the job-level COMMIT exists (or with the error that prevented it).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import operator
@@ -49,6 +50,7 @@ from sidecar.api import (
     RNG_STATE_KEY,
     SHM_HANDOVER_CAPABILITY,
     SHM_HANDOVER_SOCKET,
+    SHM_LENT_PATTERN,
     SHM_NAME_PATTERN,
     TOKEN_METADATA_KEY,
     channel_options,
@@ -1660,9 +1662,11 @@ class _SegmentChanged(_SegmentGone):
 
 
 def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Target]) -> None:
-    """Copy the tensors from the shared segment the sidecar holds the snapshot in, checking each
-    against its digest as it goes (the file under that name may not be the one the sidecar
-    checked)."""
+    """Copy the tensors from the shared segment a restore header names, checking each against
+    its digest as it goes. A lent descriptor is mapped only when its seals say no page can be
+    taken back (no SIGBUS here), and a copy made for this restore (``shm_handoff``) is trusted
+    without digests (lossy tensors have none) only when sealed against writes. A file is never
+    mapped (its writer may truncate it): it is read with ``preadv``, a short read meaning it is gone."""
     name = header.shm.name
     if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
         raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
@@ -1677,6 +1681,16 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.
             raise _SegmentChanged(f"shared segment {name} is not a regular file")
         if size < header.total_bytes:
             raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
+        if not re.fullmatch(SHM_LENT_PATTERN, name):
+            _read_file_segment(fd, name, targets)
+            return
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        need = fcntl.F_SEAL_SHRINK | (fcntl.F_SEAL_WRITE if header.shm_handoff else 0)
+        if seals & need != need:
+            raise _SegmentChanged(f"shared segment {name} is not sealed against {_seal_names(need & ~seals)}")
         # Populated at once: one call maps every page instead of a fault per 4 KiB.
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         with mmap.mmap(fd, header.total_bytes, flags, mmap.PROT_READ) as mapped:
@@ -1693,10 +1707,37 @@ def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.
         raise _SegmentChanged(f"shared segment {name}: {bad}")
 
 
+def _seal_names(bits: int) -> str:
+    names = [("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK), ("F_SEAL_WRITE", fcntl.F_SEAL_WRITE)]
+    return " and ".join(what for what, bit in names if bits & bit)
+
+
+def _read_file_segment(fd: int, name: str, targets: list[_verify.Target]) -> None:
+    """Read each tensor of a segment file straight into its destination and check its digest."""
+    digests = _verify.StreamCheck(targets)
+    for index, target in enumerate(targets):
+        pos, dst = 0, target.dst.data  # a writable uint8 view of the destination
+        while pos < len(dst):
+            n = os.preadv(fd, [dst[pos:]], target.offset + pos)
+            if n <= 0:
+                raise _SegmentGone(f"shared segment {name} shrank while being read")
+            pos += n
+        digests.update(index, 0, len(dst))
+    try:
+        digests.check()
+    except _verify.DigestMismatch as exc:
+        raise _SegmentChanged(f"shared segment {name}: {exc}") from None
+
+
 def _end(stream: Iterator[pb.RestoreResponse], header: pb.RestoreHeader, shm_dir: str) -> None:
     """Give up on a restore that named a shared segment: the call ends, a handoff is removed."""
     stream.cancel()  # type: ignore[attr-defined]  # a grpc call: the sidecar stops waiting
-    if header.shm_handoff:
+    _drop_handoff(header, shm_dir)
+
+
+def _drop_handoff(header: pb.RestoreHeader, shm_dir: str) -> None:
+    """Remove a handoff file made for this restore (a lent descriptor is the sidecar's to drop)."""
+    if header.shm_handoff and not re.fullmatch(SHM_LENT_PATTERN, header.shm.name):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(shm_dir, header.shm.name))
 
@@ -1736,9 +1777,7 @@ def _receive(
             stream.cancel()  # type: ignore[attr-defined]  # a grpc call: the sidecar stops waiting
             raise
         finally:
-            if header.shm_handoff:  # a copy made for this restore: ours to remove (ends the call)
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(shm_dir, header.shm.name))
+            _drop_handoff(header, shm_dir)  # a copy made for this restore (ends the call)
         for _ in stream:  # nothing more comes; let the call end
             raise RestoreError("the sidecar sent chunks after naming a shared segment")
         return header, tensors

@@ -151,20 +151,21 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
             header.shm_handoff = True
             yield pb.RestoreResponse(header=header)
-            self._until_removed(data.segment[0], context)
+            self._until_taken(data.segment[0], context)
         elif request.shm_ok and data.segment is not None and not data.handoff:
             # Held in a shared segment: the client copies from it directly (no bytes on the wire).
             header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
             yield pb.RestoreResponse(header=header)
         elif request.shm_ok and (handed := self._handoff(data)) is not None:
-            # Assembled here (a peer, storage): one copy into a segment the client reads and
-            # removes beats gRPC's copies by far; the call stays open until it is gone.
+            # Assembled here (a peer, storage, a file segment's copy): one copy into a sealed
+            # segment lent to the client beats gRPC's copies by far; the call stays open until
+            # the client took it (its memory is charged until then).
             name, blobs, memory = handed
             header.shm.CopyFrom(pb.SharedSegment(name=name, size=data.total_bytes))
             header.shm_handoff = True
             try:
                 yield pb.RestoreResponse(header=header)
-                self._until_removed(name, context)
+                self._until_taken(name, context)
             finally:
                 self.engine.segments.remove(name)
                 memory.release()
@@ -177,11 +178,11 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         if not request.HasField("of_rank"):  # served whole: the heartbeats say where it came from
             self.engine.reports.note_restore(_identity(request.identity).slot, data.step, data.source)
 
-    def _until_removed(self, name: str, context: grpc.ServicerContext) -> None:
-        """Keep the call open while the client reads a handed-over segment (it removes it), at
-        most two minutes; then make sure it is gone."""
+    def _until_taken(self, name: str, context: grpc.ServicerContext) -> None:
+        """Keep the call open until the client took a handed-over segment (fetched the lent
+        descriptor, or removed the file), at most two minutes; then make sure it is withdrawn."""
         deadline = time.monotonic() + 120
-        while self.engine.segments.exists(name) and context.is_active() and time.monotonic() < deadline:
+        while self.engine.segments.pending(name) and context.is_active() and time.monotonic() < deadline:
             time.sleep(0.005)
         self.engine.segments.remove(name)
 

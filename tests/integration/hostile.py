@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 import torch
 
-from sidecar.api import PROTOCOL_VERSION, channel_options, pb, pb_grpc
+from sidecar.api import PROTOCOL_VERSION, SHM_LENT_PATTERN, channel_options, pb, pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -89,6 +89,16 @@ class Outcome:
 
 
 # --- the sidecar, in its own process ---------------------------------------------------------------
+
+
+def take_handoff(shm_dir: str, name: str) -> None:
+    from trainer_client._staging import open_segment
+
+    if re.fullmatch(SHM_LENT_PATTERN, name):
+        with contextlib.suppress(OSError):
+            os.close(open_segment(shm_dir, name))
+    else:
+        (Path(shm_dir) / name).unlink(missing_ok=True)
 
 
 def free_port() -> int:
@@ -437,8 +447,9 @@ class Attacker:
             for msg in self.stub.Restore(req, timeout=STEP_TIMEOUT_S):
                 n += len(msg.chunk)
                 if msg.HasField("header") and msg.header.shm_handoff:
-                    # A copy handed over in the shm dir: the call ends once the client removed it.
-                    (Path(self.sidecar.shm_dir) / msg.header.shm.name).unlink(missing_ok=True)
+                    # A copy handed over: the call ends once the client took it, as a client does
+                    # (fetched the lent descriptor, or removed the file without a handover socket).
+                    take_handoff(str(self.sidecar.shm_dir), msg.header.shm.name)
             return n
 
         self.call(what, read)

@@ -37,10 +37,19 @@ def swap_before_open(monkeypatch: Any, swap: Any) -> list[str]:
 
 def files_only(monkeypatch: Any) -> None:
     """The client stages into files in the shm dir (an older client, or no memfd): the sidecar
-    hands restores back through a file there, which is what another process could replace."""
+    copies each save out of them, and hands a restore back as a sealed copy it lends."""
     import trainer_client.client as client_module
 
     monkeypatch.setattr(client_module, "_handover_socket", lambda capabilities: "")
+
+
+def no_handover_socket(server: Any) -> None:
+    """A sidecar without a handover socket: it hands restores back through a file in the shm dir,
+    which is what another process could replace."""
+    segments = server.engine.segments
+    assert segments._handover is not None
+    segments._handover.close()
+    segments._handover = None
 
 
 def replace_by_rename(path: str, fill: int) -> None:
@@ -65,7 +74,14 @@ def test_a_file_renamed_over_the_segment_a_restore_reads_is_not_restored(
     first.save(7, state(7.0)).durable.result(30)
     first._buffers = []  # killed: the sidecar keeps the committed snapshot
     swapped = swap_before_open(monkeypatch, lambda path: replace_by_rename(path, 0x5A))
-    second = make_client(server, job_name, capture_rng=False, generation="r/1")
+    # The copy of a file segment is lent sealed: no name in the shm dir to rename anything over.
+    lent = make_client(server, job_name, capture_rng=False, generation="r/1")
+    out = state(-1.0)
+    assert lent.restore(out) == 7 and not swapped
+    assert lent.last_restore is not None and lent.last_restore["shared_memory"] is True
+    assert torch.equal(out["w"], state(7.0)["w"]) and torch.equal(out["b"], state(7.0)["b"])
+    no_handover_socket(server)  # only then is a restore handed over as a file
+    second = make_client(server, job_name, capture_rng=False, generation="r/2")
     out = state(-1.0)
     try:
         step = second.restore(out)
@@ -124,6 +140,7 @@ def test_a_fifo_put_under_the_segments_name_does_not_hang_the_restore(
     first = make_client(server, job_name, capture_rng=False, generation="f/0")
     first.save(5, state(5.0)).durable.result(30)
     first._buffers = []
+    no_handover_socket(server)
     swapped = swap_before_open(monkeypatch, replace_by_fifo)
     second = make_client(server, job_name, capture_rng=False, generation="f/1")
     out = state(-1.0)

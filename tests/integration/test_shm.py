@@ -6,13 +6,17 @@ tmpfs falls back to streaming, and hostile segment names are refused."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import fcntl
+import mmap
 import os
 import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ from sidecar.api import (
     pb_grpc,
 )
 from trainer_client import CheckpointClient, SidecarUnavailable
+from trainer_client import client as client_module
 from trainer_client._staging import open_segment
 
 
@@ -561,3 +566,147 @@ def test_a_segment_name_never_reaches_another_jobs_segments(make_sidecar, job_na
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OK]
     # The other job's next save goes through its spare, untouched.
     assert shm_save(server, "victim", "strata-victim0-1", 64, step=2).bytes_received == 64
+
+
+# --- what a segment's writer can still do to it, and restores handed over as sealed copies ---------
+
+F_SEAL_FUTURE_WRITE = 0x10  # not in every Python's fcntl
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, offset: int, size: int) -> int:
+    """fallocate(PUNCH_HOLE): the errno it fails with, 0 when it punched."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(size)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def sealed_memfd(size: int, seals: int, allocate: bool) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    if allocate:
+        os.posix_fallocate(fd, 0, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_sparse_segment_or_one_its_writer_may_punch_is_refused(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    # 64 GiB of nothing: each page the sidecar read would be allocated, charged to the sidecar.
+    every = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
+    fd = sealed_memfd(64 << 30, every, allocate=False)
+    try:
+        answer = hand_over(server, "strata-sparse-0", fd)
+    finally:
+        os.close(fd)
+    assert answer.startswith("error") and "strata-sparse-0" in answer and "hole" in answer, answer
+    # Allocated, but its writer may still punch holes (and write through new descriptors).
+    fd = sealed_memfd(1 << 20, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, allocate=True)
+    try:
+        assert punch_hole(fd, 0, 4096) == 0
+        answer = hand_over(server, "strata-punchable-0", fd)
+    finally:
+        os.close(fd)
+    assert answer.startswith("error") and "strata-punchable-0" in answer, answer
+    assert "F_SEAL_FUTURE_WRITE" in answer, answer
+    with pytest.raises(grpc.RpcError) as info:
+        shm_save(server, job_name, "strata-sparse-0", 64)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+    # The client's own segments are sealed so: it still writes them through its mapping, while a
+    # hole or a write by any other way is refused.
+    client = make_client(server, job_name, capture_rng=False)
+    for step in (1, 2, 3):
+        client.save(step, state(float(step))).durable.result(30)
+    segment = client._buffers[client._held].segment
+    assert segment is not None and segment.fd is not None
+    assert fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+    assert punch_hole(segment.fd, 0, 4096) == errno.EPERM
+    with pytest.raises(PermissionError):
+        os.pwrite(segment.fd, b"x", 0)
+    out = state(-1.0)
+    assert make_client(server, job_name, capture_rng=False, generation="g/1").restore(out) == 3
+    assert torch.equal(out["w"], state(3.0)["w"]) and torch.equal(out["b"], state(3.0)["b"])
+
+
+def test_a_restore_assembled_by_the_sidecar_is_lent_sealed_never_named_as_a_file(
+    make_sidecar, make_client, job_name, short_tmp, monkeypatch
+):
+    storage = f"file://{short_tmp}/sealed-store"
+    first = make_sidecar(storage)
+    make_client(first, job_name, capture_rng=False).save(4, state(4.0)).durable.result(30)
+    first.stop(grace=1)
+    second = make_sidecar(storage)  # memory gone: the restore is assembled from storage
+    named: list[str] = []
+
+    def inspect(directory: str, name: str) -> int:
+        named.append(name)
+        fd = open_segment(directory, name)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        want = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        assert seals & want == want, hex(seals)
+        # a memfd's inode is 0777: reopened read-write, it is still sealed
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            for change in (
+                lambda: os.pwrite(rw, b"x", 0),
+                lambda: os.ftruncate(rw, 0),
+                lambda: mmap.mmap(rw, 4096),
+                lambda: os.truncate(rw, 1 << 30),
+            ):
+                with pytest.raises(PermissionError):
+                    change()
+            assert punch_hole(rw, 0, 4096) == errno.EPERM
+        finally:
+            os.close(rw)
+        return fd
+
+    monkeypatch.setattr(client_module, "open_segment", inspect)
+    out = state(-1.0)
+    restorer = make_client(second, job_name, capture_rng=False)
+    assert restorer.restore(out) == 4
+    assert restorer.last_restore["source"] == "storage" and restorer.last_restore["shared_memory"] is True
+    assert torch.equal(out["w"], state(4.0)["w"]) and torch.equal(out["b"], state(4.0)["b"])
+    assert len(named) == 1 and re.fullmatch(SHM_LENT_PATTERN, named[0]), named
+    assert shm_files(second) == [] and held_files(second) == []
+    # taken: the sidecar no longer lends it, and its memory is released once the call ended
+    with pytest.raises(OSError, match="did not lend it"):
+        open_segment(second.settings.shm_dir, named[0])
+    deadline = time.monotonic() + 30
+    while second.engine.memory.held().get("restore", 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert second.engine.memory.held().get("restore", 0) == 0
+
+
+def test_a_handoff_file_truncated_under_the_client_falls_back_to_the_committed_bytes(
+    make_sidecar, make_client, job_name, short_tmp, monkeypatch
+):
+    storage = f"file://{short_tmp}/truncated-store"
+    first = make_sidecar(storage)
+    make_client(first, job_name, capture_rng=False).save(5, state(5.0)).durable.result(30)
+    first.stop(grace=1)
+    second = make_sidecar(storage)
+    assert second.engine.segments._handover is not None
+    second.engine.segments._handover.close()  # no handover socket: restores handed over as files
+    second.engine.segments._handover = None
+    fstat = os.fstat
+    truncated: list[str] = []
+
+    def truncate_after_fstat(fd: Any) -> os.stat_result:
+        """The handoff file's size as the client checks it, then truncated by a neighbour."""
+        found = fstat(fd)
+        target = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else ""
+        if os.path.basename(target).startswith("strata-held-") and not truncated:
+            truncated.append(target)
+            os.truncate(target, 0)
+        return found
+
+    restorer = make_client(second, job_name, capture_rng=False)
+    monkeypatch.setattr(os, "fstat", truncate_after_fstat)
+    out = state(-1.0)
+    assert restorer.restore(out) == 5
+    monkeypatch.setattr(os, "fstat", fstat)
+    assert truncated, "the restore was not handed over as a file"
+    assert restorer.last_restore["shared_memory"] is False  # fell back to gRPC
+    assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
