@@ -184,6 +184,10 @@ class Segment:
             pos += n
 
 
+#: segments a rank may have handed over beyond ``per_owner`` for saves not (yet) admitted
+_UNADMITTED = 2
+
+
 class Segments:
     """Client segments by name, at most ``per_owner`` per rank.
 
@@ -236,13 +240,11 @@ class Segments:
         lock shared by other jobs): a memfd was handed over, a file is opened without blocking."""
         if not self.directory:
             raise FailedPrecondition("this sidecar does not accept shared-memory saves (--shm-dir is empty)")
-        parsed = _SEGMENT.fullmatch(name)
-        if parsed is None:
+        if _SEGMENT.fullmatch(name) is None:
             raise InvalidArgument(
                 f"shared segment name {name!r} must be strata-<instance>-<n> ({SHM_SEGMENT_PATTERN}: "
                 "the instance letters and digits, n a number)"
             )
-        instance = parsed.group(1)
         with self._lock:
             known = self._maps.get(owner)
             found = known.get(name) if known is not None else None
@@ -254,12 +256,27 @@ class Segments:
                 raise InvalidArgument(f"shared segment {name} is another rank's")
             maps = self._maps.setdefault(owner, OrderedDict())
             segment = maps.setdefault(name, found)
+            maps.move_to_end(name)
+            # Bounded before the save is admitted too: a client whose saves are all refused
+            # cannot make the sidecar hold its segments without limit.
+            while len(maps) > self._per_owner + _UNADMITTED:
+                self._forget(maps.popitem(last=False)[1])
+        return segment
+
+    def admitted(self, name: str, owner: object) -> None:
+        """Segment ``name`` of ``owner`` carries an admitted save: a predecessor's segments are
+        done (a restarted trainer), and no more than ``per_owner`` are kept. Not on acquire: a
+        save that is then refused (the rank holds enough snapshots) must not take the segments
+        the rank's saves in flight use."""
+        instance = _instance(name)
+        with self._lock:
+            maps = self._maps.get(owner)
+            if maps is None:
+                return
             for old in {_instance(n) for n in maps} - {instance}:
-                self._sweep(maps, old)  # a restarted trainer: its predecessor's segments are done
+                self._sweep(maps, old)
             while len(maps) > self._per_owner:
                 self._forget(maps.popitem(last=False)[1])
-            maps.move_to_end(name)
-        return segment
 
     def _take_file(self, name: str) -> Segment:
         """An older client's segment file, opened without following a link or blocking (a FIFO

@@ -195,6 +195,8 @@ class Admission:
                     f"rank {identity.rank} already holds {len(held)} snapshots ({busy}); "
                     "save less often or wait for the previous upload"
                 )
+            if segment is not None:
+                self.shared.segments.admitted(segment[0], identity.slot)
             memory = None
             if source is not None and source.in_place:  # a sealed memfd: read where it lies
                 buffer = source.view(offset)

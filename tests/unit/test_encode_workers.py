@@ -81,7 +81,7 @@ def test_a_trainer_segment_is_mapped_by_the_fd_it_was_handed_over_as(pool, short
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         os.write(fd, values.tobytes())
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | shm.F_SEAL_FUTURE_WRITE)
         conn.connect(str(short_tmp / segments.handover))
         socket.send_fds(conn, [b"strata-t1-0"], [fd])
         assert conn.recv(256) == b"ok"
