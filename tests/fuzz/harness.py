@@ -422,7 +422,8 @@ class Harness:
         self.close()
 
     def start(self) -> None:
-        # the readers log what they skip: thousands of lines a second here
+        # the readers log what they skip: thousands of lines a second here (level restored in close())
+        self._log_level = logging.getLogger("sidecar").level
         logging.getLogger("sidecar").setLevel(logging.CRITICAL)
         # the readers' modules (torch with the client's): imported once, not on the first case
         import sidecar.cli  # noqa: F401
@@ -458,6 +459,7 @@ class Harness:
             ch.close()
 
     def close(self) -> None:
+        logging.getLogger("sidecar").setLevel(self._log_level)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_DATA, self._data_limit)
         self._disconnect()
@@ -612,13 +614,17 @@ class Harness:
             if msg.HasField("header"):
                 header = msg.header
                 if header.HasField("shm") and header.shm.name:
-                    path = self.sidecar.shm_dir / header.shm.name
+                    # as the client reads it: a descriptor the sidecar lends, or a file in the shm dir
+                    from trainer_client._staging import open_segment
+
+                    fd = open_segment(str(self.sidecar.shm_dir), header.shm.name)
                     try:
-                        chunks.append(path.read_bytes()[: header.total_bytes])
+                        chunks.append(os.pread(fd, header.total_bytes, 0))
                     finally:
+                        os.close(fd)
                         if header.shm_handoff:
                             with contextlib.suppress(OSError):
-                                path.unlink()
+                                (self.sidecar.shm_dir / header.shm.name).unlink()
                     if not header.shm_handoff:
                         break
             else:
