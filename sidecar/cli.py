@@ -94,9 +94,10 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
         return 0
     from sidecar.budget import tune_allocator
     from sidecar.server import SidecarServer  # grpc server only when serving
-    from sidecar.server.app import yield_cpu
+    from sidecar.server.app import raise_nofile, yield_cpu
 
     yield_cpu(settings)
+    raise_nofile()
     tune_allocator()
     server = SidecarServer(settings).start()
     done, hurry = threading.Event(), threading.Event()

@@ -40,6 +40,11 @@ class SidecarSettings:
     max_message_bytes: int = _opt(64 << 20, "largest gRPC message accepted or sent")
     max_snapshot_bytes: int = _opt(64 << 30, "largest snapshot one save may carry")
     max_held_snapshots: int = _opt(2, "snapshots held in memory per rank (committed + in flight)")
+    max_ranks: int = _opt(
+        1024,
+        "ranks (namespace, job, rank) this sidecar holds snapshots of at once, over all jobs; a save "
+        "of one more is refused with RESOURCE_EXHAUSTED (ranks holding nothing make room)",
+    )
     max_tree_bytes: int = _opt(
         16 << 20,
         "largest state tree (the JSON of a save's non-tensor values) one save may carry; parsing it "
@@ -244,6 +249,8 @@ class SidecarSettings:
             )
         if self.max_blocking_rpcs < 4:
             raise ValueError(f"--max-blocking-rpcs must be >= 4, got {self.max_blocking_rpcs}")
+        if self.max_ranks < 1:
+            raise ValueError(f"--max-ranks must be >= 1, got {self.max_ranks}")
         if self.max_held_snapshots < 2:
             raise ValueError("--max-held-snapshots must be >= 2 (the committed one plus one in flight)")
         if not 0 < self.tracking_check_fraction <= 1 or not 0 < self.tracking_check_confidence < 1:

@@ -39,6 +39,7 @@ import logging
 import mmap
 import os
 import re
+import resource
 import selectors
 import socket
 import stat
@@ -388,7 +389,9 @@ class Handover:
     One thread serves every connection, without blocking on any: a message is one name and one
     descriptor, checked (a memfd without holes, sealed against shrinking, growing and new
     writes) and kept until a save names it (:meth:`claim`), at most ``MAX_PENDING`` per
-    connection (the oldest is dropped), and dropped with its connection.
+    connection (the oldest is dropped), and dropped with its connection. What it may hold open
+    (connections, their pending descriptors, lent ones) is at most a quarter of the process's
+    open-files limit, so a client opening connections cannot starve the rest of the sidecar.
     """
 
     MAX_PENDING = 8
@@ -419,8 +422,21 @@ class Handover:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._closed = False
+        self.max_lent, self.max_connections = self.fd_limits(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._thread = threading.Thread(target=self._serve, name="strata-shm-handover", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def fd_limits(cls, nofile: int) -> tuple[int, int]:
+        """The most lent descriptors and connections for an open-files limit of ``nofile``: a
+        connection holds itself and up to ``MAX_PENDING`` descriptors; all of them together at
+        most a quarter of the limit (``RLIM_INFINITY``: the class's maxima)."""
+        if nofile == resource.RLIM_INFINITY or nofile < 0:
+            return cls.MAX_LENT, cls.MAX_CONNECTIONS
+        share = nofile // 4
+        lent = max(1, min(cls.MAX_LENT, share // 4))
+        connections = max(1, min(cls.MAX_CONNECTIONS, (share - lent) // (1 + cls.MAX_PENDING)))
+        return lent, connections
 
     def claim(self, name: str) -> tuple[int, int] | None:
         """The descriptor and size of segment ``name``, now the caller's; None if not handed over."""
@@ -447,7 +463,7 @@ class Handover:
         now = time.monotonic()
         with self._lock:
             self._expire_locked(now)
-            while len(self._lent) >= self.MAX_LENT:
+            while len(self._lent) >= self.max_lent:
                 os.close(self._lent.popitem(last=False)[1][0])
             self._lent[name] = (fd, now + self.LEND_S)
         return name
@@ -506,7 +522,7 @@ class Handover:
         except OSError:
             return
         with self._lock:
-            if len(self._by_conn) >= self.MAX_CONNECTIONS:
+            if len(self._by_conn) >= self.max_connections:
                 conn.close()
                 return
             self._by_conn[conn] = []

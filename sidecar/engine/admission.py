@@ -178,7 +178,7 @@ class Admission:
         in_place = source is not None and source.in_place
         buffer: bytearray | memoryview
         with self.shared.lock:
-            held = self.held.slots.setdefault(identity.slot, [])
+            held = self.held.open_slot_locked(identity)
             for snap in held:
                 if in_place and segment is not None and snap.segment == segment[0]:
                     raise FailedPrecondition(

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 
 from sidecar import manifest as mf
 from sidecar.api import pb
@@ -54,31 +54,63 @@ class Commits:
         self.held = held
         self.reports = reports
         self.redundancy = redundancy
-        # One committer thread per rank: a rank's snapshots persist in the order they arrived,
-        # so a newer step never commits before an older one.
-        self._committers: dict[Slot, ThreadPoolExecutor] = {}
+        # One committer thread per rank while it has snapshots to persist (they persist in the
+        # order they arrived, so a newer step never commits before an older one); it ends once
+        # its queue is empty, so ranks that saved once keep no thread.
+        self._queues: dict[Slot, deque[Snapshot]] = {}
+        self._threads: set[threading.Thread] = set()
         # Tests and chaos runs only: behave like a zombie that never learns of a newer attempt on
         # its commit path (the check-then-act race, made certain). Readers must still be safe.
         self.stale_fences = os.environ.get("STRATA_TEST_STALE_FENCES") == "1"
 
     def submit(self, snap: Snapshot) -> None:
         """Persist and commit ``snap`` (complete) on its rank's committer thread."""
-        self._committer_for(snap.identity).submit(self._persist, snap)
-
-    def _committer_for(self, identity: Identity) -> ThreadPoolExecutor:
+        slot = snap.identity.slot
         with self.shared.lock:
-            pool = self._committers.get(identity.slot)
-            if pool is None:
-                pool = ThreadPoolExecutor(1, thread_name_prefix=f"strata-commit-r{identity.rank}")
-                self._committers[identity.slot] = pool
-            return pool
+            queue = self._queues.get(slot)
+            if queue is not None:  # its thread takes it after the ones before
+                queue.append(snap)
+                return
+            queue = self._queues[slot] = deque([snap])
+            thread = threading.Thread(
+                target=self._drain, args=(slot, queue), name=f"strata-commit-r{snap.identity.rank}"
+            )
+            self._threads.add(thread)
+        try:
+            thread.start()
+        except BaseException:  # no thread to be had: this save fails, the next may start one
+            with self.shared.lock:
+                self._queues.pop(slot, None)
+                self._threads.discard(thread)
+            raise
+
+    def _drain(self, slot: Slot, queue: deque[Snapshot]) -> None:
+        """Persist ``slot``'s snapshots in order; end when none is left. A snapshot stays at the
+        head of the queue while it persists, so a submit meanwhile only appends."""
+        while True:
+            with self.shared.lock:
+                if not queue:
+                    del self._queues[slot]
+                    self._threads.discard(threading.current_thread())
+                    return
+                snap = queue[0]
+            try:
+                self._persist(snap)
+            except Exception:
+                log.exception("rank %d: persisting step %d failed", snap.identity.rank, snap.step)
+            finally:
+                with self.shared.lock:
+                    queue.popleft()
 
     def shutdown(self) -> None:
         """Wait for every committer thread (their commits finish or give up)."""
-        with self.shared.lock:
-            pools = list(self._committers.values())
-        for pool in pools:
-            pool.shutdown(wait=True)
+        while True:
+            with self.shared.lock:
+                threads = list(self._threads)
+            if not threads:
+                return
+            for thread in threads:
+                thread.join()
 
     def _persist(self, snap: Snapshot) -> None:
         ident = snap.identity

@@ -47,6 +47,35 @@ class Held:
 
     # --- snapshots ---------------------------------------------------------------------------
 
+    def open_slot_locked(self, identity: Identity) -> list[Snapshot]:
+        """The list of ``identity``'s rank's held snapshots, a new one for a rank this sidecar
+        holds nothing of, within ``--max-ranks`` (caller holds the lock). At the cap, ranks that
+        hold nothing are retired first (their chain with them: their next checkpoint is full);
+        a save of one more is refused. Per-rank state must not grow with the identities a
+        client names: every job on this sidecar would run out of memory and threads."""
+        held = self.slots.get(identity.slot)
+        if held is not None:
+            return held
+        cap = self.shared.settings.max_ranks
+        if len(self.slots) >= cap:
+            for slot in [s for s, h in self.slots.items() if not h]:
+                del self.slots[slot]
+            for slot in (
+                self.chains.keys() | self.chain_refs.keys() | self.layers.keys()
+            ) - self.slots.keys():
+                self.chains.pop(slot, None)
+                self.chain_refs.pop(slot, None)
+                self.layers.pop(slot, None)
+                self.account(slot)
+        if len(self.slots) >= cap:
+            raise ResourceExhausted(
+                f"this sidecar holds snapshots of {len(self.slots)} ranks, its --max-ranks "
+                f"(STRATA_MAX_RANKS) {cap}: rank {identity.rank} of {identity.namespace}/{identity.job} "
+                "can save once one of them holds nothing"
+            )
+        held = self.slots[identity.slot] = []
+        return held
+
     def remember(self, snap: Snapshot) -> None:
         with self.shared.lock:
             self.outcomes[snap.save_id] = snap

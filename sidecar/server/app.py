@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import stat
 import threading
@@ -255,5 +256,20 @@ def yield_cpu(settings: SidecarSettings) -> None:
         os.nice(settings.nice)
 
 
+def raise_nofile() -> int:
+    """Raise this process's soft limit on open files to its hard limit: every rank's segments,
+    the handover socket's descriptors and the storage connections count against it (the
+    handover socket is sized from it). The soft limit it runs with now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.info("cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 def serve(settings: SidecarSettings) -> SidecarServer:
+    raise_nofile()
     return SidecarServer(settings).start()

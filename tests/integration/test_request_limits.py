@@ -252,3 +252,116 @@ def test_a_skip_reason_is_kept_bounded(stub, job_name):
     assert 0 < len(news.skipped[0]) <= 1024, len(news.skipped[0])
     marker = mf.skip_key("default", job_name, 3, next(iter(gang.steps))[0], 0)
     assert len(server.store.get(marker)) <= 4096
+
+
+# --- per-rank state across identities -----------------------------------------------------
+
+
+def _commit_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("strata-commit")]
+
+
+def test_new_ranks_past_the_cap_are_refused_naming_it_while_another_job_saves(
+    make_sidecar, make_client, job_name
+):
+    """Each (namespace, job, rank) a save names holds state here; a client naming ever new ones
+    is refused at ``--max-ranks`` while a job already saving goes on saving and restoring."""
+    server = make_sidecar(max_ranks=4)
+    victim = make_client(server, job_name, rank=0, world_size=1, generation=GENERATION)
+    assert victim.save(1, {"w": torch.ones(4)}).durable.result(60).step == 1
+    channel = grpc.insecure_channel(f"unix:{server.socket_path}", options=channel_options(64 * MiB))
+    s = pb_grpc.CheckpointerStub(channel)
+    try:
+        for i in range(3):  # world size 1: each commits and its copy stays held for restores
+            hostile = f"{job_name}-h{i}"
+            s.Save(iter(stream(hostile, 1, b"{}")), timeout=30)
+            done = s.WaitCommitted(
+                pb.WaitCommittedRequest(identity=identity(hostile), step=1, save_id="s1", timeout_seconds=30)
+            )
+            assert done.state == pb.COMMIT_STATE_COMMITTED, done.message
+        code, details = status_of(lambda: s.Save(iter(stream(f"{job_name}-h3", 1, b"{}")), timeout=30))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "--max-ranks" in details and "STRATA_MAX_RANKS" in details, details
+    finally:
+        channel.close()
+    assert victim.save(2, {"w": torch.full((4,), 2.0)}).durable.result(60).step == 2
+    out = {"w": torch.zeros(4)}
+    assert victim.restore(out) == 2
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+
+
+def test_idle_ranks_keep_no_committer_thread(stub, job_name):
+    """A rank's committer thread lives while it has snapshots to persist: ranks that saved once
+    do not each keep a thread (threads are what a client naming ever new ranks would exhaust)."""
+    s, _ = stub
+    before = len(_commit_threads())
+    for i in range(24):
+        job = f"{job_name}-{i}"
+        s.Save(iter(stream(job, 1, b"{}")), timeout=30)
+        done = s.WaitCommitted(
+            pb.WaitCommittedRequest(identity=identity(job), step=1, save_id="s1", timeout_seconds=30)
+        )
+        assert done.state == pb.COMMIT_STATE_COMMITTED, done.message
+    deadline = time.monotonic() + 30  # a committer ends just after its last commit is announced
+    while len(_commit_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(_commit_threads()) <= before, _commit_threads()
+
+
+_HANDOVER_UNDER_A_LOW_LIMIT = r"""
+import os, resource, socket, sys, tempfile, time
+from sidecar.server.app import raise_nofile
+from sidecar.shm import Handover
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+assert soft == 256, soft
+h = Handover(tempfile.mkdtemp(dir=sys.argv[1]), ".strata-segments-0123456789abcdef.sock", 0o600)
+held = h.max_connections * (1 + h.MAX_PENDING) + h.max_lent
+assert 1 <= h.max_connections and held <= soft // 4, (h.max_connections, h.max_lent)
+clients = []
+for _ in range(100):
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    c.connect(h.path)
+    clients.append(c)
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:  # each connection past the limit is closed as accepted
+    closed = 0
+    for c in clients:
+        try:
+            closed += c.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            pass
+    if closed == len(clients) - h.max_connections:
+        break
+    time.sleep(0.02)
+assert len(h._by_conn) <= h.max_connections and closed == len(clients) - h.max_connections, closed
+h.close()
+assert raise_nofile() == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+print("ok", h.max_connections, h.max_lent)
+"""
+
+
+def test_the_handover_socket_holds_at_most_a_quarter_of_the_open_files_limit(short_tmp):
+    """Connections to the segment handover socket and the descriptors pending on them are
+    bounded by the open-files limit, so they cannot starve the sidecar's own files; a sidecar
+    raises its soft limit to the hard one."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 256:
+        pytest.skip(f"hard open-files limit {hard} below the 256 this test sets")
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _HANDOVER_UNDER_A_LOW_LIMIT, str(short_tmp)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low_limit,
+        env={**os.environ, "PYTHONPATH": str(Path(faults.__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
