@@ -59,6 +59,7 @@ NS = "default"
 #: the sidecar's --memory-budget, and what its RSS may exceed it by (interpreter, gRPC, caches)
 MEMORY_BUDGET = 32 * MiB
 RSS_MARGIN = 64 * MiB
+MAX_MESSAGE = 4 * MiB
 #: what the harness's own in-process readers may allocate beyond its size at start
 READER_MEMORY = 4 << 30
 #: the sidecar process's heap and private mappings (its threads' stacks included)
@@ -249,6 +250,9 @@ class Sidecar:
             f"--socket={self.socket}",
             f"--shm-dir={self.shm_dir}",
             f"--memory-budget={MEMORY_BUDGET}",
+            # gRPC parses a message before the sidecar can charge it (a header's parsed form is ~6x
+            # its wire size): a small budget comes with small messages (README, Limits on one request)
+            f"--max-message-bytes={MAX_MESSAGE}",
             "--metrics-port=0",
             f"--peer-port={self.peer_port}",
             "--commit-timeout-s=5",
@@ -839,8 +843,9 @@ def _huge_headers() -> list[Case]:
 
 
 def _huge_trees() -> list[Case]:
-    """Two saves with 24 MB JSON state trees."""
-    tree = json.dumps({"w": {"__tensor__": 0}, "x": ["y" * 100] * 240_000}).encode()
+    """Two saves with 3.5 MB JSON state trees (under the 4 MiB message cap: the budget must refuse
+    or charge them; a larger one gRPC refuses before the sidecar sees it)."""
+    tree = json.dumps({"w": {"__tensor__": 0}, "x": ["y" * 100] * 34_000}).encode()
     return [Case("grpc:Save", save_stream(f"fz-tree-{j}", 1, b"\0" * 8, tree=tree)) for j in range(2)]
 
 
