@@ -178,3 +178,39 @@ class TcpProxy:
         with self._lock:
             for conn in self._conns:
                 conn.close()
+
+
+def two_rank_job_with_a_damaged_step(
+    make_sidecar: Callable[..., SidecarServer],
+    make_client: Callable[..., CheckpointClient],
+    job: str,
+    tmp_path: Path,
+    prefix: str,
+) -> tuple[str, str, Callable[[SidecarServer, str], list[CheckpointClient]]]:
+    """A 2-rank job (generation ``<prefix>/0``) that committed steps 1 and 2 (``w`` = 10 * step +
+    rank) to file storage, then one byte of rank 1's data of step 2 flipped, its sidecar stopped.
+    (the storage url, the damaged object's key, ``gang(sidecar, generation)`` making the 2 ranks)."""
+    import torch
+
+    from sidecar import manifest as mf
+
+    storage = f"file://{tmp_path}/store"
+    server = make_sidecar(storage)
+
+    def gang(on: SidecarServer, generation: str) -> list[CheckpointClient]:
+        return [make_client(on, job, rank=r, world_size=2, generation=generation) for r in range(2)]
+
+    ranks = gang(server, f"{prefix}/0")
+    for step in (1, 2):
+        handles = [c.save(step, {"w": torch.full((4096,), 10.0 * step + r)}) for r, c in enumerate(ranks)]
+        assert [h.durable.result(30).step for h in handles] == [step, step]
+    for c in ranks:
+        c.close()
+    server.stop(grace=1)
+    commit = mf.read_commit(server.store, "default", job, 2)
+    key = mf.load_manifest(server.store, commit, 1).objects[0].key  # rank 1's data of step 2
+    path = tmp_path / "store" / key
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return storage, key, gang

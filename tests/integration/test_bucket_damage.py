@@ -11,6 +11,7 @@ import logging
 import grpc
 import pytest
 import torch
+from conftest import two_rank_job_with_a_damaged_step
 from s3proxy import S3Proxy
 
 from sidecar import cli
@@ -109,30 +110,12 @@ def test_a_later_generation_reports_every_step_it_skipped_and_why(
 def test_a_later_gang_restart_reports_the_step_it_skipped_and_why(
     make_sidecar, make_client, job_name, tmp_path
 ):
-    storage = f"file://{tmp_path}/store"
-    server = make_sidecar(storage)
-
-    def gang(on, generation: str) -> list:
-        return [make_client(on, job_name, rank=r, world_size=2, generation=generation) for r in range(2)]
-
-    ranks = gang(server, "g/0")
-    for step in (1, 2):
-        handles = [c.save(step, {"w": torch.full((4096,), 10.0 * step + r)}) for r, c in enumerate(ranks)]
-        assert [h.durable.result(30).step for h in handles] == [step, step]
-    for c in ranks:
-        c.close()
-    server.stop(grace=1)
-    commit = mf.read_commit(server.store, "default", job_name, 2)
-    obj = mf.load_manifest(server.store, commit, 1).objects[0]  # rank 1's data of step 2
-    path = tmp_path / "store" / obj.key
-    data = bytearray(path.read_bytes())
-    data[100] ^= 0xFF
-    path.write_bytes(bytes(data))
+    storage, key, gang = two_rank_job_with_a_damaged_step(make_sidecar, make_client, job_name, tmp_path, "g")
 
     fresh = make_sidecar(storage)
     ranks = gang(fresh, "g/1")
     assert ranks[0].restore({"w": torch.zeros(4096)}) == 2
-    with pytest.raises(RestoreError, match=obj.key):
+    with pytest.raises(RestoreError, match=key):
         ranks[1].restore({"w": torch.zeros(4096)})
     for c in ranks:
         c.close()
@@ -143,7 +126,7 @@ def test_a_later_gang_restart_reports_the_step_it_skipped_and_why(
         assert c.restore(out) == 1 and out["w"][0] == 10.0 + r
         reason = c.last_restore["fallback_reason"]
         assert "skipped 1 unusable step(s): step 2 (attempt 0) corrupt" in reason, reason
-        assert obj.key in reason and "marked by rank 1/2 of generation g/1" in reason
+        assert key in reason and "marked by rank 1/2 of generation g/1" in reason
         assert reason.endswith("restored step 1")
 
 

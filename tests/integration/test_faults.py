@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TcpProxy
+from conftest import TcpProxy, two_rank_job_with_a_damaged_step
 
 from sidecar import manifest as mf
 from trainer_client import SaveFailed
@@ -221,25 +221,7 @@ def test_corrupt_object_is_named_and_restore_falls_back(
 def test_a_corrupt_restore_step_stops_a_gang_and_the_next_restart_restores_an_older_one(
     make_sidecar, make_client, job_name, tmp_path
 ):
-    storage = f"file://{tmp_path}/store"
-    server = make_sidecar(storage)
-
-    def gang(on, generation: str) -> list:
-        return [make_client(on, job_name, rank=r, world_size=2, generation=generation) for r in range(2)]
-
-    ranks = gang(server, "f/0")
-    for step in (1, 2):
-        handles = [c.save(step, {"w": torch.full((4096,), 10.0 * step + r)}) for r, c in enumerate(ranks)]
-        assert [h.durable.result(30).step for h in handles] == [step, step]
-    for c in ranks:
-        c.close()
-    server.stop(grace=1)
-    commit = mf.read_commit(server.store, "default", job_name, 2)
-    obj = mf.load_manifest(server.store, commit, 1).objects[0]  # rank 1's data of step 2
-    path = tmp_path / "store" / obj.key
-    data = bytearray(path.read_bytes())
-    data[100] ^= 0xFF
-    path.write_bytes(bytes(data))
+    storage, key, gang = two_rank_job_with_a_damaged_step(make_sidecar, make_client, job_name, tmp_path, "f")
 
     from trainer_client import RestoreError
 
@@ -248,7 +230,7 @@ def test_a_corrupt_restore_step_stops_a_gang_and_the_next_restart_restores_an_ol
     out = {"w": torch.zeros(4096)}
     assert ranks[0].restore(out) == 2 and out["w"][0] == 20.0
     # Every rank of an attempt restores the same step: rank 1 cannot fall back alone.
-    with pytest.raises(RestoreError, match=obj.key):
+    with pytest.raises(RestoreError, match=key):
         ranks[1].restore(out)
     assert fresh.store.list(mf.unusable_prefix("default", job_name)).objects
     assert mf.newest_committed(fresh.store, "default", job_name) == 2  # not fenced off by a rank
