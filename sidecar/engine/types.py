@@ -133,8 +133,6 @@ class RestoreData:
     attempt: int = 0
     #: the shared segment (name in --shm-dir, bytes) holding exactly these bytes, when there is one
     segment: tuple[str, int] | None = None
-    #: that segment was made for this restore: the trainer removes it once read
-    handoff: bool = False
     #: the ranks that saved the commit served (set for reads of any rank: it may differ from the
     #: reader's world size)
     world_size: int = 0

@@ -146,13 +146,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         if request.header_only:
             yield pb.RestoreResponse(header=header)
             return
-        if request.shm_ok and data.segment is not None and data.handoff:
-            # Assembled in a segment of its own: the client reads it and removes it.
-            header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
-            header.shm_handoff = True
-            yield pb.RestoreResponse(header=header)
-            self._until_taken(data.segment[0], context)
-        elif request.shm_ok and data.segment is not None and not data.handoff:
+        if request.shm_ok and data.segment is not None:
             # Held in a shared segment: the client copies from it directly (no bytes on the wire).
             header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
             yield pb.RestoreResponse(header=header)
