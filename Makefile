@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-prometheus demo test test-slow bench chaos fuzz proto lint e2e clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench chaos fuzz proto lint e2e clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -17,7 +17,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	$(MAKE) --no-print-directory setup-torchrec
 	touch $@
+
+# TorchRec for its tests (-m torchrec, part of make test). The pair that loads with torch 2.13:
+# torchrec 1.8.0 on fbgemm-gpu-cpu 1.8.0, torchrec without its dependencies (its metadata asks for
+# the CUDA fbgemm-gpu); 1.9.x does not load (an undefined symbol in fbgemm_gpu_tbe_index_select.so).
+TORCHREC_PINS := fbgemm-gpu-cpu==1.8.0 torchmetrics==1.0.3 tensordict==0.15.3 pyre-extensions tqdm
+setup-torchrec:  ## install TorchRec 1.8.0 + fbgemm-gpu-cpu 1.8.0 into .venv (make setup does it)
+	test -x $(PY) || $(MAKE) --no-print-directory setup
+	$(PIP) install -q $(TORCHREC_PINS)
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PY) -c 'import torchrec, fbgemm_gpu; from torchrec.distributed import DistributedModelParallel'
 
 setup-prometheus:  ## install Debian's prometheus for the real scrape test (needs root; idempotent)
 	deploy/local/install-prometheus.sh
