@@ -83,31 +83,6 @@ def changed_rows(current: U8, previous: U8) -> Bool1D:
     return out
 
 
-def to_f32(rows: U8, dtype: str) -> qz.F32:
-    """Row bytes of a float tensor as float32 ``[rows, dim]`` (exact widening)."""
-    if dtype == "float32":
-        return rows.view(np.float32)
-    if dtype == "float16":
-        return rows.view(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        return qz.bf16_to_f32(rows.view(np.uint16))
-    raise TypeError(f"{dtype} cannot be quantized")
-
-
-def from_f32(values: qz.F32, dtype: str) -> U8:
-    """Float32 values back to the tensor's dtype, as row bytes."""
-    out: npt.NDArray[np.float32 | np.float16 | np.uint16]
-    if dtype == "float32":
-        out = np.ascontiguousarray(values, np.float32)
-    elif dtype == "float16":
-        out = values.astype(np.float16)
-    elif dtype == "bfloat16":
-        out = qz.f32_to_bf16(values)
-    else:
-        raise TypeError(f"{dtype} cannot be dequantized")
-    return out.view(np.uint8).reshape(values.shape[0], values.shape[1] * out.itemsize)
-
-
 @dataclass
 class Encoded:
     """One tensor's stored form: ``pieces`` back to back are its payload."""
@@ -161,7 +136,7 @@ def _finite(error: float) -> float | None:
 
 
 def _quantize(rows: U8, dtype: str, bits: int, workers: int) -> tuple[bytes, float | None]:
-    values = to_f32(rows, dtype)
+    values = qz.to_f32(rows, dtype)
     q = qz.quantize_rows(values, bits, greedy=_greedy(bits), workers=workers)
     return q.to_bytes(), _finite(q.rel_error if values.size else 0.0)
 
@@ -205,7 +180,7 @@ def _widen(payload: memoryview | bytes, cast: str, dim: int) -> qz.F32:
 
 
 def _cast(rows: U8, dtype: str, cast: str) -> tuple[bytes, float | None]:
-    values = to_f32(rows, dtype)
+    values = qz.to_f32(rows, dtype)
     low = qz.downcast(values, cast)  # type: ignore[arg-type]
     payload = low.tobytes()
     error = 0.0
@@ -291,13 +266,13 @@ def decode_into(
         q = qz.QuantizedRows.from_bytes(payload)
         if q.shape != (target.shape[0], int(shape[1])):
             raise ValueError(f"quantized rows {q.shape} for a tensor of shape {list(shape)}")
-        target[...] = from_f32(qz.dequantize_rows(q), dtype)
+        target[...] = qz.from_f32(qz.dequantize_rows(q), dtype)
         return
     if encoding == "cast":
         values = _widen(payload, cast, int(shape[1]))
         if values.shape[0] != target.shape[0]:
             raise ValueError(f"cast payload holds {values.shape[0]} rows for a tensor of shape {list(shape)}")
-        target[...] = from_f32(values, dtype)
+        target[...] = qz.from_f32(values, dtype)
         return
     if encoding not in ("rows-diff", "rows-diff-quantized", "rows-diff-cast"):
         raise ValueError(f"unknown encoding {encoding!r}")
@@ -317,9 +292,9 @@ def decode_into(
         values = _widen(body, cast, int(shape[1]))
         if values.shape[0] != changed:
             raise ValueError(f"cast diff carries {values.shape[0]} rows, its bitmap marks {changed}")
-        target[mask] = from_f32(values, dtype)
+        target[mask] = qz.from_f32(values, dtype)
         return
     q = qz.QuantizedRows.from_bytes(body)
     if q.shape[0] != changed:
         raise ValueError(f"quantized diff carries {q.shape[0]} rows, its bitmap marks {changed}")
-    target[mask] = from_f32(qz.dequantize_rows(q), dtype)
+    target[mask] = qz.from_f32(qz.dequantize_rows(q), dtype)

@@ -919,3 +919,28 @@ if __name__ == "__main__":
 
     args = [int(a) for a in sys.argv[1:5]]
     benchmark(*args)
+
+
+def to_f32(rows: npt.NDArray[np.uint8], dtype: str) -> F32:
+    """Row bytes of a float tensor as float32 ``[rows, dim]`` (exact widening)."""
+    if dtype == "float32":
+        return rows.view(np.float32)
+    if dtype == "float16":
+        return rows.view(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return bf16_to_f32(rows.view(np.uint16))
+    raise TypeError(f"{dtype} cannot be quantized")
+
+
+def from_f32(values: F32, dtype: str) -> npt.NDArray[np.uint8]:
+    """Float32 values back to the tensor's dtype, as row bytes."""
+    out: npt.NDArray[np.float32 | np.float16 | np.uint16]
+    if dtype == "float32":
+        out = np.ascontiguousarray(values, np.float32)
+    elif dtype == "float16":
+        out = values.astype(np.float16)
+    elif dtype == "bfloat16":
+        out = f32_to_bf16(values)
+    else:
+        raise TypeError(f"{dtype} cannot be dequantized")
+    return out.view(np.uint8).reshape(values.shape[0], values.shape[1] * out.itemsize)

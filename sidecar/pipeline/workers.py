@@ -222,8 +222,6 @@ def _quantize_part(
     greedy: bool,
 ) -> qz.Part:
     """Rows ``[first, last)`` of the tensor (or, with ``pick``, those rows among them)."""
-    from sidecar.pipeline.encode import to_f32  # the worker's own import, after spawn
-
     row_bytes = shape[1] * _ITEMSIZE[dtype]
     if last <= first:
         return qz.quantize_parts(np.zeros((0, shape[1]), np.float32), bits, greedy=greedy)
@@ -245,7 +243,7 @@ def _quantize_part(
         os.close(handle)
     try:
         raw = np.frombuffer(mapped, np.uint8, size, start - page).reshape(last - first, row_bytes)
-        values = to_f32(raw if pick is None else raw[pick - first], dtype)
+        values = qz.to_f32(raw if pick is None else raw[pick - first], dtype)
         part = qz.quantize_parts(values, bits, greedy=greedy)
         del raw, values
         return part

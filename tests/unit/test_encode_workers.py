@@ -33,7 +33,7 @@ def pool() -> Iterator[EncodePool]:
 
 def _memfd_table(rows: int, dtype: str, seed: int = 0) -> memoryview:
     values = np.random.default_rng(seed).standard_normal((rows, DIM), dtype=np.float32)
-    raw = enc.from_f32(values, dtype)
+    raw = qz.from_f32(values, dtype)
     m = shm.anonymous(raw.nbytes)
     np.frombuffer(m, np.uint8)[:] = raw.reshape(-1)
     return memoryview(m)
