@@ -349,7 +349,7 @@ README_END = "<!-- annotations:end -->"
 README_COMMAND = ".venv/bin/python -m sidecar.operator.annotations --readme"
 
 
-#: What each pod annotation the injection reads itself (``inject.POD_ANNOTATIONS``, not sidecar
+#: What each pod annotation the injection reads itself (``INJECTION_ANNOTATIONS``, not sidecar
 #: settings) means, for README.md; one missing here fails :func:`readme_block`.
 POD_ANNOTATION_DOCS: dict[str, str] = {
     "strata.dev/storage-secret": "name of a Secret in the pod's namespace whose keys (`AWS_ACCESS_KEY_ID`, "
@@ -386,8 +386,6 @@ def _cell(text: str) -> str:
 def readme_block() -> str:
     """README.md's Annotations reference: the settings table, plus the labels, gate and annotations
     the webhook and the operator read or write that are not settings."""
-    from sidecar.operator import inject  # inject imports this module: import it late
-
     sidecar_rows = [s for s in table() if s.env]
     job_rows = [s for s in table() if not s.env]
     lines = [
@@ -416,10 +414,10 @@ def readme_block() -> str:
     ]
     for s in job_rows:
         lines.append(f"| `{s.annotation}` | {_value(s.default)} | {_cell(s.help)} |")
-    undocumented = [a for a in inject.POD_ANNOTATIONS if a not in POD_ANNOTATION_DOCS]
+    undocumented = [a for a in INJECTION_ANNOTATIONS if a not in POD_ANNOTATION_DOCS]
     if undocumented:
         raise ValueError(f"document {', '.join(undocumented)} in annotations.POD_ANNOTATION_DOCS")
-    pod_rows = [(a, POD_ANNOTATION_DOCS[a]) for a in inject.POD_ANNOTATIONS]
+    pod_rows = [(a, POD_ANNOTATION_DOCS[a]) for a in INJECTION_ANNOTATIONS]
     others = [
         (
             f"`{names.OPT_IN_LABEL}: {names.OPT_IN_VALUE}`",
