@@ -24,9 +24,12 @@ each save out of it with ``pread`` into memory of its own; a file that shrank
 fails that save, and nothing else.
 
 Segments are cached by name per rank, because the client reuses its segments for
-every save. Only names this sidecar took over or created are ever removed: when
+every save. Of the names this sidecar took over or created, it removes its own: when
 the rank's successor saves, when the sidecar stops, and (held names of sidecars
-that are gone) when the next one starts.
+that are gone) when the next one starts. Files still under a trainer's names are
+removed only once their owner is proven gone (``sidecar.api.shm_owners``: the lock it
+held is free): when a trainer's Attach stream ends, at start and at stop. Memfds handed
+over and never saved from are dropped with their handover connection.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sidecar.api import SHM_HANDOVER_SOCKET, SHM_LENT_PATTERN, SHM_SEGMENT_PATTERN
+from sidecar.api.shm_owners import remove_orphans
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -214,6 +218,7 @@ class Segments:
         self._handover: Handover | None = None
         if directory:
             _remove_stale_held(directory)
+            self.remove_orphans()
             try:
                 tag = tag or uuid.uuid4().hex[:16]
                 self._handover = Handover(directory, f".strata-segments-{tag}.sock", socket_mode)
@@ -235,6 +240,20 @@ class Segments:
         if found is None or found.mapped is None or self._handover is None:
             return None
         return self._handover.lend(found.mapped)
+
+    def remove_orphans(self) -> None:
+        """Remove the segment files of trainers that are gone (their owner lock is free)."""
+        if self.directory and (removed := remove_orphans(self.directory)):
+            log.info("removed %d shared segment(s) of trainers that are gone: %s", len(removed), removed)
+
+    def trainer_gone(self) -> None:
+        """A trainer's connection ended: remove its segment files once its lock is free, a moment
+        later (a dying process closes its descriptors one by one: the lock may outlast the
+        connection)."""
+        if self.directory:
+            timer = threading.Timer(1.0, self.remove_orphans)
+            timer.daemon = True
+            timer.start()
 
     def acquire(self, name: str, owner: object) -> Segment:
         """Segment ``name`` of ``owner`` (a rank). Never blocks on the name (the caller holds no
@@ -374,6 +393,7 @@ class Segments:
                 for instance in {_instance(n) for n in maps}:
                     self._sweep(maps, instance)
             self._maps.clear()
+        self.remove_orphans()
         with _LIVE_LOCK:
             _LIVE.discard(self._id)
 

@@ -30,6 +30,7 @@ import torch
 
 from sidecar.api import SHM_LENT_PATTERN
 from sidecar.api.dtypes import ITEMSIZE
+from sidecar.api.shm_owners import OwnerLock, remove_orphans
 
 log = logging.getLogger("strata.client")
 
@@ -67,13 +68,22 @@ class SharedSegment:
     sealed against shrinking, growing and any write but through this client's own mapping, handed
     to the sidecar over its socket: the sidecar maps only what its writer can never take back.
     Otherwise a file in the sidecar's tmpfs, which the sidecar takes over (renames) and copies at
-    each save. Space is reserved with fallocate, so too little memory fails here with ENOSPC
-    instead of killing the trainer with SIGBUS on first touch.
+    each save; ``owner``, the lock proving its creator alive, is held as long as it lives. Space
+    is reserved with fallocate, so too little memory fails here with ENOSPC instead of killing
+    the trainer with SIGBUS on first touch.
     """
 
-    def __init__(self, directory: str, name: str, size: int, handover: Handover | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        name: str,
+        size: int,
+        handover: Handover | None = None,
+        owner: OwnerLock | None = None,
+    ) -> None:
         self.name = name
         self.path = "" if handover is not None else os.path.join(directory, name)
+        self._owner = owner
         #: the memfd (kept open while the segment lives; None for a file)
         self.fd: int | None = None
         if handover is not None:
@@ -214,13 +224,18 @@ def open_segment(directory: str, name: str) -> int:
 class SegmentFactory:
     """Creates this client's segments, ``strata-<instance>-<n>`` with an instance unique per
     client: memfds handed over to the sidecar where it takes them (``handover``: its socket's
-    name in the shm dir), else files in the shm dir."""
+    name in the shm dir), else files in the shm dir, which it holds an owner lock for
+    (``sidecar.api.shm_owners``). It first removes the files of clients that are gone (a
+    predecessor killed before its first save left its spare segments there)."""
 
     def __init__(self, directory: str, handover: str = "") -> None:
         self.directory = directory
         self.instance = uuid.uuid4().hex[:16]
         self._count = itertools.count()
         self._handover = Handover(os.path.join(directory, handover)) if handover else None
+        self._owner: OwnerLock | None = None
+        if removed := remove_orphans(directory):
+            log.info("removed %d shared segment(s) of trainers that are gone: %s", len(removed), removed)
 
     def create(self, size: int) -> SharedSegment:
         name = f"strata-{self.instance}-{next(self._count)}"
@@ -234,11 +249,17 @@ class SegmentFactory:
                 log.warning("shared segments go through files from now on: %s", exc)
                 self._handover.close()
                 self._handover = None
-        return SharedSegment(self.directory, name, size)
+        if self._owner is None:
+            self._owner = OwnerLock(self.directory, self.instance)
+        return SharedSegment(self.directory, name, size, owner=self._owner)
 
     def close(self) -> None:
+        """Stop handing over; the owner lock goes (the caller released the segments first)."""
         if self._handover is not None:
             self._handover.close()
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
 
 
 class HostBuffers:

@@ -384,6 +384,8 @@ class CheckpointClient:
         with self._stage_lock:
             for b in self._buffers:
                 b.reset()
+            if self._segments is not None:
+                self._segments.close()
             self._segments, self._held = None, None
             self._buffers = self._new_buffers()
             self._busy.clear()

@@ -53,6 +53,8 @@ SHM_NAME_PATTERN = r"strata-[A-Za-z0-9][A-Za-z0-9._-]{0,200}"
 #: What a Save header may name (a full match): ``strata-<instance>-<n>``, the instance 1-64 letters
 #: or digits (no dash, so no name stands for another instance's), n a decimal index.
 SHM_SEGMENT_PATTERN = r"strata-([A-Za-z0-9]{1,64})-([0-9]{1,9})"
+#: A client staging into such files holds a lock on ``.strata-owner-<instance>`` beside them while
+#: they live; anyone may remove them once that lock is free (``sidecar.api.shm_owners``).
 #: A sidecar that takes segments as sealed memfds offers the capability ``save.shm.fd=<name>``:
 #: ``<name>`` (a full match of SHM_HANDOVER_SOCKET) is its SOCK_SEQPACKET socket in its shm dir. A
 #: client hands each segment over as a memfd sealed against shrinking and growing, one message per

@@ -260,6 +260,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             finally:
                 if not self.engine.stopping:
                     self.engine.rank_gone(identity, epoch.attempt, "its trainer went away")
+                    self.engine.segments.trainer_gone()
         finally:
             with self._attached_cond:
                 self._attached -= 1
