@@ -1,0 +1,117 @@
+"""TorchRec and fbgemm tables, recognised without importing either (the client works without
+TorchRec installed): by class name, and by the attributes fbgemm's table-batched embedding
+module (TBE) has.
+
+A ``FusedEmbeddingBagCollection`` and every sharded TorchRec table keep their tables in a TBE
+(``SplitTableBatchedEmbeddingBagsCodegen``): one flat buffer, each table a view of it (what
+``state_dict`` hands out), updated by fbgemm's own optimizer inside backward. Its forward sees
+the rows looked up as (indices, offsets): per feature, per sample, the ids local to that
+feature's table (after a sharded module's input dist: the rows of this rank's shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+#: fbgemm's training TBE; subclasses (SSD, say) are not: their rows live elsewhere
+_TBE = "SplitTableBatchedEmbeddingBagsCodegen"
+
+#: EmbOptimType values whose update touches only the looked-up rows, weight decay included
+#: (fbgemm applies it in the same per-row kernel). Checked on CPU; fbgemm's Adam, LAMB and
+#: LARS are GPU-only here and left to the comparison by value.
+_SPARSE_UPDATES = frozenset(
+    {"sgd", "exact_sgd", "exact_adagrad", "exact_row_wise_adagrad", "row_wise_adagrad"}
+)
+
+#: torchrec's optimizer wrappers: their step is the wrapped optimizer's (clipping, warm-up and
+#: keyed state aside), so whether untouched rows stay is the wrapped one's answer
+_WRAPPERS = frozenset(
+    {"KeyedOptimizerWrapper", "OptimizerWrapper", "GradientClippingOptimizer", "WarmupOptimizer"}
+)
+
+
+def tbes(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(path, module) of every TBE under ``root``: registered submodules, and those a fused
+    TorchRec collection keeps in a plain list (``_emb_modules``) so that they stay out of its
+    state_dict."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        for name, sub in module.named_modules(prefix=prefix):
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            if type(sub).__name__ == _TBE:
+                yield name, sub
+            hidden = getattr(sub, "_emb_modules", None)
+            if isinstance(hidden, list):
+                stack.extend((f"{name}._emb_modules.{i}".lstrip("."), m) for i, m in enumerate(hidden))
+
+
+def why_untracked(tbe: nn.Module) -> str:
+    """ "" when ``tbe``'s optimizer leaves rows without a lookup alone, else why not."""
+    kind = getattr(tbe, "optimizer", None)
+    value = str(getattr(kind, "value", kind))
+    if value in _SPARSE_UPDATES:
+        return ""
+    return f"fbgemm's {value} optimizer is not known to leave rows without a lookup alone"
+
+
+def tables(tbe: nn.Module) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per table: its weight (a view of the TBE's buffer) and its optimizer-state tensors."""
+    weights: list[torch.Tensor] = tbe.split_embedding_weights()  # type: ignore[operator]
+    try:
+        states: list[list[torch.Tensor]] = tbe.split_optimizer_states()  # type: ignore[operator]
+    except (AttributeError, RuntimeError, NotImplementedError):
+        states = []
+    if len(states) != len(weights):  # SGD keeps no state: fbgemm returns no list at all
+        states = [[] for _ in weights]
+    return [(w, list(s)) for w, s in zip(weights, states, strict=True)]
+
+
+def marker(tbe: nn.Module, seen: torch.Tensor, starts: list[int]) -> Callable[..., None]:
+    """A forward pre-hook (``with_kwargs=True``) for ``tbe`` that sets ``seen[starts[t] + id]``
+    for every id its forward looks up in table t. Stays on the device: no host sync."""
+    table_of: list[int] = list(tbe.feature_table_map)  # type: ignore[arg-type]
+    rows = [int(spec[0]) for spec in tbe.embedding_specs]  # type: ignore[union-attr]
+    device = seen.device
+    start_of = torch.tensor([starts[t] for t in table_of], dtype=torch.long, device=device)
+    rows_of = torch.tensor([rows[t] for t in table_of], dtype=torch.long, device=device)
+    features = len(table_of)
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        indices = kwargs["indices"] if "indices" in kwargs else args[0]
+        offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
+        per_rank = kwargs.get("batch_size_per_feature_per_rank", args[4] if len(args) > 4 else None)
+        if per_rank is None:  # offsets: features x batch bags, feature-major
+            bags: Any = (offsets.numel() - 1) // features
+        else:  # variable batch: each feature's bags, summed over the ranks
+            bags = torch.tensor([sum(b) for b in per_rank], dtype=torch.long, device=device)
+        lengths = (offsets[1:] - offsets[:-1]).long()
+        n = indices.numel()
+        start = start_of.repeat_interleave(bags).repeat_interleave(lengths, output_size=n)
+        limit = rows_of.repeat_interleave(bags).repeat_interleave(lengths, output_size=n)
+        ids = indices.long()
+        # fbgemm's bounds check turns an id out of range into row 0 (or fails the forward)
+        ids = torch.where((ids >= 0) & (ids < limit), ids, 0)
+        seen[start + ids] = True
+
+    return hook
+
+
+def unwrap(optimizer: Any) -> Iterator[Any]:
+    """The optimizers that step parameters under ``optimizer``: torchrec's
+    ``CombinedOptimizer`` and wrappers opened, anything else as it is."""
+    names = {c.__name__ for c in type(optimizer).__mro__}
+    if "CombinedOptimizer" in names:
+        for _, inner in optimizer.optimizers:
+            yield from unwrap(inner)
+    elif names & _WRAPPERS and getattr(optimizer, "_optimizer", None) is not None:
+        yield from unwrap(optimizer._optimizer)
+    else:
+        yield optimizer
