@@ -20,6 +20,9 @@ from torch import nn
 #: fbgemm's training TBE; subclasses (SSD, say) are not: their rows live elsewhere
 _TBE = "SplitTableBatchedEmbeddingBagsCodegen"
 
+#: where TorchRec keeps kernels in plain lists, out of the module tree
+_HIDDEN = ("_emb_modules", "_lookups")
+
 #: EmbOptimType values whose update touches only the looked-up rows, weight decay included
 #: (fbgemm applies it in the same per-row kernel). Checked on CPU; fbgemm's Adam, LAMB and
 #: LARS are GPU-only here and left to the comparison by value.
@@ -35,22 +38,26 @@ _WRAPPERS = frozenset(
 
 
 def tbes(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(path, module) of every TBE under ``root``: registered submodules, and those a fused
-    TorchRec collection keeps in a plain list (``_emb_modules``) so that they stay out of its
-    state_dict."""
+    """(path, module) of every TBE under ``root``. Walked through ``_modules`` and the plain
+    lists TorchRec keeps its kernels in, out of ``named_modules`` (a fused collection's
+    ``_emb_modules``; a sharded collection's ``_lookups``, whose ``named_modules`` yields itself
+    alone)."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
-        prefix, module = stack.pop()
-        for name, sub in module.named_modules(prefix=prefix):
-            if id(sub) in seen:
-                continue
-            seen.add(id(sub))
-            if type(sub).__name__ == _TBE:
-                yield name, sub
-            hidden = getattr(sub, "_emb_modules", None)
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if type(module).__name__ == _TBE:
+            yield path, module
+            continue
+        children = [(n, m) for n, m in module._modules.items() if m is not None]
+        for attr in _HIDDEN:
+            hidden = getattr(module, attr, None)
             if isinstance(hidden, list):
-                stack.extend((f"{name}._emb_modules.{i}".lstrip("."), m) for i, m in enumerate(hidden))
+                children += [(f"{attr}.{i}", m) for i, m in enumerate(hidden) if isinstance(m, nn.Module)]
+        stack.extend((f"{path}.{n}" if path else n, m) for n, m in reversed(children))
 
 
 def why_untracked(tbe: nn.Module) -> str:

@@ -147,3 +147,63 @@ def test_torchrec_tables_are_marked_as_embeddings_for_quantization(kind):
     flat = _tree.flatten(state)
     marked = {name for (name, _), role in zip(flat.tensors, _roles(state, flat.tensors), strict=True) if role}
     assert marked == {f"model.{t}.weight" for t in TABLES}
+
+
+@pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated:FutureWarning")  # DMP's own DDP
+def test_sharded_tables_are_tracked_from_their_kernels_lookups(tmp_path):
+    """DistributedModelParallel on one gloo rank: a table-wise and a row-wise sharded table
+    (in-backward Adagrad fused into fbgemm's kernel), found through the sharded collection's
+    lookups (its named_modules yields itself alone); the bitmaps cover the local shards."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.models.dlrm import DLRM
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        cpu = torch.device("cpu")
+        ebc = EmbeddingBagCollection(tables=dlrm.configs(SHAPE), device=cpu)
+        model = DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=dlrm.DENSE_IN,
+            dense_arch_layer_sizes=[16, SHAPE.dim],
+            over_arch_layer_sizes=[16, 1],
+        )
+        apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.05})
+        per_table = {"t0": table_wise(rank=0), "t1": row_wise()}
+        plan = construct_module_sharding_plan(
+            ebc, per_param_sharding=per_table, local_size=1, world_size=1, device_type="cpu"
+        )
+        dmp = DistributedModelParallel(
+            model,
+            device=cpu,
+            plan=ShardingPlan({"sparse_arch.embedding_bag_collection": plan}),
+            sharders=[EmbeddingBagCollectionSharder()],  # type: ignore[list-item]
+        )
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())),
+            lambda ps: torch.optim.Adam(ps, lr=0.01),
+        )
+        opt = CombinedOptimizer([dmp.fused_optimizer, dense])
+        tracker = RowTracker()
+        assert tracker.track([dmp], opt) == TABLES
+        tracker.committed()
+        state = dmp.state_dict()
+        shards = [(t, state[f"{t}.weight"].local_shards()[0].tensor) for t in TABLES]
+        before = [w.clone() for _, w in shards]
+        for i in range(2):
+            dlrm.train_step(dmp, opt, dlrm.batch(SHAPE, 0, i))
+        bitmaps = tracker.cut(shards)
+        for i, (name, weight) in enumerate(shards):
+            marked = np.unpackbits(np.frombuffer(bitmaps[i], np.uint8), count=SHAPE.rows, bitorder="little")
+            changed = rows_changed(before[i], weight)
+            assert changed.any() and np.array_equal(marked.astype(bool), changed), name
+    finally:
+        dist.destroy_process_group()
