@@ -81,32 +81,56 @@ def tables(tbe: nn.Module) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     return [(w, list(s)) for w, s in zip(weights, states, strict=True)]
 
 
-def marker(tbe: nn.Module, seen: torch.Tensor, starts: list[int]) -> Callable[..., None]:
+def marker(
+    tbe: nn.Module, seen: torch.Tensor, starts: list[int], per_feature: bool | None = None
+) -> Callable[..., None]:
     """A forward pre-hook (``with_kwargs=True``) for ``tbe`` that sets ``seen[starts[t] + id]``
-    for every id its forward looks up in table t. Stays on the device: no host sync."""
+    for every id its forward looks up in table t. ``per_feature`` (default: on the CPU) slices
+    the ids per feature, which reads a few offsets on the host; otherwise it stays on the device
+    (no host sync), about 2x slower on the CPU."""
     table_of: list[int] = list(tbe.feature_table_map)  # type: ignore[arg-type]
     rows = [int(spec[0]) for spec in tbe.embedding_specs]  # type: ignore[union-attr]
     device = seen.device
     start_of = torch.tensor([starts[t] for t in table_of], dtype=torch.long, device=device)
     rows_of = torch.tensor([rows[t] for t in table_of], dtype=torch.long, device=device)
     features = len(table_of)
+    if per_feature is None:
+        per_feature = device.type == "cpu"
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         indices = kwargs["indices"] if "indices" in kwargs else args[0]
         offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
         per_rank = kwargs.get("batch_size_per_feature_per_rank", args[4] if len(args) > 4 else None)
-        if per_rank is None:  # offsets: features x batch bags, feature-major
-            bags: Any = (offsets.numel() - 1) // features
-        else:  # variable batch: each feature's bags, summed over the ranks
-            bags = torch.tensor([sum(b) for b in per_rank], dtype=torch.long, device=device)
-        lengths = (offsets[1:] - offsets[:-1]).long()
-        n = indices.numel()
-        start = start_of.repeat_interleave(bags).repeat_interleave(lengths, output_size=n)
-        limit = rows_of.repeat_interleave(bags).repeat_interleave(lengths, output_size=n)
+        # offsets: one bag per feature and sample, feature-major; a variable batch gives each
+        # feature's bags per rank
+        bags = (
+            [sum(b) for b in per_rank]
+            if per_rank is not None
+            else [(offsets.numel() - 1) // features] * features
+        )
         ids = indices.long()
-        # fbgemm's bounds check turns an id out of range into row 0 (or fails the forward)
-        ids = torch.where((ids >= 0) & (ids < limit), ids, 0)
-        seen[start + ids] = True
+        if per_feature:
+            ends = [0]
+            for n in bags:
+                ends.append(ends[-1] + n)
+            bounds = offsets[ends].tolist()
+            for f, t in enumerate(table_of):
+                part = ids[bounds[f] : bounds[f + 1]]
+                if not part.numel():
+                    continue
+                low, high = torch.aminmax(part)
+                if low < 0 or high >= rows[t]:
+                    # fbgemm's bounds check turns an id out of range into row 0 (or fails the forward)
+                    part = torch.where((part >= 0) & (part < rows[t]), part, 0)
+                seen[starts[t] : starts[t] + rows[t]].index_fill_(0, part, True)
+            return
+        lengths = (offsets[1:] - offsets[:-1]).long()
+        # an int repeat for a fixed batch: a tensor of counts would be a host-to-device copy
+        count: Any = bags[0] if per_rank is None else torch.tensor(bags, dtype=torch.long, device=device)
+        n = ids.numel()
+        start = start_of.repeat_interleave(count).repeat_interleave(lengths, output_size=n)
+        limit = rows_of.repeat_interleave(count).repeat_interleave(lengths, output_size=n)
+        seen.index_fill_(0, start + torch.where((ids >= 0) & (ids < limit), ids, 0), True)
 
     return hook
 

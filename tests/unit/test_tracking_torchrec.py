@@ -207,3 +207,70 @@ def test_sharded_tables_are_tracked_from_their_kernels_lookups(tmp_path):
             assert changed.any() and np.array_equal(marked.astype(bool), changed), name
     finally:
         dist.destroy_process_group()
+
+
+def tbe(optimizer: str, rows: tuple[int, ...], features: list[int]) -> nn.Module:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    specs = [(n, 4, EmbeddingLocation.HOST, ComputeDevice.CPU) for n in rows]
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        specs, optimizer=EmbOptimType[optimizer], learning_rate=0.1, feature_table_map=features
+    )
+
+
+def test_a_variable_batch_per_feature_marks_each_features_ids_in_its_table():
+    module = tbe("EXACT_SGD", (10, 20), [0, 1])
+    tracker = RowTracker()
+    assert len(tracker.track([module])) == 2
+    tracker.committed()
+    # feature 0: 1 sample (ids 1, 2); feature 1: 3 samples (5 | 6 | 19)
+    module(
+        torch.tensor([1, 2, 5, 6, 19]),
+        torch.tensor([0, 2, 3, 4, 5]),
+        batch_size_per_feature_per_rank=[[1], [3]],
+    )
+    weights = module.split_embedding_weights()
+    bitmaps = tracker.cut([("a", weights[0]), ("b", weights[1])])
+    found = [
+        np.flatnonzero(
+            np.unpackbits(np.frombuffer(bitmaps[i], np.uint8), count=n, bitorder="little")
+        ).tolist()
+        for i, n in ((0, 10), (1, 20))
+    ]
+    assert found == [[1, 2], [5, 6, 19]]
+
+
+def test_fbgemm_optimizers_not_known_to_be_sparse_are_left_to_the_comparison(caplog):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    module = tbe("EXACT_SGD", (10,), [0])
+    module.optimizer = EmbOptimType.ADAM  # fbgemm runs Adam on GPUs only: its choice is what is read
+    with caplog.at_level(logging.WARNING, "strata.client"):
+        assert RowTracker().track([module]) == []
+    assert "fbgemm's adam optimizer is not known to leave rows without a lookup alone" in caplog.text
+
+
+@pytest.mark.parametrize("per_feature", [True, False])  # the CPU's way, and an accelerator's
+def test_both_ways_of_marking_find_the_ids_of_each_feature(per_feature):
+    from trainer_client import _torchrec
+
+    module = tbe("EXACT_SGD", (10, 20), [0, 1, 1])
+    seen = torch.zeros(30, dtype=torch.bool)
+    hook = _torchrec.marker(module, seen, [0, 10], per_feature=per_feature)
+    # 2 samples per feature: f0 {1, 2} {9}; f1 {} {3}; f2 {4, 25 (out of range: row 0)} {7}
+    hook(module, (torch.tensor([1, 2, 9, 3, 4, 25, 7]), torch.tensor([0, 2, 3, 3, 4, 6, 7])), {})
+    assert torch.nonzero(seen).flatten().tolist() == [1, 2, 9, 10, 13, 14, 17]
+    seen.zero_()
+    # a variable batch: f0 1 sample, f1 2 samples (over 2 ranks), f2 1 sample
+    per_rank = [[1, 0], [1, 1], [0, 1]]
+    hook(
+        module,
+        (torch.tensor([5, 6, 8, 19]), torch.tensor([0, 1, 2, 3, 4])),
+        {"batch_size_per_feature_per_rank": per_rank},
+    )
+    assert torch.nonzero(seen).flatten().tolist() == [5, 16, 18, 29]
