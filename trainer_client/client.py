@@ -76,7 +76,7 @@ from trainer_client._staging import (
     torch_dtype,
     total_bytes,
 )
-from trainer_client._tracking import RowTracker
+from trainer_client._tracking import RowTracker, embedding_weights
 from trainer_client.config import ClientSettings
 from trainer_client.errors import (
     Preempted,
@@ -486,11 +486,15 @@ class CheckpointClient:
             self._warming.result()
             self._warming = None
 
-    def track(self, *modules: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    def track(self, *modules: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
         """Track which embedding rows are looked up (Check-N-Run), so the sidecar diffs only
-        those instead of comparing whole tables. ``optimizer`` updates the tables; tracking is
-        used only where it leaves rows without gradient alone (plain SGD, SparseAdam,
-        Adagrad without weight decay). Returns the names of the tables tracked."""
+        those instead of comparing whole tables: nn.Embedding / nn.EmbeddingBag (TorchRec's
+        EmbeddingBagCollection included) and fbgemm's tables (FusedEmbeddingBagCollection,
+        sharded TorchRec modules). ``optimizer`` updates the tables (torchrec's
+        CombinedOptimizer / KeyedOptimizerWrapper are looked into; in-backward and fbgemm's own
+        optimizers are found without it); tracking is used only where it leaves rows without
+        gradient alone (plain SGD, SparseAdam, Adagrad without weight decay; fbgemm's SGD and
+        Adagrad). Returns the names of the tables tracked; warns when there are none."""
         return self._tracker.track(modules, optimizer)
 
     def _deferrable(self, state: Any) -> set[tuple[int, int]]:
@@ -1825,13 +1829,9 @@ def _unverified(header: pb.RestoreHeader) -> int:
 
 
 def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """ "embedding" for the weights of embedding tables (what quantization targets by default)."""
-    tables = {
-        _tensor_key(sub.weight)
-        for module in _modules(state)
-        for sub in module.modules()
-        if isinstance(sub, torch.nn.Embedding | torch.nn.EmbeddingBag)
-    }
+    """ "embedding" for the weights of embedding tables (what quantization targets by default):
+    nn.Embedding / nn.EmbeddingBag, and fbgemm's tables (fused or sharded TorchRec tables)."""
+    tables = {_tensor_key(w) for module in _modules(state) for w in embedding_weights(module)}
     return ["embedding" if _tensor_key(t) in tables else "" for _, t in tensors]
 
 

@@ -23,13 +23,14 @@ from sidecar.errors import (
     NotFound,
     ObjectNotFound,
     PreconditionFailed,
+    ResourceExhausted,
     StorageError,
     StrataError,
 )
 from sidecar.faults import fault_point
 from sidecar.gang import JobGang, Position
 from sidecar.pipeline import upload_snapshot
-from sidecar.pipeline.plan import SnapshotEncoder
+from sidecar.pipeline.plan import Chain, HeldForms, SnapshotEncoder
 
 from .held import Held
 from .redundancy import Redundancy
@@ -258,7 +259,33 @@ class Commits:
 
     def _encoder(self, snap: Snapshot) -> SnapshotEncoder:
         """Full or diff against the rank's newest committed snapshot, if it is still held."""
-        chain, previous, hold = self.held.diff_base(snap)
+        chain, previous, hold, decoded = self.held.diff_base(snap)
+        held = {n for _, forms in decoded for n in forms}
+        # Comparing with a decoded base decodes one tensor at a time beside the snapshot.
+        widest = max((t.nbytes for t in snap.tensors if t.name in held), default=0)
+        what = f"decoding the base of step {snap.step} (rank {snap.identity.rank})"
+        room = None
+        if widest:
+            try:
+                room = self.memory.reserve("encode", widest, what)
+            except (ResourceExhausted, FailedPrecondition) as exc:
+                # Correct either way: against the exact bytes every row of those tables differs.
+                log.warning("rank %d: %s; the diff compares with the exact bytes", snap.identity.rank, exc)
+                decoded = []
+        try:
+            return self._encode_against(snap, chain, previous, hold, decoded)
+        finally:
+            if room is not None:
+                room.release()
+
+    def _encode_against(
+        self,
+        snap: Snapshot,
+        chain: Chain | None,
+        previous: memoryview | None,
+        hold: frozenset[str],
+        decoded: list[HeldForms],
+    ) -> SnapshotEncoder:
         return SnapshotEncoder(
             snap.step,
             snap.tensors,
@@ -275,6 +302,7 @@ class Commits:
             check_fraction=self.settings.tracking_check_fraction,
             check_confidence=self.settings.tracking_check_confidence,
             hold=hold if chain is not None else frozenset(),
+            decoded=decoded,
         )
 
     # --- the commit ------------------------------------------------------------------------

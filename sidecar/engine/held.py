@@ -17,7 +17,7 @@ from sidecar import manifest as mf
 from sidecar.budget import Reservation
 from sidecar.errors import FailedPrecondition, ResourceExhausted
 from sidecar.gang import Position
-from sidecar.pipeline.plan import Chain
+from sidecar.pipeline.plan import Chain, HeldForms
 
 from .state import Shared
 from .types import Identity, JobKey, Slot, Snapshot, drop_buffer, outcome_of
@@ -42,6 +42,9 @@ class Held:
         # Per rank: the stored form of every lossy tensor of that chain, step by step, so a memory
         # restore gives exactly the values a storage restore gives (and every rank agrees).
         self.layers: dict[Slot, list[Layer]] = {}
+        # Per rank: the step its trainer restored from memory with lossy tensors decoded: until its
+        # next commit the trainer holds that step as storage gives it, not the exact bytes held.
+        self.decoded: dict[Slot, int] = {}
         # Per job: restores seen, carried forward in manifests (bit-width escalation).
         self.restores: dict[JobKey, int] = {}
 
@@ -61,8 +64,9 @@ class Held:
             for slot in [s for s, h in self.slots.items() if not h]:
                 del self.slots[slot]
             for slot in (
-                self.chains.keys() | self.chain_refs.keys() | self.layers.keys()
+                self.chains.keys() | self.chain_refs.keys() | self.layers.keys() | self.decoded.keys()
             ) - self.slots.keys():
+                self.decoded.pop(slot, None)
                 self.chains.pop(slot, None)
                 self.chain_refs.pop(slot, None)
                 self.layers.pop(slot, None)
@@ -132,6 +136,7 @@ class Held:
                     self.chains.pop(slot, None)
                     self.chain_refs.pop(slot, None)
                     self.layers.pop(slot, None)
+                    self.decoded.pop(slot, None)
                     self.account(slot)
         self.update_gauge()
 
@@ -226,10 +231,14 @@ class Held:
 
     # --- chains ------------------------------------------------------------------------------
 
-    def diff_base(self, snap: Snapshot) -> tuple[Chain | None, memoryview | None, frozenset[str]]:
+    def diff_base(
+        self, snap: Snapshot
+    ) -> tuple[Chain | None, memoryview | None, frozenset[str], list[HeldForms]]:
         """What ``snap`` may be encoded against: the rank's chain, the buffer of its newest
-        committed snapshot while it is still held, and the tensors whose lossy forms are held.
-        Sets ``snap.restores`` to the job's restores."""
+        committed snapshot while it is still held, the tensors whose lossy forms are held, and,
+        when the trainer restored that snapshot from memory with its lossy tensors decoded, the
+        chain's held forms (the base to compare is then the decoded one). Sets
+        ``snap.restores`` to the job's restores."""
         ident = snap.identity
         previous = None
         with self.shared.lock:
@@ -241,8 +250,14 @@ class Held:
             refs = self.chain_refs.get(ident.slot, {})
             if chain is not None and not all(s in refs for s in chain.steps):
                 chain, previous = None, None  # a base without a known COMMIT: start a new chain
-            hold = frozenset(n for _, _, held in self.layers.get(ident.slot, []) for n in held)
-        return chain, previous, hold
+            layers = self.layers.get(ident.slot, [])
+            hold = frozenset(n for _, _, held in layers for n in held)
+            decoded = (
+                [(t, h) for _, t, h in layers]
+                if chain is not None and self.decoded.get(ident.slot) == chain.steps[-1]
+                else []
+            )
+        return chain, previous, hold, decoded
 
     def chain_committed(
         self,
@@ -257,6 +272,7 @@ class Held:
         the chain's steps, drop the rest."""
         with self.shared.lock:
             self.chains[slot] = chain
+            self.decoded.pop(slot, None)  # the trainer holds exactly this snapshot
             kept = {s: r for s, r in self.chain_refs.get(slot, {}).items() if s in chain.steps}
             kept[step] = ref
             self.chain_refs[slot] = kept
@@ -267,9 +283,16 @@ class Held:
 
     def restored(self, identity: Identity, keep_chain: bool, restores: int) -> None:
         """The trainer of ``identity`` restored a checkpoint saved after ``restores`` restores.
-        Unless ``keep_chain``, the rank's chain ends: the next checkpoint is full."""
+        Unless ``keep_chain``, the rank's chain ends: the next checkpoint is full. If it is kept
+        and holds lossy forms, the restore handed them out decoded: the next diff compares with
+        those values, else every row of a quantized table would differ from the exact bytes held."""
         key = identity.job_key
         with self.shared.lock:
+            chain = self.chains.get(identity.slot)
+            if keep_chain and chain is not None and self.layers.get(identity.slot):
+                self.decoded[identity.slot] = chain.steps[-1]
+            else:
+                self.decoded.pop(identity.slot, None)
             if not keep_chain:
                 self.chains.pop(identity.slot, None)
                 self.chain_refs.pop(identity.slot, None)

@@ -37,6 +37,8 @@ from sidecar.store.base import Store
 log = logging.getLogger(__name__)
 
 Layout = tuple[tuple[str, str, tuple[int, ...], int], ...]
+#: one step's held lossy forms: (its stored tensor entries, name -> stored form)
+HeldForms = tuple[list[mf.TensorEntry], dict[str, bytes]]
 
 
 def check_sample_size(untracked: int, fraction: float, confidence: float) -> int:
@@ -133,6 +135,7 @@ class SnapshotEncoder:
         check_confidence: float = 0.999,
         check_rows: int | None = None,
         hold: frozenset[str] = frozenset(),
+        decoded: Sequence[HeldForms] = (),
     ) -> None:
         """``touched`` maps a tracked tensor to the client's bitmap of looked-up rows; its
         other rows are spot-checked, sized by :func:`check_sample_size` from
@@ -142,7 +145,12 @@ class SnapshotEncoder:
         ``hold`` names tensors whose stored form the caller already holds for this chain:
         they are held again (``outcome.held``) even where this step stores them exactly, so
         the chain of held forms has no gap (a table lossy in the full checkpoint whose
-        diff fell back to exact rows, say). Lossily stored tensors are held regardless."""
+        diff fell back to exact rows, say). Lossily stored tensors are held regardless.
+
+        ``decoded``: the chain's held forms, oldest first, when the trainer restored
+        ``previous`` from memory and so holds its lossy tensors as storage gives them: those
+        tensors are compared with their decoded values, not with the exact bytes of
+        ``previous`` (which every row of a quantized table differs from)."""
         self.step = step
         self.tensors = tensors
         self.buffer = buffer
@@ -169,6 +177,7 @@ class SnapshotEncoder:
         self._check_rows = check_rows
         self._tracking: dict[str, str] = {}
         self._hold = hold
+        self._decoded = decoded
         layout = layout_of(tensors)
         self._layout = layout
         usable = (
@@ -207,7 +216,7 @@ class SnapshotEncoder:
         for t in self.tensors:
             if t.name in chain.since_full:
                 cur = enc.as_rows(self.buffer[t.offset : t.offset + t.nbytes], t.shape)
-                old = enc.as_rows(previous[t.offset : t.offset + t.nbytes], t.shape)
+                old = enc.as_rows(self._base(t, previous[t.offset : t.offset + t.nbytes]), t.shape)
                 delta[t.name] = self._changed(t.name, cur, old)
         since = {name: chain.since_full[name] | d for name, d in delta.items()}
         write = delta if self.policy == "consecutive" else since
@@ -233,6 +242,23 @@ class SnapshotEncoder:
             o.base_step, o.requires = chain.full_step, [chain.full_step]
         rows = sum(len(m) for m in write.values())
         o.changed_ratio = sum(int(m.sum()) for m in write.values()) / rows if rows else 0.0
+
+    def _base(self, t: mf.TensorEntry, exact: memoryview) -> memoryview | bytearray:
+        """``t`` in the snapshot the trainer holds: ``exact`` unless the trainer restored it
+        decoded from held forms, then those decoded (as :func:`decode_held` does)."""
+        forms = [
+            (e, held[t.name])
+            for tensors, held in self._decoded
+            if t.name in held
+            for e in tensors
+            if e.name == t.name
+        ]
+        if not forms:
+            return exact
+        out = bytearray(exact)
+        for e, form in forms:
+            enc.decode_into(out, form, e.encoding, e.dtype, e.shape, e.cast)
+        return out
 
     def _changed(self, name: str, cur: np.ndarray, old: np.ndarray) -> np.ndarray:
         """Rows that changed: the client's lookup bitmap, spot-checked, or a byte comparison.

@@ -38,6 +38,10 @@ SECTIONS = (
     "verify",
 )
 
+#: measurements kept in modules of their own, run after their section's: section -> modules, each
+#: with ``measure(opts, phases) -> (figures, rows)``
+EXTRAS: dict[str, tuple[str, ...]] = {"torchrec": ("tests.bench.torchrec_diff",)}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.bench.run", description=__doc__.split("\n")[0])
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             opts = module.Options(args.size_gib, args.quick, tmp, loop_threads=args.loop_threads)
             rows = module.run(opts, figures, phases)
+            for extra in EXTRAS.get(name, ()):
+                found, more = importlib.import_module(extra).measure(opts, phases)
+                figures.update(found)
+                rows += more
         except Exception:
             failed = True
             logging.exception("section %s failed; writing the figures measured so far", name)

@@ -443,3 +443,36 @@ def restore_stored(make_sidecar: Any, make_client: Any, storage: str, job: str, 
     client = make_client(make_sidecar(storage), job, capture_rng=False, resume="never")
     assert client.restore(out) is not None
     assert client.last_restore["source"] == "storage"
+
+
+@pytest.mark.parametrize(("bits", "policy"), [("4", "one-shot"), ("bfloat16", "consecutive")])
+def test_the_first_diff_after_a_restore_of_a_lossy_step_holds_only_the_rows_changed(
+    make_sidecar, make_client, job_name, short_tmp, bits, policy
+):
+    """A restore from memory hands back the table as storage holds it (dequantized), so the
+    trainer no longer holds the exact snapshot the sidecar kept: the next diff must compare
+    against what was restored, or every row of the table differs."""
+    storage = f"file://{short_tmp}/lossy"
+    server = make_sidecar(storage, quantize=bits, quantize_match="table", policy=policy)
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    written = set(touch(state, 0, rows=0))
+    client.save(0, state).durable.result(30)
+    written |= set(touch(state, 1, rows=40))
+    client.save(1, state).durable.result(30)
+    assert client.restore(state) == 1 and client.last_restore["source"] == "memory"
+    now = touch(state, 2, rows=25)
+    written |= set(now)
+    client.save(2, state).durable.result(30)
+    entry = {t.name: t for t in manifest(server, job_name, 2).tensors}["table"]
+    assert manifest(server, job_name, 2).checkpoint == "diff"
+    want = len(written) if policy == "one-shot" else len(now)  # since the full one / the previous
+    assert entry.changed_rows == want, (entry.changed_rows, want)  # not all 4096
+    out, _ = restore_from_storage(make_sidecar, make_client, storage, job_name, 2)
+    kept = torch.ones(ROWS, dtype=torch.bool)
+    kept[now] = False
+    assert torch.equal(out["table"][kept], state["table"][kept])  # restored rows re-encode exactly
+    assert torch.allclose(out["table"][~kept], state["table"][~kept], atol=0.5)
+    mem = new_state(seed=7)
+    assert client.restore(mem) == 2 and client.last_restore["source"] == "memory"
+    assert torch.equal(mem["table"], out["table"])  # memory and storage agree bit for bit

@@ -140,12 +140,17 @@ def test_the_diff_base_is_the_held_newest_committed_snapshot_of_a_known_chain(ma
     base.buffer = bytearray(b"12345678")
     hold(held, base)
     new = snap(RANK0, 2, "receiving")
-    assert held.diff_base(new) == (None, None, frozenset())
+    assert held.diff_base(new) == (None, None, frozenset(), [])
     held.chain_committed(RANK0.slot, chain(1), 1, ref(1), [], {"emb": b"x"})
     held.restores[RANK0.job_key] = 3
-    c, previous, forms = held.diff_base(new)
+    c, previous, forms, decoded = held.diff_base(new)
     assert c is not None and c.steps == (1,) and previous is not None and bytes(previous) == b"12345678"
     assert forms == frozenset({"emb"}) and new.restores == 3
+    assert decoded == []  # the trainer holds the exact snapshot: compare with it
+    held.restored(RANK0, keep_chain=True, restores=3)  # from memory: the lossy forms came back decoded
+    assert held.diff_base(new)[3] == [([], {"emb": b"x"})]
+    held.chain_committed(RANK0.slot, chain(2), 2, ref(2), [], {"emb": b"y"})  # exact again
+    assert held.diff_base(new)[3] == []
     held.chain_refs[RANK0.slot].clear()  # a base without a known COMMIT: a new chain
     assert held.diff_base(new)[:2] == (None, None)
 
