@@ -22,8 +22,9 @@ pytestmark = [
 
 with warnings.catch_warnings():  # collection imports it before the marks apply
     warnings.simplefilter("ignore", DeprecationWarning)
-    dlrm = pytest.importorskip("tests.fixtures.dlrm")
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from tests.fixtures import dlrm
 
 SHAPE = dlrm.Shape(rows=2048, dim=16, batch=16)  # 128 KiB tables: above the size diffs start at
 TABLES = [f"model.sparse_arch.embedding_bag_collection.embedding_bags.t{i}.weight" for i in range(2)]

@@ -26,8 +26,9 @@ pytestmark = [
 
 with warnings.catch_warnings():  # collection imports it before the marks apply
     warnings.simplefilter("ignore", DeprecationWarning)
-    dlrm = pytest.importorskip("tests.fixtures.dlrm")
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from tests.fixtures import dlrm
 
 SHAPE = dlrm.Shape(rows=500, dim=8, batch=16)
 TABLES = [f"sparse_arch.embedding_bag_collection.embedding_bags.t{i}" for i in range(SHAPE.tables)]
