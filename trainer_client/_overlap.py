@@ -168,7 +168,7 @@ class Overlap:
 def _storage(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): its own address
+    except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested): its own address
         return t.data_ptr()
 
 
@@ -229,14 +229,24 @@ def _tensors_of(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
             yield from (v for v in per_param.values() if isinstance(v, torch.Tensor))
 
 
+_FUSED: dict[type, bool] = {}
+
+
+def _fused(cls: type) -> bool:
+    """An fbgemm module, or a TorchRec module with a fused optimizer (by name: TorchRec is optional)."""
+    found = _FUSED.get(cls)
+    if found is None:
+        found = _FUSED[cls] = cls.__module__.startswith("fbgemm_gpu") or any(
+            c.__name__ == "FusedOptimizerModule" for c in cls.__mro__
+        )
+    return found
+
+
 def _mutated_outside_step(modules: Iterable[torch.nn.Module]) -> Iterator[torch.Tensor]:
     """Tensors of ``modules`` that forward or backward change in place."""
     for module in modules:
         for sub in module.modules():
-            cls = type(sub)
-            if cls.__module__.startswith("fbgemm_gpu") or any(
-                c.__name__ == "FusedOptimizerModule" for c in cls.__mro__
-            ):
+            if _fused(type(sub)):
                 # fbgemm's TBE updates tables (and their optimizer state) inside backward.
                 yield from sub.parameters()
                 yield from sub.buffers()

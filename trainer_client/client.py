@@ -133,12 +133,14 @@ class CheckpointClient:
 
     Overlapped staging: the parameters and state of the optimizers in the saved ``state`` (and of
     ``optimizers``) are copied while the next forward/backward runs; an optimizer step pre-hook
-    waits for the copy before the step mutates them. Everything else (buffers such as BatchNorm
-    statistics, Embedding(max_norm=...) weights, RNG, data-reader state) is copied inside
-    ``save()``. A parameter changed outside ``optimizer.step()`` between a save and the next step
-    (hand-written in-place updates, an EMA written into the live weights) would be caught mid-copy:
-    turn it off with ``overlap="off"`` (STRATA_OVERLAP=off) and pass ``optimizers=`` for those that
-    are safe.
+    waits for the copy before the step mutates them. Only what is proven untouched until the copy
+    ends is deferred (``trainer_client._overlap``: optimizers whose step hooks run, nothing that
+    forward or backward writes, version counters checked); everything else (BatchNorm
+    statistics, Embedding(max_norm=...) weights, fused TBE tables, RNG, data-reader state) is
+    copied inside ``save()``. A deferred tensor changed outside ``optimizer.step()`` before its
+    copy ended fails that save with :class:`TornSnapshot` (nothing committed) and its optimizer
+    is copied inside ``save()`` from then on; writes through ``.data`` escape the check: turn
+    overlap off with ``overlap="off"`` (STRATA_OVERLAP=off) for such scripts.
 
     Staging buffers are allocated and pre-faulted off the training thread once the state is known
     (``resume()``/``restore()``, and again after the first optimizer step creates lazy state), so

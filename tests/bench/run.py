@@ -36,6 +36,7 @@ SECTIONS = (
     "dcp",
     "neighbour",
     "verify",
+    "torchrec",
 )
 
 
