@@ -17,6 +17,7 @@ from trainer_client.errors import (
     SaveFailed,
     SaveSkipped,
     SidecarUnavailable,
+    TornSnapshot,
 )
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "SaveHandle",
     "SaveSkipped",
     "SidecarUnavailable",
+    "TornSnapshot",
     "init_process_group",
 ]

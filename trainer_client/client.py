@@ -59,9 +59,10 @@ from sidecar.api import (
 )
 from sidecar.faults import fault_point
 from trainer_client import _loaders, _replicas, _rng, _tree, _verify
+from trainer_client._overlap import Deferral, Overlap
+from trainer_client._overlap import tensor_key as _tensor_key
 from trainer_client._preempt import SigtermWatch
 from trainer_client._staging import (
-    Gate,
     HostBuffers,
     Lease,
     Placement,
@@ -86,6 +87,7 @@ from trainer_client.errors import (
     SaveFailed,
     SaveSkipped,
     SidecarUnavailable,
+    TornSnapshot,
 )
 
 T = TypeVar("T")
@@ -131,12 +133,14 @@ class CheckpointClient:
 
     Overlapped staging: the parameters and state of the optimizers in the saved ``state`` (and of
     ``optimizers``) are copied while the next forward/backward runs; an optimizer step pre-hook
-    waits for the copy before the step mutates them. Everything else (buffers such as BatchNorm
-    statistics, Embedding(max_norm=...) weights, RNG, data-reader state) is copied inside
-    ``save()``. A parameter changed outside ``optimizer.step()`` between a save and the next step
-    (hand-written in-place updates, an EMA written into the live weights) would be caught mid-copy:
-    turn it off with ``overlap="off"`` (STRATA_OVERLAP=off) and pass ``optimizers=`` for those that
-    are safe.
+    waits for the copy before the step mutates them. Only what is proven untouched until the copy
+    ends is deferred (``trainer_client._overlap``: optimizers whose step hooks run, nothing that
+    forward or backward writes, version counters checked); everything else (BatchNorm
+    statistics, Embedding(max_norm=...) weights, fused TBE tables, RNG, data-reader state) is
+    copied inside ``save()``. A deferred tensor changed outside ``optimizer.step()`` before its
+    copy ended fails that save with :class:`TornSnapshot` (nothing committed) and its optimizer
+    is copied inside ``save()`` from then on; writes through ``.data`` escape the check: turn
+    overlap off with ``overlap="off"`` (STRATA_OVERLAP=off) for such scripts.
 
     Staging buffers are allocated and pre-faulted off the training thread once the state is known
     (``resume()``/``restore()``, and again after the first optimizer step creates lazy state), so
@@ -203,10 +207,8 @@ class CheckpointClient:
         self._lock = threading.Lock()
         self._inflight: Future[None] | None = None
         self._last: SaveHandle | None = None
-        self._gate = Gate()
         self._tracker = RowTracker()
-        self._overlap: list[torch.optim.Optimizer] = []
-        self._hooks: list[Any] = []
+        self._overlap = Overlap(after_step=self._after_step)
         #: pre-faults staging buffers off the training thread; save() waits for it, never races it
         self._warmer = ThreadPoolExecutor(1, thread_name_prefix="strata-warm")
         self._warming: Future[None] | None = None
@@ -399,8 +401,7 @@ class CheckpointClient:
                 self._last.durable.result(self.settings.commit_timeout_s)
             except Exception as exc:
                 log.warning("last save (step %d) did not become durable: %s", self._last.step, exc)
-        for hook in self._hooks:
-            hook.remove()
+        self._overlap.close()
         self._warm_state = None
         self._warmer.shutdown(wait=True)
         self._tracker.close()
@@ -426,12 +427,9 @@ class CheckpointClient:
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Stage this optimizer's parameters and state in the background; its
-        ``step()`` waits until the copy is done."""
-        if any(optimizer is known for known in self._overlap):
-            return
-        self._overlap.append(optimizer)
-        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._gate.wait()))
-        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
+        ``step()`` waits until the copy is done. Only what can be proven untouched until the
+        copy ends is deferred (see ``trainer_client._overlap``); the rest is copied in save()."""
+        self._overlap.register(optimizer)
 
     def _adopt(self, state: MutableMapping[str, Any]) -> None:
         """The state is known: stage its optimizers in the background (``overlap="auto"``) and
@@ -497,25 +495,6 @@ class CheckpointClient:
         Adagrad). Returns the names of the tables tracked; warns when there are none."""
         return self._tracker.track(modules, optimizer)
 
-    def _deferrable(self, state: Any) -> set[tuple[int, int]]:
-        """(data_ptr, nbytes) of tensors only an optimizer step mutates."""
-        keys: set[tuple[int, int]] = set()
-        for opt in self._overlap:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    keys.add(_tensor_key(p))
-            for per_param in opt.state.values():
-                for v in per_param.values():
-                    if isinstance(v, torch.Tensor):
-                        keys.add(_tensor_key(v))
-        for module in _modules(state):
-            for sub in module.modules():
-                # Embedding(max_norm=...) renormalises its weight in place during forward.
-                weight = getattr(sub, "weight", None)
-                if getattr(sub, "max_norm", None) is not None and isinstance(weight, torch.Tensor):
-                    keys.discard(_tensor_key(weight))
-        return keys
-
     # --- replica-aware saves ---------------------------------------------------------------
 
     def replicate(self, *objects: Any, group: Any = None) -> None:
@@ -564,7 +543,7 @@ class CheckpointClient:
                     f"replicate(): expected DDP wrappers, modules or tensors, got {type(obj).__name__}"
                 )
         if groups:
-            optimizers = {id(o): o for o in [*_optimizers(state), *self._overlap]}
+            optimizers = {id(o): o for o in [*_optimizers(state), *self._overlap.optimizers]}
             for opt in optimizers.values():
                 for group in opt.param_groups:
                     for p in group["params"]:
@@ -779,19 +758,18 @@ class CheckpointClient:
             bufs = self._buffers[index]
             slots, views = bufs.slots, bufs.views
             copies = list(range(len(flat.tensors)))
-        deferred: list[int] = []
+        deferred = Deferral()
         # From here to the submit, a failure (a bad tensor, close() meanwhile, an interrupt) must
         # free the buffer marked busy above, or no later save or stage() could use it again.
         try:
             touched = {} if plain else self._tracker.cut(flat.tensors)
-            if self._overlap and not plain:
-                keys = self._deferrable(state)
-                deferred = [i for i, (_, t) in enumerate(flat.tensors) if _tensor_key(t) in keys]
-            later = set(deferred)
+            if self._overlap.optimizers and not plain:
+                deferred = self._overlap.plan(flat.tensors, _optimizers(state), _modules(state))
+            later = set(deferred.indices)
             self._stager.copy(views, flat.tensors, [i for i in copies if i not in later])
             self.stats["last_copied_bytes"] = sum(slots[i].nbytes for i in copies)
             if deferred:
-                self._gate.close()
+                self._overlap.gate.close()
             stall = time.perf_counter() - t0
             handle.stall_s = stall
             self.stats["saves"] += 1
@@ -821,7 +799,7 @@ class CheckpointClient:
                 self._last = handle
         except BaseException:
             if deferred:
-                self._gate.open()
+                self._overlap.gate.open()
             self._settle(index, bufs)
             raise
         if not deferred:
@@ -859,7 +837,7 @@ class CheckpointClient:
         slots: list[Slot],
         lent: Lease | None,
         flat: _tree.Flat,
-        deferred: list[int],
+        deferred: Deferral,
         tree: bytes,
         stall: float,
         skipped: int,
@@ -870,9 +848,11 @@ class CheckpointClient:
         try:
             if deferred:
                 try:
-                    self._stager.copy(bufs.views, flat.tensors, deferred)
+                    self._stager.copy(bufs.views, flat.tensors, deferred.indices)
+                    # Before the gate opens: no step of a gated optimizer has run since save().
+                    self._overlap.verify(deferred, flat.tensors, handle.step)
                 finally:
-                    self._gate.open()
+                    self._overlap.gate.open()
                 handle.staged.set_result(None)
             self._stager.synchronize()
             save_id = uuid.uuid4().hex[:16]
@@ -1175,7 +1155,8 @@ class CheckpointClient:
         elif not isinstance(exc, SaveFailed):
             exc = SaveFailed(f"step {handle.step}: {exc!r}")
         self.stats["failed"] += 1
-        log.warning("%s", exc)
+        # A torn snapshot means the script changes its state behind the optimizer: say it loudly.
+        (log.error if isinstance(exc, TornSnapshot) else log.warning)("%s", exc)
         if not handle.durable.done():
             handle.durable.set_exception(exc)
 
@@ -1853,10 +1834,6 @@ def _holds_dtensor(state: Any) -> bool:
         return False
 
     return walk(state)
-
-
-def _tensor_key(t: torch.Tensor) -> tuple[int, int]:
-    return (t.data_ptr(), t.numel() * t.element_size())
 
 
 def _found(state: Any, kind: type[T]) -> Iterator[T]:

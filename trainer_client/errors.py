@@ -20,6 +20,11 @@ class SaveFailed(CheckpointError):
     """The sidecar refused the save or could not make it durable."""
 
 
+class TornSnapshot(SaveFailed):
+    """A tensor that overlapped staging copied after ``save()`` returned changed in place before
+    that copy ended (outside its optimizer's ``step()``): the save was not committed."""
+
+
 class RestoreError(CheckpointError):
     """Nothing restorable was found, or the checkpoint does not fit the state."""
 

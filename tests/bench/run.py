@@ -36,6 +36,7 @@ SECTIONS = (
     "dcp",
     "neighbour",
     "verify",
+    "torchrec",
 )
 
 #: measurements kept in modules of their own, run after their section's: section -> modules, each

@@ -131,7 +131,7 @@ def test_overlapped_staging_excludes_every_later_mutation(make_sidecar, make_cli
     state = {"model": model, "opt": opt}
     expected = flat_tensors(state)
     handle = client.save(1, state)
-    assert client._overlap == [opt]
+    assert client._overlap.optimizers == [opt]
     # Next iteration right away: forward mutates BN stats and renormalises embedding rows.
     opt.zero_grad()
     model(torch.randint(0, 50, (16, 2)) * 1).pow(2).sum().backward()
@@ -219,7 +219,7 @@ def test_overlap_off_stages_everything_inside_save(make_sidecar, make_client, jo
     train_steps(model, opt, 1)
     client = make_client(server, job_name, overlap="off")
     handle = client.save(1, {"model": model, "opt": opt})
-    assert client._overlap == [] and handle.staged.done()  # copied before save() returned
+    assert client._overlap.optimizers == [] and handle.staged.done()  # copied before save() returned
     handle.durable.result(30)
     with pytest.raises(ValueError, match="overlap='sometimes': expected one of auto, off"):
         make_client(server, job_name, overlap="sometimes")

@@ -1,0 +1,78 @@
+"""Which tensors overlapped staging may copy after save() returns (trainer_client._overlap)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer_client import TornSnapshot, _tree
+from trainer_client._overlap import Overlap
+
+
+def _deferred(overlap: Overlap, state: dict) -> list[str]:
+    flat = _tree.flatten(state)
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    modules = [v for v in state.values() if isinstance(v, torch.nn.Module)]
+    plan = overlap.plan(flat.tensors, optimizers, modules)
+    return [flat.tensors[i][0] for i in plan.indices]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 2))
+
+
+def test_a_torch_optimizer_defers_its_parameters_and_state_but_not_what_forward_changes():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    overlap = Overlap(lambda: None)
+    overlap.register(opt)
+    names = _deferred(overlap, {"model": model, "opt": opt})
+    assert "model.1.weight" in names and "opt.state.1.exp_avg" in names
+    assert "model.0.weight" not in names  # max_norm renormalises it in forward
+
+
+def test_nothing_is_deferred_for_an_unregistered_optimizer_sharing_the_tensors():
+    model = _model()
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model[1].parameters(), lr=0.1)  # steps without waiting for the copy
+    overlap = Overlap(lambda: None)
+    overlap.register(a)
+    assert _deferred(overlap, {"model": model, "a": a, "b": b}) == []
+
+
+def test_a_changed_version_fails_the_save_and_stops_deferring_that_optimizer():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    overlap = Overlap(lambda: None)
+    overlap.register(opt)
+    flat = _tree.flatten({"model": model})
+    plan = overlap.plan(flat.tensors, [opt], [model])
+    overlap.verify(plan, flat.tensors, 3)  # unchanged: proven
+    with torch.no_grad():
+        model[1].bias.mul_(2)
+    with pytest.raises(TornSnapshot, match=r"step 3 not saved: 'model.1.bias' changed in place .*SGD.step"):
+        overlap.verify(plan, flat.tensors, 3)
+    assert overlap.plan(flat.tensors, [opt], [model]).indices == []
+
+
+torchrec = pytest.mark.torchrec
+
+
+@torchrec
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # apply_optimizer_in_backward's imports
+@pytest.mark.parametrize("kind", ["plain", "fused", "in_backward"])
+def test_torchrec_defers_the_dense_optimizer_through_its_wrappers_and_never_the_tables(kind):
+    dlrm = pytest.importorskip("tests.fixtures.dlrm")
+    model, opt = dlrm.build(kind, fused_optimizer=torch.optim.Adagrad)
+    overlap = Overlap(lambda: None)
+    overlap.register(opt)
+    names = _deferred(overlap, dlrm.state_of(model, opt))
+    dense = [n for n in names if "dense_arch" in n or "over_arch" in n]
+    tables = [n for n in names if "embedding_bag" in n]
+    assert dense and any("exp_avg" in n for n in dense)  # Adam behind KeyedOptimizerWrapper
+    # Plain Adagrad tables are stepped by a real torch optimizer; fused and in-backward ones
+    # change inside backward.
+    assert bool(tables) == (kind == "plain")
