@@ -151,9 +151,11 @@ class _Encoder:
         # Subclasses (DTensor, UninitializedParameter, ...) carry meaning raw bytes would lose.
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             hint = (
-                " (FSDP2 / DTensor state: save it with torch.distributed.checkpoint and "
-                "trainer_client.dcp.StrataWriter; client.resume() loads it back)"
-                if type(t).__name__ == "DTensor"
+                f" (a {type(t).__name__} is saved through torch.distributed.checkpoint: client.save() "
+                "does so for one held as a value, in a module or in an optimizer of the state; "
+                "elsewhere use dcp.save with trainer_client.dcp.StrataWriter; client.resume() "
+                "loads it back)"
+                if type(t).__name__ in ("DTensor", "ShardedTensor")
                 else ""
             )
             raise StateError(f"{where(path)}: cannot checkpoint tensor subclass {type(t).__qualname__}{hint}")
