@@ -6,11 +6,10 @@ state; run by tests/integration/test_dmp.py, one process per rank.
                                                    # for steps up to SAVED; OUT gets the state
                                                    # after SAVED ("saved") and after LAST ("final")
     python dmp_ranks.py resume OUT LAST PLACEMENT  # client.resume (tables placed as PLACEMENT,
-                                                   # e.g. "1,0"), then steps up to LAST; OUT gets
+                                                   # e.g. "1,0"): first before the optimizer's
+                                                   # lazy state exists (refused), then after
+                                                   # init_state(); then steps up to LAST; OUT gets
                                                    # the state loaded ("loaded") and after LAST
-    python dmp_ranks.py lazy OUT                   # client.resume before the optimizer's lazy
-                                                   # state exists: refused; then init_state() and
-                                                   # resume; OUT gets the state loaded
 
 Each rank writes OUT.<rank>: its state's tensors by name, a ShardedTensor as its global size and
 its local shards with their offsets (the test assembles the global tensors). The rank, world
@@ -83,26 +82,16 @@ def main() -> None:
             if step <= saved_until:
                 handle = client.save(step, state)
                 stalls.append(handle.staged.done())
-            if step == saved_until:
-                client.wait()
+            if step == saved_until:  # staged: the next steps train while the save goes on
                 parts["saved"] = snapshot(model, opt)
         report["staged"] = stalls
         report["durable"] = handle.durable.result(60).step
         parts["final"] = snapshot(model, opt)
-    elif mode == "resume":
+    else:  # resume
         last = int(sys.argv[3])
         placement = tuple(int(r) for r in sys.argv[4].split(","))
-        model, opt = dlrm.build_sharded(world, placement, shape=SHAPE, seed=123)  # other values
-        state = dlrm.state_of(model, opt)  # type: ignore[arg-type]
-        step = client.resume(state)
-        assert step is not None and client.last_restore is not None
-        report.update(step=step, saved_by=client.last_restore["saved_by"])
-        parts["loaded"] = snapshot(model, opt)
-        for s in range(step + 1, last + 1):
-            train(model, opt, s, rank)
-        parts["final"] = snapshot(model, opt)
-    else:  # lazy
-        model, opt = dlrm.build_sharded(world, shape=SHAPE, seed=123, init_state=False)
+        # other values everywhere, and no optimizer state yet
+        model, opt = dlrm.build_sharded(world, placement, shape=SHAPE, seed=123, init_state=False)
         state = dlrm.state_of(model, opt)  # type: ignore[arg-type]
         try:
             client.resume(state)
@@ -110,8 +99,13 @@ def main() -> None:
         except RestoreError as exc:
             report["refused"] = str(exc)
         opt.init_state()  # type: ignore[operator]
-        report["step"] = client.resume(state)
+        step = client.resume(state)
+        assert step is not None and client.last_restore is not None
+        report.update(step=step, saved_by=client.last_restore["saved_by"])
         parts["loaded"] = snapshot(model, opt)
+        for s in range(step + 1, last + 1):
+            train(model, opt, s, rank)
+        parts["final"] = snapshot(model, opt)
     torch.save(parts, f"{out}.{rank}")
     print("REPORT " + json.dumps(report), flush=True)
     client.close()
