@@ -506,7 +506,10 @@ def save_state(client: CheckpointClient, step: int, state: Any) -> SaveHandle:
     writer = saves.writer
 
     def uploaded(done: Any) -> None:
-        exc = done.exception()
+        try:
+            exc = done.exception()
+        except BaseException as cancelled:  # a durable left unresolved would hang the next save
+            exc = cancelled
         if exc is not None:
             handle.durable.set_exception(exc)
             return
@@ -531,7 +534,7 @@ def _copy_outcome(src: Any, dst: Any) -> None:
 
 
 def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
-    """``client.restore(state)`` for state holding DTensors: ``dcp.load`` through a
+    """``client.restore(state)`` for state holding DTensors or ShardedTensors: ``dcp.load`` through a
     :class:`StrataReader` (``step``, or the step this attempt restores); the step loaded.
     RestoreError (from a nothing-to-restore cause, which ``resume()`` takes as a fresh start)
     when the job has no committed checkpoint."""
@@ -542,7 +545,7 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
             header, _ = client._read_rank(0, header_only=True)
         except RestoreError as exc:
             if isinstance(exc.__cause__, _NothingToRestore):
-                raise RestoreError(f"{exc} (loading DTensor state through DCP)") from exc.__cause__
+                raise RestoreError(f"{exc} (loading sharded state through DCP)") from exc.__cause__
             raise
         step = int(header.step)
     reader = StrataReader(client, step=step)
