@@ -151,9 +151,11 @@ class _Encoder:
         # Subclasses (DTensor, UninitializedParameter, ...) carry meaning raw bytes would lose.
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             hint = (
-                " (FSDP2 / DTensor state: save it with torch.distributed.checkpoint and "
-                "trainer_client.dcp.StrataWriter; client.resume() loads it back)"
-                if type(t).__name__ == "DTensor"
+                f" (a {type(t).__name__} is saved through torch.distributed.checkpoint: client.save() "
+                "does so for one held as a value, in a module or in an optimizer of the state; "
+                "elsewhere use dcp.save with trainer_client.dcp.StrataWriter; client.resume() "
+                "loads it back)"
+                if type(t).__name__ in ("DTensor", "ShardedTensor")
                 else ""
             )
             raise StateError(f"{where(path)}: cannot checkpoint tensor subclass {type(t).__qualname__}{hint}")
@@ -667,6 +669,22 @@ def _walks(live: Any, value: Any) -> str | None:
     return None
 
 
+def _lazy_state(live: Any, saved: Any) -> str:
+    """Why ``live`` (an optimizer) cannot load ``saved``, its state dict, when its lazily made
+    state does not exist yet ("" when that is not the reason): TorchRec's KeyedOptimizer loads
+    only into state it has ("Different parameter count: 3 vs 11")."""
+    if not isinstance(live, torch.optim.Optimizer) or not isinstance(saved, Mapping):
+        return ""
+    state = saved.get("state")
+    if not isinstance(state, Mapping) or len(live.state) >= len(state):
+        return ""
+    return (
+        f"the optimizer ({type(live).__qualname__}) has state for {len(live.state)} parameters, "
+        f"the checkpoint for {len(state)}: create its state before resuming (TorchRec: "
+        "optimizer.init_state(); other optimizers: one step), as its first step would"
+    )
+
+
 def _find_missing(live: Any, value: Any, path: Path, out: list[Path]) -> None:
     kind = _walks(live, value)
     if kind == "mapping":
@@ -685,7 +703,13 @@ def _load(live: Any, value: Any, path: Path) -> Any:
     if live is _ABSENT:
         return value
     if is_stateful(live):
-        live.load_state_dict(value)
+        try:
+            live.load_state_dict(value)
+        except (ValueError, KeyError) as exc:
+            lazy = _lazy_state(live, value)
+            if lazy:
+                raise StateError(f"{where(path)}: {lazy} ({exc})") from exc
+            raise
         return live
     if isinstance(live, torch.Generator) and isinstance(value, torch.Generator):
         live.set_state(value.get_state())

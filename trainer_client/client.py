@@ -207,6 +207,8 @@ class CheckpointClient:
         self._lock = threading.Lock()
         self._inflight: Future[None] | None = None
         self._last: SaveHandle | None = None
+        #: saves of DTensor / ShardedTensor state, through DCP (trainer_client.dcp._Saves)
+        self._dcp_saves: Any = None
         self._tracker = RowTracker()
         self._overlap = Overlap(after_step=self._after_step)
         #: pre-faults staging buffers off the training thread; save() waits for it, never races it
@@ -396,6 +398,8 @@ class CheckpointClient:
     def close(self, wait: bool = True) -> None:
         """Finish (or drop) outstanding saves and close the connection."""
         self._sigterm.uninstall()
+        if wait and self._dcp_saves is not None:  # DCP's thread may not have reached the client yet
+            self._dcp_saves.wait(self.settings.commit_timeout_s)
         if wait and self._last is not None:
             try:
                 self._last.durable.result(self.settings.commit_timeout_s)
@@ -434,8 +438,9 @@ class CheckpointClient:
     def _adopt(self, state: MutableMapping[str, Any]) -> None:
         """The state is known: stage its optimizers in the background (``overlap="auto"``) and
         pre-fault the staging buffers for it, off the training thread. State holding DTensors
-        is saved through DCP (``StrataWriter``), which stages its own way: nothing to adopt."""
-        if _holds_dtensor(state):
+        or ShardedTensors is saved through DCP (``StrataWriter``), which stages its own way:
+        nothing to adopt."""
+        if _through_dcp(state):
             return
         if self.settings.overlap == "auto":
             for optimizer in _optimizers(state):
@@ -682,6 +687,10 @@ class CheckpointClient:
         staged before this returns (no overlap with the next optimizer step): copied, or, where it
         lies in a buffer lent to the writer's ``stage()`` (``_lease``), sent from there."""
         _check_step(step)
+        if not plain and _through_dcp(state):
+            from trainer_client.dcp import save_state  # imports this module
+
+            return save_state(self, step, state)
         t0 = time.perf_counter()
         with self._lock:
             # Busy while the previous snapshot streams or uploads: the sidecar holds one in
@@ -1162,6 +1171,8 @@ class CheckpointClient:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the newest save is durable (or failed); never raises its error."""
+        if self._dcp_saves is not None:
+            self._dcp_saves.wait(timeout)
         if self._last is not None:
             try:
                 self._last.durable.result(timeout)
@@ -1196,11 +1207,12 @@ class CheckpointClient:
         plain values are the same on every rank; otherwise RestoreError names what cannot be
         resharded (docs/dcp.md).
 
-        State holding DTensors (FSDP2, tensor parallelism: a module, optimizer or state dict
-        of them) is loaded with ``torch.distributed.checkpoint`` from a step saved through
+        State holding DTensors (FSDP2, tensor parallelism) or ShardedTensors (TorchRec's
+        ``DistributedModelParallel``): a module, optimizer or state dict of them, is loaded with
+        ``torch.distributed.checkpoint`` from a step saved through ``client.save`` or
         ``trainer_client.dcp.StrataWriter``, resharded by DCP's planner to this job's ranks:
-        pass the same state ``dcp.save`` was given (every rank takes part)."""
-        if _holds_dtensor(state):
+        pass the same state that was saved (every rank takes part)."""
+        if _through_dcp(state):
             from trainer_client.dcp import load_resume  # imports this module
 
             return load_resume(self, state, step)
@@ -1816,17 +1828,29 @@ def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
     return ["embedding" if _tensor_key(t) in tables else "" for _, t in tensors]
 
 
-def _holds_dtensor(state: Any) -> bool:
-    """Whether ``state`` holds a DTensor: as a value, a module's parameter or an optimizer's."""
+def _through_dcp(state: Any) -> bool:
+    """Whether ``state`` is saved and loaded through DCP: it holds a DTensor or a ShardedTensor,
+    as a value, a module's parameter or an optimizer's (or its state), or a TorchRec sharded
+    module (whose state dict holds ShardedTensors)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
+
+    sharded = (DTensor, ShardedTensor)
+    # Only where TorchRec is imported already: the library works without it.
+    types = sys.modules.get("torchrec.distributed.types")
+    sharded_module = getattr(types, "ShardedModule", None)
 
     def walk(v: Any) -> bool:
         if isinstance(v, torch.Tensor):
-            return isinstance(v, DTensor)
+            return isinstance(v, sharded)
         if isinstance(v, torch.nn.Module):
-            return any(isinstance(p, DTensor) for p in v.parameters())
+            if sharded_module is not None and any(isinstance(m, sharded_module) for m in v.modules()):
+                return True
+            return any(isinstance(p, sharded) for p in v.parameters())
         if isinstance(v, torch.optim.Optimizer):
-            return any(isinstance(p, DTensor) for g in v.param_groups for p in g["params"])
+            return any(isinstance(p, sharded) for g in v.param_groups for p in g["params"]) or any(
+                isinstance(x, sharded) for s in v.state.values() if isinstance(s, Mapping) for x in s.values()
+            )
         if isinstance(v, Mapping):
             return any(walk(x) for x in v.values())
         if isinstance(v, list | tuple):

@@ -47,9 +47,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -61,6 +63,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -69,7 +72,7 @@ from sidecar.api import DCP_METADATA_KEY
 from trainer_client import _tree
 from trainer_client._dcp_metadata import Location, MetadataError, decode, encode, item_key
 from trainer_client._staging import Lease
-from trainer_client.client import CheckpointClient, _NothingToRestore
+from trainer_client.client import CheckpointClient, SaveHandle, _NothingToRestore
 from trainer_client.errors import RestoreError, SaveFailed
 
 log = logging.getLogger("strata.dcp")
@@ -300,11 +303,21 @@ _PICKLED_VALUE_BYTES = 2048
 def _walk(
     obj: Any, path: tuple[Any, ...], leaf: Callable[[tuple[Any, ...], torch.Tensor], torch.Tensor]
 ) -> Any:
-    """``obj`` with each tensor (a DTensor's local shard, detached) replaced by ``leaf(path, it)``."""
+    """``obj`` with each tensor (a DTensor's local shard, a ShardedTensor's local shards,
+    detached) replaced by ``leaf(path, it)``."""
     if isinstance(obj, DTensor):
         local = leaf(path, obj.to_local().detach())
         # The same DTensor over the staged shard (its spec: mesh, placements, global shape).
         return DTensor(local, obj._spec, requires_grad=False)
+    if isinstance(obj, ShardedTensor):  # TorchRec's sharded tables and their optimizer state
+        shards = [
+            Shard(leaf((*path, i), s.tensor.detach()), s.metadata) for i, s in enumerate(obj.local_shards())
+        ]
+        # The same ShardedTensor (global metadata: every rank's shards) over the staged shards,
+        # as DCP's own stager rebuilds it; tensor methods (detach) are not defined on it.
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group, init_rrefs=obj._init_rrefs
+        )
     if isinstance(obj, torch.Tensor):
         return leaf(path, obj.detach())
     if isinstance(obj, Mapping):
@@ -451,8 +464,77 @@ class StrataReader(StorageReader):
             return False
 
 
+class _Saves:
+    """``client.save`` of state DCP saves: the client's writer, the process group its background
+    collectives run in, and the newest save."""
+
+    def __init__(self, client: CheckpointClient) -> None:
+        import torch.distributed as dist
+
+        self.writer = StrataWriter(client)
+        # A group of its own: the save's collectives run in DCP's thread beside training's.
+        self.group = dist.new_group(backend="gloo")
+        self.last: SaveHandle | None = None
+
+    def wait(self, timeout: float | None = None) -> None:
+        last = self.last
+        if last is not None:
+            futures_wait([last.durable], timeout)
+
+
+def save_state(client: CheckpointClient, step: int, state: Any) -> SaveHandle:
+    """``client.save(step, state)`` for state holding DTensors or ShardedTensors:
+    ``dcp.async_save`` through the client's :class:`StrataWriter` (every rank takes part; DCP's
+    planner decides which rank writes what). Returns once ``stage()`` has copied the state into
+    the client's staging buffers; ``durable`` once the step is committed. One DCP save is in
+    flight at a time: the next waits for this one (a save cannot be skipped on one rank alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    saves = client._dcp_saves
+    if saves is None:
+        saves = client._dcp_saves = _Saves(client)
+    saves.wait()
+    handle = SaveHandle(step)
+    t0 = time.perf_counter()
+    response = dcp.async_save(
+        state, storage_writer=saves.writer, checkpoint_id=str(step), process_group=saves.group
+    )
+    # (a response with a staging future only comes from a stager whose stage() returns one)
+    upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+    handle.stall_s = time.perf_counter() - t0
+    handle.staged.set_result(None)
+    writer = saves.writer
+
+    def uploaded(done: Any) -> None:
+        try:
+            exc = done.exception()
+        except BaseException as cancelled:  # a durable left unresolved would hang the next save
+            exc = cancelled
+        if exc is not None:
+            handle.durable.set_exception(exc)
+            return
+        # This rank's save: durable once the job-level COMMIT exists (on the coordinator, already).
+        own = writer.last_handle
+        if own is None:
+            handle.durable.set_exception(SaveFailed(f"step {step}: DCP saved nothing through Strata"))
+            return
+        own.durable.add_done_callback(lambda d: _copy_outcome(d, handle.durable))
+
+    upload.add_done_callback(uploaded)
+    saves.last = handle
+    return handle
+
+
+def _copy_outcome(src: Any, dst: Any) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
 def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
-    """``client.restore(state)`` for state holding DTensors: ``dcp.load`` through a
+    """``client.restore(state)`` for state holding DTensors or ShardedTensors: ``dcp.load`` through a
     :class:`StrataReader` (``step``, or the step this attempt restores); the step loaded.
     RestoreError (from a nothing-to-restore cause, which ``resume()`` takes as a fresh start)
     when the job has no committed checkpoint."""
@@ -463,10 +545,11 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
             header, _ = client._read_rank(0, header_only=True)
         except RestoreError as exc:
             if isinstance(exc.__cause__, _NothingToRestore):
-                raise RestoreError(f"{exc} (loading DTensor state through DCP)") from exc.__cause__
+                raise RestoreError(f"{exc} (loading sharded state through DCP)") from exc.__cause__
             raise
         step = int(header.step)
     reader = StrataReader(client, step=step)
+    _check_lazy_optimizers(state, reader.read_metadata())
     dcp.load(state, storage_reader=reader)
     assert reader.position is not None
     client.last_restore = {
@@ -481,6 +564,35 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
         "sources": dict(reader.sources),
     }
     return reader.position[1]
+
+
+def _check_lazy_optimizers(state: Any, metadata: Metadata) -> None:
+    """RestoreError naming an optimizer of ``state`` whose parameters' state the checkpoint holds
+    but which has not created it yet (it does so lazily, at its first step): DCP loads into the
+    state dict the live optimizer gives, so that state would silently stay unloaded."""
+    if not isinstance(state, Mapping):
+        return
+    saved = metadata.state_dict_metadata
+    for key, opt in state.items():
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        params = getattr(opt, "params", None)  # TorchRec's KeyedOptimizer: its parameters by name
+        if isinstance(params, Mapping):
+            named = list(params.items())
+        else:  # torch's state dict numbers the parameters in the order of its groups
+            named = [(str(i), p) for i, p in enumerate(p for g in opt.param_groups for p in g["params"])]
+        lazy = [
+            name
+            for name, p in named
+            if p not in opt.state and any(fqn.startswith(f"{key}.state.{name}.") for fqn in saved)
+        ]
+        if lazy:
+            raise RestoreError(
+                f"state[{key!r}] ({type(opt).__qualname__}): the checkpoint holds optimizer state for "
+                f"{len(lazy)} parameters it has not created yet (e.g. {lazy[0]}): create its state "
+                "before resuming (TorchRec: optimizer.init_state(); other optimizers: one step), "
+                "as its first step would"
+            )
 
 
 def committed_step(client: CheckpointClient) -> int | None:

@@ -32,12 +32,14 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(socket_path: str, job: str, generation: str, world: int, *args: str) -> list[dict]:
-    """Run ``world`` rank processes of dcp_ranks.py; their reports, by rank."""
+def run_ranks(
+    socket_path: str, job: str, generation: str, world: int, *args: str, script: Path = RANKS
+) -> list[dict]:
+    """Run ``world`` rank processes of ``script`` (dcp_ranks.py); their reports, by rank."""
     port = _port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(RANKS), *args],
+            [sys.executable, str(script), *args],
             env=dict(
                 os.environ,
                 STRATA_SOCKET=socket_path,
@@ -613,8 +615,8 @@ def test_resume_on_dtensor_state_starts_fresh_then_loads_through_dcp(
     one_rank, make_sidecar, make_client, job_name
 ):
     """``client.resume()`` on FSDP2 state: nothing committed yet is a fresh start (None), and a
-    step saved through ``StrataWriter`` comes back through DCP, with ``last_restore`` saying so."""
-    import torch.distributed.checkpoint as dcp
+    step ``client.save()`` saved (through DCP: ``dcp.async_save`` staged by the client's
+    ``StrataWriter``) comes back through DCP, with ``last_restore`` saying so."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -627,9 +629,12 @@ def test_resume_on_dtensor_state_starts_fresh_then_loads_through_dcp(
     assert client.resume(fsdp2_state(model, opt, 1)) is None
     saved = fsdp2_state(model, opt, 2)
     want = [t.clone() for t in local_tensors(saved)]
-    with pytest.raises(ValueError, match=r"0\.weight.*DTensor.*StrataWriter"):
-        client.save(5, saved)  # client.save takes no DTensors: the message says what does
-    dcp.save(saved, storage_writer=StrataWriter(client), checkpoint_id=5)
+    handle = client.save(5, saved)
+    assert handle.staged.done()  # stage() copied the shards before save() returned
+    fsdp2_state(model, opt, 4)  # training goes on: the checkpoint must not see it
+    assert handle.result(60).step == 5
+    commit = mf.read_commit(server.store, "default", job_name, 5)
+    assert mf.load_manifest(server.store, commit, 0).dcp  # DCP's metadata: reshardable
 
     later = make_client(server, job_name, capture_rng=False)  # a restarted trainer
     state = fsdp2_state(model, opt, 3)  # moved on
