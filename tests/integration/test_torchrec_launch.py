@@ -18,9 +18,8 @@ pytestmark = pytest.mark.torchrec
 ROOT = Path(__file__).resolve().parents[2]
 STRATA = str(Path(sys.executable).parent / "strata")
 EXAMPLE = ROOT / "deploy" / "examples" / "train_torchrec.py"
-# 10 batches an epoch on one rank: step 12 is mid-epoch 1; tables big enough that a copy deferred
-# past the next backward would see the fused update.
-ARGS = ["--samples", "160", "--batch", "16", "--epochs", "2", "--save-every", "4"]
+# 10 batches an epoch on each rank: step 12 is mid-epoch 1.
+ARGS = ["--batch", "16", "--epochs", "2", "--save-every", "4"]
 KILL_AT_12 = {"STRATA_FAULTS": "client.saved@12=kill", "STRATA_TEST_FAULTS": "1"}
 
 
@@ -58,7 +57,7 @@ def uninterrupted(nproc: int, args: list[str], out: Path, tmp_path: Path) -> str
     ids=["plain", "fused-tbe", "in-backward", "dmp-2-ranks"],
 )
 def test_a_dlrm_killed_mid_epoch_resumes_bitwise(tmp_path, kind, nproc, extra):
-    args = [*ARGS, "--kind", kind, *extra]
+    args = [*ARGS, "--samples", str(160 * nproc), "--kind", kind, *extra]
     out = tmp_path / "out.json"
     log = launch(
         tmp_path,
