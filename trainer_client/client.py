@@ -16,27 +16,21 @@ the job-level COMMIT exists (or with the error that prevented it).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import mmap
 import operator
 import os
 import re
-import stat
 import sys
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -50,15 +44,14 @@ from sidecar.api import (
     RNG_STATE_KEY,
     SHM_HANDOVER_CAPABILITY,
     SHM_HANDOVER_SOCKET,
-    SHM_LENT_PATTERN,
-    SHM_NAME_PATTERN,
     TOKEN_METADATA_KEY,
     channel_options,
     pb,
     pb_grpc,
 )
 from sidecar.faults import fault_point
-from trainer_client import _loaders, _replicas, _rng, _tree, _verify
+from trainer_client import _loaders, _receive, _replicas, _reshard, _rng, _state, _tree
+from trainer_client._handles import Committed, SaveHandle
 from trainer_client._overlap import Deferral, Overlap
 from trainer_client._overlap import tensor_key as _tensor_key
 from trainer_client._preempt import SigtermWatch
@@ -69,17 +62,15 @@ from trainer_client._staging import (
     SegmentFactory,
     Slot,
     Stager,
-    as_numpy_bytes,
     dtype_name,
     lease_layout,
-    open_segment,
     span_bytes,
-    torch_dtype,
     total_bytes,
 )
-from trainer_client._tracking import RowTracker, embedding_weights
+from trainer_client._tracking import RowTracker
 from trainer_client.config import ClientSettings
 from trainer_client.errors import (
+    NothingToRestore,
     Preempted,
     RestartInPlace,
     RestartLimitSpent,
@@ -103,29 +94,6 @@ LEASE_WAIT_S = 2.0
 #: (STRATA_RESTART_GRACE_S): a training thread that reaches save() meanwhile exits through
 #: RestartInPlace instead.
 RESTART_GRACE_S = 2.0
-
-
-@dataclass(frozen=True)
-class Committed:
-    """What ``durable`` resolves to."""
-
-    step: int
-    commit_key: str
-
-
-class SaveHandle:
-    """Futures of one save, like DCP's ``AsyncSaveResponse``."""
-
-    def __init__(self, step: int, skipped: bool = False) -> None:
-        self.step = step
-        self.skipped = skipped
-        self.staged: Future[None] = Future()
-        self.durable: Future[Committed] = Future()
-        self.stall_s = 0.0
-
-    def result(self, timeout: float | None = None) -> Committed:
-        """Wait until durable; raises the save's error."""
-        return self.durable.result(timeout)
 
 
 class CheckpointClient:
@@ -440,10 +408,10 @@ class CheckpointClient:
         pre-fault the staging buffers for it, off the training thread. State holding DTensors
         or ShardedTensors is saved through DCP (``StrataWriter``), which stages its own way:
         nothing to adopt."""
-        if _through_dcp(state):
+        if _state.through_dcp(state):
             return
         if self.settings.overlap == "auto":
-            for optimizer in _optimizers(state):
+            for optimizer in _state.optimizers(state):
                 self.register_optimizer(optimizer)
         if self.stats["saves"] == 0:
             self._warm_state = state
@@ -529,7 +497,8 @@ class CheckpointClient:
         """Tensor key -> the ranks it is replicated across."""
         groups: dict[tuple[int, int], tuple[int, ...]] = {}
         found = [
-            (m, _replicas.group_ranks(m.process_group, self.settings.world_size)) for m in _found(state, _DDP)
+            (m, _replicas.group_ranks(m.process_group, self.settings.world_size))
+            for m in _state.found(state, _DDP)
         ]
         for obj, ranks in [*found, *self._declared]:
             ignored: set[str] = set()
@@ -548,7 +517,7 @@ class CheckpointClient:
                     f"replicate(): expected DDP wrappers, modules or tensors, got {type(obj).__name__}"
                 )
         if groups:
-            optimizers = {id(o): o for o in [*_optimizers(state), *self._overlap.optimizers]}
+            optimizers = {id(o): o for o in [*_state.optimizers(state), *self._overlap.optimizers]}
             for opt in optimizers.values():
                 for group in opt.param_groups:
                     for p in group["params"]:
@@ -687,7 +656,7 @@ class CheckpointClient:
         staged before this returns (no overlap with the next optimizer step): copied, or, where it
         lies in a buffer lent to the writer's ``stage()`` (``_lease``), sent from there."""
         _check_step(step)
-        if not plain and _through_dcp(state):
+        if not plain and _state.through_dcp(state):
             from trainer_client.dcp import save_state  # imports this module
 
             return save_state(self, step, state)
@@ -712,7 +681,7 @@ class CheckpointClient:
         if self.stats["saves"] == 0 and not plain:
             _loaders.check(state)  # once: loader setups a resume cannot keep exact
             if self.settings.overlap == "auto":
-                for optimizer in _optimizers(state):
+                for optimizer in _state.optimizers(state):
                     self.register_optimizer(optimizer)
             self._warm_state = None
         full = self._flat(state, rng=not plain)
@@ -773,7 +742,7 @@ class CheckpointClient:
         try:
             touched = {} if plain else self._tracker.cut(flat.tensors)
             if self._overlap.optimizers and not plain:
-                deferred = self._overlap.plan(flat.tensors, _optimizers(state), _modules(state))
+                deferred = self._overlap.plan(flat.tensors, _state.optimizers(state), _state.modules(state))
             later = set(deferred.indices)
             self._stager.copy(views, flat.tensors, [i for i in copies if i not in later])
             self.stats["last_copied_bytes"] = sum(slots[i].nbytes for i in copies)
@@ -786,7 +755,7 @@ class CheckpointClient:
             if self.stats["saves"] == 1:
                 self.stats["first_save_stall_s"] = stall
             tree = _tree.encode_skeleton(flat.skeleton)
-            roles = _roles(state, flat.tensors)
+            roles = _state.roles(state, flat.tensors)
             with self._lock:
                 skipped, self._skipped_unreported = self._skipped_unreported, 0
                 self._inflight = self._sender.submit(
@@ -1191,7 +1160,7 @@ class CheckpointClient:
         try:
             return self.restore(state)
         except RestoreError as exc:
-            if policy == "require" or not isinstance(exc.__cause__, _NothingToRestore):
+            if policy == "require" or not isinstance(exc.__cause__, NothingToRestore):
                 raise
             log.info(
                 "no committed checkpoint for %s/%s; starting fresh",
@@ -1212,7 +1181,7 @@ class CheckpointClient:
         ``torch.distributed.checkpoint`` from a step saved through ``client.save`` or
         ``trainer_client.dcp.StrataWriter``, resharded by DCP's planner to this job's ranks:
         pass the same state that was saved (every rank takes part)."""
-        if _through_dcp(state):
+        if _state.through_dcp(state):
             from trainer_client.dcp import load_resume  # imports this module
 
             return load_resume(self, state, step)
@@ -1221,12 +1190,12 @@ class CheckpointClient:
             req.step = step
         refused = ""
         try:
-            header, tensors = self._restore_stream(req, _InPlace(state))
+            header, tensors = self._restore_stream(req, _receive.InPlace(state))
         except grpc.RpcError as exc:
             code = exc.code()
             msg = f"restore of {self.settings.namespace}/{self.settings.job}: {exc.details()}"
             if code == grpc.StatusCode.NOT_FOUND:
-                raise RestoreError(msg) from _NothingToRestore()
+                raise RestoreError(msg) from NothingToRestore()
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise SidecarUnavailable(msg) from None
             if code == grpc.StatusCode.FAILED_PRECONDITION and LIMIT_SPENT_MARKER in (exc.details() or ""):
@@ -1246,7 +1215,7 @@ class CheckpointClient:
             tensors, replica_sources = self._with_replicas(header, tensors)
             base = self.settings.rank
         skeleton = _tree.decode_skeleton(header.tree)
-        target = _target(state, skeleton)
+        target = _receive.load_target(state, skeleton)
         try:
             _tree.load_into(target, skeleton, tensors)
         except (TypeError, ValueError) as exc:
@@ -1279,7 +1248,7 @@ class CheckpointClient:
             # the number of ranks that saved the step (another one: a resharded restore)
             "saved_by": saved_by,
             # tensors copied without a digest to check (an older sidecar or MANIFEST, a lossy tensor)
-            "unverified_tensors": _unverified(header),
+            "unverified_tensors": _receive.unverified(header),
         }
         log.info("restored step %d from %s (%d bytes)", header.step, header.source, header.total_bytes)
         return int(header.step)
@@ -1364,9 +1333,9 @@ class CheckpointClient:
                 "dcp.load(state, storage_reader=trainer_client.dcp.StrataReader(client)), whose "
                 "planner reshards it"
             )
-        readers = list(_per_rank_readers(state, ()))
+        readers = list(_reshard.per_rank_readers(state, ()))
         if readers:  # their positions are per rank even when equal: the partition changes with the ranks
-            raise RestoreError(_not_reshardable(what, world, [], [], readers))
+            raise RestoreError(_reshard.not_reshardable(what, world, [], [], readers))
         headers = {0: first}
         for r in range(1, world):
             headers[r] = self._read_rank(r, at, attempt, header_only=True)[0]
@@ -1411,7 +1380,7 @@ class CheckpointClient:
                 if p not in differ:
                     differ.append(p)
         if per_rank or differ:
-            raise RestoreError(_not_reshardable(what, world, per_rank, differ, []))
+            raise RestoreError(_reshard.not_reshardable(what, world, per_rank, differ, []))
         own_header, own = self._read_rank(base, at, attempt)
         tensors, sources = self._with_replicas(own_header, own)
         sources = {base: own_header.source, **sources}
@@ -1469,14 +1438,14 @@ class CheckpointClient:
                 raise SidecarUnavailable(f"{what} of rank {rank}: {exc.details()}") from None
             msg = f"{what} of rank {rank}: {exc.code().name}: {exc.details()}"
             if exc.code() == grpc.StatusCode.NOT_FOUND and step is None:
-                raise RestoreError(msg) from _NothingToRestore()
+                raise RestoreError(msg) from NothingToRestore()
             raise RestoreError(msg) from None
         if len(messages) != 1 or messages[0].WhichOneof("msg") != "header":
             raise RestoreError(f"rank {rank}: a header-only read got more than one header")
         return messages[0].header, []
 
     def _restore_stream(
-        self, req: pb.RestoreRequest, in_place: _InPlace | None = None
+        self, req: pb.RestoreRequest, in_place: _receive.InPlace | None = None
     ) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
         """One Restore call, asked again while the sidecar refuses it for lack of a free slot
         (its blocking calls or memory are momentarily taken by other ranks)."""
@@ -1486,11 +1455,11 @@ class CheckpointClient:
         while True:
             try:
                 stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
-                return _receive(stream, shm_dir, in_place)
-            except _SegmentChanged as exc:  # not the file the sidecar checked: its own copy instead
+                return _receive.receive(stream, shm_dir, in_place)
+            except _receive.SegmentChanged as exc:  # not the file the sidecar checked: its own copy instead
                 log.error("%s; restoring over gRPC", exc)
                 req.shm_ok = False
-            except _SegmentGone as exc:  # the sidecar forgot it meanwhile: the bytes come over gRPC
+            except _receive.SegmentGone as exc:  # the sidecar forgot it meanwhile: the bytes come over gRPC
                 log.info("%s; restoring over gRPC", exc)
                 req.shm_ok = False
             except grpc.RpcError as exc:
@@ -1512,119 +1481,9 @@ def _check_step(step: Any) -> None:
         raise ValueError(f"step must be an int from 0 to {MAX_STEP} (keys hold 12 digits), got {step!r}")
 
 
-class _NothingToRestore(Exception):
-    pass
-
-
 def _view(bufs: HostBuffers, s: Slot) -> torch.Tensor:
     assert bufs.flat is not None
     return bufs.flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
-
-
-def _not_reshardable(
-    what: str,
-    world: int,
-    per_rank: list[tuple[Any, ...]],
-    differ: list[tuple[Any, ...]],
-    readers: list[tuple[tuple[Any, ...], str]],
-) -> str:
-    """Why a step saved by another number of ranks cannot be restored here, and what to do."""
-
-    def named(paths: list[tuple[Any, ...]]) -> str:
-        shown = ", ".join(_tree.where(p) for p in paths[:8])
-        return shown + (f" and {len(paths) - 8} more" if len(paths) > 8 else "")
-
-    parts = []
-    if per_rank:
-        parts.append(
-            f"tensors each rank saved for itself (not declared replicated), which cannot be split "
-            f"or joined: {named(per_rank)}"
-        )
-    if differ:
-        parts.append(f"values that differ between the {world} ranks: {named(differ)}")
-    if readers:
-        parts.append(
-            "data readers whose state is this rank's own position: "
-            + ", ".join(f"{_tree.where(p)} ({kind})" for p, kind in readers)
-        )
-    fix = (
-        "declare replicated tensors with client.replicate(...) (DDP wrappers in the state need no "
-        "declaration), save DTensor/FSDP2 state through torch.distributed.checkpoint with "
-        "trainer_client.dcp's StrataWriter (StrataReader reshards it), or keep the job at "
-        f"{world} ranks"
-    )
-    if readers:
-        fix += (
-            "; put each data reader in the state as trainer_client.data.AllRanksState(reader) (every "
-            "rank's position as one value, a collective at each save): the rest of the epoch is then "
-            "partitioned over the new ranks"
-        )
-    return f"{what}. A resharded restore needs state that every rank saved alike; this one holds " + (
-        "; ".join(parts) + f". To resume on another number of ranks: {fix}"
-    )
-
-
-#: Data readers whose state_dict() is one rank's position (trainer_client.data, torchdata)
-_READERS = ("ResumableDistributedSampler", "ResumableLoader", "StatefulDataLoader")
-
-
-def _per_rank_readers(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """(path, type name) of the data readers in the live state that save one rank's position
-    (not wrapped in ``AllRanksState``, whose value is every rank's)."""
-    if type(node).__name__ in _READERS:
-        yield path, type(node).__name__
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            yield from _per_rank_readers(v, (*path, k))
-    elif isinstance(node, list | tuple):
-        for i, v in enumerate(node):
-            yield from _per_rank_readers(v, (*path, i))
-
-
-def _target(state: MutableMapping[str, Any], skeleton: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint loads into: the live state, and the RNG states when it captured them."""
-    target = dict(state)
-    root = skeleton.get("root")
-    if isinstance(root, dict) and _RNG_KEY in root:
-        target[_RNG_KEY] = None
-    return target
-
-
-class _InPlace:
-    """The live state's CPU tensors a restore from a shared segment copies into directly.
-
-    Loading copies every tensor into the live state anyway, so a segment restore writes each
-    tensor straight to the live one it would be copied into: one copy instead of two, into pages
-    already faulted in (fresh tensors cost a page fault per 4 KiB). Only whole, contiguous,
-    unshared tensors qualify, and only once the checkpoint is known to fit the state; a restore
-    that streams over gRPC keeps fresh tensors, so a broken stream leaves the state untouched.
-    """
-
-    def __init__(self, state: MutableMapping[str, Any]) -> None:
-        self.state = state
-
-    def targets(self, header: pb.RestoreHeader) -> list[torch.Tensor] | None:
-        if header.replicas:  # the skeleton also names other ranks' tensors: the plain path
-            return None
-        try:
-            live = dict(_tree.flatten(dict(self.state)).tensors)
-        except _tree.StateError:
-            return None
-        seen: set[int] = set()
-        out: list[torch.Tensor] = []
-        for m in header.tensors:
-            t = live.get(m.name)
-            if t is not None and _writable_whole(t, m, seen):
-                seen.add(t.data_ptr())
-                out.append(t.detach())
-            else:
-                out.append(torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)))
-        skeleton = _tree.decode_skeleton(header.tree)
-        try:  # refuse before anything live is overwritten, as load_into would after
-            _tree.check_fits(_target(self.state, skeleton), skeleton, out)
-        except (TypeError, ValueError) as exc:
-            raise RestoreError(f"step {header.step} does not fit this state: {exc}") from exc
-        return out
 
 
 def _handover_socket(capabilities: Sequence[str]) -> str:
@@ -1634,250 +1493,6 @@ def _handover_socket(capabilities: Sequence[str]) -> str:
         if name != cap and re.fullmatch(SHM_HANDOVER_SOCKET, name):
             return name
     return ""
-
-
-def _writable_whole(t: torch.Tensor, meta: pb.TensorMeta, seen: set[int]) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-        and not t.is_conj()
-        and not t.is_neg()
-        and t.numel() > 0
-        and dtype_name(t.dtype) == meta.dtype
-        and list(t.shape) == list(meta.shape)
-        and t.untyped_storage().nbytes() == t.nbytes  # not a view into a larger buffer
-        and t.data_ptr() not in seen
-    )
-
-
-class _SegmentGone(Exception):
-    pass
-
-
-class _SegmentChanged(_SegmentGone):
-    """The segment's bytes are not what was saved: the sidecar's own copy, checked, comes over gRPC."""
-
-
-def _from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Target]) -> None:
-    """Copy the tensors from the shared segment a restore header names, checking each against
-    its digest as it goes. A lent descriptor is mapped only when its seals say no page can be
-    taken back (no SIGBUS here), and a copy made for this restore (``shm_handoff``) is trusted
-    without digests (lossy tensors have none) only when sealed against writes. A file is never
-    mapped (its writer may truncate it): it is read with ``preadv``, a short read meaning it is gone."""
-    name = header.shm.name
-    if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
-        raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
-    try:
-        fd = open_segment(shm_dir, name)
-    except OSError as exc:
-        raise _SegmentGone(f"shared segment {name}: {exc.strerror or exc}") from None
-    try:
-        found = os.fstat(fd)
-        size = found.st_size
-        if not stat.S_ISREG(found.st_mode):
-            raise _SegmentChanged(f"shared segment {name} is not a regular file")
-        if size < header.total_bytes:
-            raise _SegmentGone(f"shared segment {name} holds {size} bytes, not {header.total_bytes}")
-        if not re.fullmatch(SHM_LENT_PATTERN, name):
-            _read_file_segment(fd, name, targets)
-            return
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        need = fcntl.F_SEAL_SHRINK | (fcntl.F_SEAL_WRITE if header.shm_handoff else 0)
-        if seals & need != need:
-            raise _SegmentChanged(f"shared segment {name} is not sealed against {_seal_names(need & ~seals)}")
-        # Populated at once: one call maps every page instead of a fault per 4 KiB.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(fd, header.total_bytes, flags, mmap.PROT_READ) as mapped:
-            source = np.frombuffer(mapped, np.uint8)
-            try:
-                with warnings.catch_warnings():  # read-only source: torch only reads it here
-                    warnings.simplefilter("ignore", UserWarning)
-                    bad = _verify.copy_checked(source, targets)
-            finally:
-                del source
-    finally:
-        os.close(fd)
-    if bad is not None:
-        raise _SegmentChanged(f"shared segment {name}: {bad}")
-
-
-def _seal_names(bits: int) -> str:
-    names = [("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK), ("F_SEAL_WRITE", fcntl.F_SEAL_WRITE)]
-    return " and ".join(what for what, bit in names if bits & bit)
-
-
-def _read_file_segment(fd: int, name: str, targets: list[_verify.Target]) -> None:
-    """Read each tensor of a segment file straight into its destination and check its digest."""
-    digests = _verify.StreamCheck(targets)
-    for index, target in enumerate(targets):
-        pos, dst = 0, target.dst.data  # a writable uint8 view of the destination
-        while pos < len(dst):
-            n = os.preadv(fd, [dst[pos:]], target.offset + pos)
-            if n <= 0:
-                raise _SegmentGone(f"shared segment {name} shrank while being read")
-            pos += n
-        digests.update(index, 0, len(dst))
-    try:
-        digests.check()
-    except _verify.DigestMismatch as exc:
-        raise _SegmentChanged(f"shared segment {name}: {exc}") from None
-
-
-def _end(stream: Iterator[pb.RestoreResponse], header: pb.RestoreHeader, shm_dir: str) -> None:
-    """Give up on a restore that named a shared segment: the call ends, a handoff is removed."""
-    stream.cancel()  # type: ignore[attr-defined]  # a grpc call: the sidecar stops waiting
-    _drop_handoff(header, shm_dir)
-
-
-def _drop_handoff(header: pb.RestoreHeader, shm_dir: str) -> None:
-    """Remove a handoff file made for this restore (a lent descriptor is the sidecar's to drop)."""
-    if header.shm_handoff and not re.fullmatch(SHM_LENT_PATTERN, header.shm.name):
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(shm_dir, header.shm.name))
-
-
-def _receive(
-    stream: Iterator[pb.RestoreResponse], shm_dir: str = "", in_place: _InPlace | None = None
-) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
-    """Read a restore stream straight into freshly allocated tensors.
-
-    The stream is the snapshot buffer, ``total_bytes`` long; tensor i occupies
-    ``[offset, offset + nbytes)`` of it (gaps are alignment padding). A header naming a shared
-    segment (``shm``) means the buffer is that segment instead: no chunks follow, and the tensors
-    are copied into the live state's own where ``in_place`` finds them.
-    """
-    first = next(stream, None)
-    if first is None or first.WhichOneof("msg") != "header":
-        raise RestoreError("restore stream did not start with a header")
-    header = first.header
-    tensors: list[torch.Tensor] | None = None
-    if header.HasField("shm") and in_place is not None:
-        try:
-            tensors = in_place.targets(header)
-        except RestoreError:
-            _end(stream, header, shm_dir)
-            raise
-    if tensors is None:
-        tensors = [torch.empty(tuple(m.shape), dtype=torch_dtype(m.dtype)) for m in header.tensors]
-    targets = [
-        _verify.Target(m.offset, as_numpy_bytes(t), m.xxh3, m.name)
-        for m, t in zip(header.tensors, tensors, strict=True)
-        if t.numel()
-    ]
-    if header.HasField("shm"):
-        try:
-            _from_segment(header, shm_dir, targets)
-        except _SegmentGone:
-            stream.cancel()  # type: ignore[attr-defined]  # a grpc call: the sidecar stops waiting
-            raise
-        finally:
-            _drop_handoff(header, shm_dir)  # a copy made for this restore (ends the call)
-        for _ in stream:  # nothing more comes; let the call end
-            raise RestoreError("the sidecar sent chunks after naming a shared segment")
-        return header, tensors
-    index, pos = 0, 0
-    digests = _verify.StreamCheck(targets)  # each piece hashed just after it is written
-    for msg in stream:
-        data = memoryview(msg.chunk)
-        end = pos + len(data)
-        while index < len(targets) and targets[index].offset < end:
-            start, dst = targets[index].offset, targets[index].dst
-            lo, hi = max(start, pos), min(start + dst.size, end)
-            if hi > lo:
-                dst[lo - start : hi - start] = data[lo - pos : hi - pos]
-                digests.update(index, lo - start, hi - start)
-            if start + dst.size > end:
-                break
-            index += 1
-        pos = end
-    if pos != header.total_bytes or index != len(targets):
-        raise RestoreError(
-            f"restore stream ended after {pos} of {header.total_bytes} bytes "
-            f"({index} of {len(targets)} tensors complete)"
-        )
-    try:
-        digests.check()
-    except _verify.DigestMismatch as exc:
-        raise RestoreError(f"step {header.step} from {header.source}: {exc}") from None
-    return header, tensors
-
-
-def _unverified(header: pb.RestoreHeader) -> int:
-    """The header's tensors that carry no digest (their bytes were copied unchecked), logged."""
-    unverified = sum(1 for m in header.tensors if m.nbytes and not m.xxh3)
-    if unverified:
-        # none at all: a sidecar that predates digests in the header; some: lossy tensors
-        (log.warning if unverified == len(header.tensors) else log.info)(
-            "step %d: %d of %d tensors carry no digest; their bytes were not checked",
-            header.step,
-            unverified,
-            len(header.tensors),
-        )
-    return unverified
-
-
-def _roles(state: Any, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """ "embedding" for the weights of embedding tables (what quantization targets by default):
-    nn.Embedding / nn.EmbeddingBag, and fbgemm's tables (fused or sharded TorchRec tables)."""
-    tables = {_tensor_key(w) for module in _modules(state) for w in embedding_weights(module)}
-    return ["embedding" if _tensor_key(t) in tables else "" for _, t in tensors]
-
-
-def _through_dcp(state: Any) -> bool:
-    """Whether ``state`` is saved and loaded through DCP: it holds a DTensor or a ShardedTensor,
-    as a value, a module's parameter or an optimizer's (or its state), or a TorchRec sharded
-    module (whose state dict holds ShardedTensors)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
-    sharded = (DTensor, ShardedTensor)
-    # Only where TorchRec is imported already: the library works without it.
-    types = sys.modules.get("torchrec.distributed.types")
-    sharded_module = getattr(types, "ShardedModule", None)
-
-    def walk(v: Any) -> bool:
-        if isinstance(v, torch.Tensor):
-            return isinstance(v, sharded)
-        if isinstance(v, torch.nn.Module):
-            if sharded_module is not None and any(isinstance(m, sharded_module) for m in v.modules()):
-                return True
-            return any(isinstance(p, sharded) for p in v.parameters())
-        if isinstance(v, torch.optim.Optimizer):
-            return any(isinstance(p, sharded) for g in v.param_groups for p in g["params"]) or any(
-                isinstance(x, sharded) for s in v.state.values() if isinstance(s, Mapping) for x in s.values()
-            )
-        if isinstance(v, Mapping):
-            return any(walk(x) for x in v.values())
-        if isinstance(v, list | tuple):
-            return any(walk(x) for x in v)
-        return False
-
-    return walk(state)
-
-
-def _found(state: Any, kind: type[T]) -> Iterator[T]:
-    """The objects of ``kind`` in ``state`` (its dicts, lists and tuples walked, not the objects)."""
-    if isinstance(state, kind):
-        yield state
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from _found(v, kind)
-    elif isinstance(state, list | tuple):
-        for v in state:
-            yield from _found(v, kind)
-
-
-def _optimizers(state: Any) -> Iterator[torch.optim.Optimizer]:
-    return _found(state, torch.optim.Optimizer)
-
-
-def _modules(state: Any) -> Iterator[torch.nn.Module]:
-    return _found(state, torch.nn.Module)
 
 
 __all__ = ["CheckpointClient", "Committed", "SaveHandle"]

@@ -48,7 +48,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -71,9 +71,12 @@ from torch.futures import Future
 from sidecar.api import DCP_METADATA_KEY
 from trainer_client import _tree
 from trainer_client._dcp_metadata import Location, MetadataError, decode, encode, item_key
+from trainer_client._handles import SaveHandle
 from trainer_client._staging import Lease
-from trainer_client.client import CheckpointClient, SaveHandle, _NothingToRestore
-from trainer_client.errors import RestoreError, SaveFailed
+from trainer_client.errors import NothingToRestore, RestoreError, SaveFailed
+
+if TYPE_CHECKING:  # the client imports this module (for its DCP route), not the other way
+    from trainer_client.client import CheckpointClient
 
 log = logging.getLogger("strata.dcp")
 
@@ -544,7 +547,7 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
         try:
             header, _ = client._read_rank(0, header_only=True)
         except RestoreError as exc:
-            if isinstance(exc.__cause__, _NothingToRestore):
+            if isinstance(exc.__cause__, NothingToRestore):
                 raise RestoreError(f"{exc} (loading sharded state through DCP)") from exc.__cause__
             raise
         step = int(header.step)
@@ -607,7 +610,7 @@ def committed_step(client: CheckpointClient) -> int | None:
     try:
         header, _ = client._read_rank(0, header_only=True)
     except RestoreError as exc:
-        if isinstance(exc.__cause__, _NothingToRestore):
+        if isinstance(exc.__cause__, NothingToRestore):
             return None
         raise
     return int(header.step)

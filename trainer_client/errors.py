@@ -71,3 +71,8 @@ class RestartInPlace(SystemExit):
 
     def __str__(self) -> str:
         return f"the gang restarts in place as generation {self.generation}: exiting {EXIT_RESTART_IN_PLACE}"
+
+
+class NothingToRestore(Exception):
+    """The cause of a RestoreError when the job has no committed checkpoint (``resume()`` then
+    starts fresh). Internal: raised and caught inside the client."""

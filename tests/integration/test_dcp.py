@@ -592,7 +592,7 @@ def test_a_save_that_fails_before_it_is_sent_frees_its_staging_buffer(
 ):
     """A failure between taking a staging buffer and handing the save to the sender (here: the
     roles) frees the buffer again: a buffer left marked busy could never be lent to a stage()."""
-    import trainer_client.client as client_module
+    import trainer_client._state as state_module
 
     client = make_client(make_sidecar(), job_name, capture_rng=False, resume="never")
     state = {"w": torch.randn(256, 256)}
@@ -601,7 +601,7 @@ def test_a_save_that_fails_before_it_is_sent_frees_its_staging_buffer(
     def boom(*_: object) -> list[str]:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(client_module, "_roles", boom)
+    monkeypatch.setattr(state_module, "roles", boom)
     with pytest.raises(RuntimeError, match="boom"):
         client.save(2, state)
     assert client._busy == {}

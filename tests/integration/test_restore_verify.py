@@ -19,9 +19,9 @@ def state(value: float) -> dict[str, torch.Tensor]:
 def swap_before_open(monkeypatch: Any, swap: Any) -> list[str]:
     """Whatever segment the sidecar names, ``swap(path)`` replaces it just before the client opens
     it: another process that can write the shm dir winning the race. The names swapped."""
-    import trainer_client.client as client_module
+    import trainer_client._receive as receive_module
 
-    original = client_module.open_segment
+    original = receive_module.open_segment
     swapped: list[str] = []
 
     def racing(directory: str, name: str) -> int:
@@ -31,7 +31,7 @@ def swap_before_open(monkeypatch: Any, swap: Any) -> list[str]:
             swapped.append(name)
         return original(directory, name)
 
-    monkeypatch.setattr(client_module, "open_segment", racing)
+    monkeypatch.setattr(receive_module, "open_segment", racing)
     return swapped
 
 

@@ -35,7 +35,7 @@ from sidecar.api import (
     pb_grpc,
 )
 from trainer_client import CheckpointClient, SidecarUnavailable
-from trainer_client import client as client_module
+from trainer_client import _receive as receive_module
 from trainer_client._staging import open_segment
 
 
@@ -128,16 +128,14 @@ def test_a_held_segment_is_lent_read_only_and_once(make_sidecar, make_client, jo
 def test_a_segment_restore_writes_into_the_live_tensors_once_the_checkpoint_fits(
     make_sidecar, make_client, job_name, monkeypatch
 ):
-    import trainer_client.client as client_module
-
     written: list[int] = []
-    copy = client_module._from_segment
+    copy = receive_module.from_segment
 
     def spy(header: Any, shm_dir: str, targets: list[Any]) -> None:
         written.extend(t.dst.ctypes.data for t in targets)
         copy(header, shm_dir, targets)
 
-    monkeypatch.setattr(client_module, "_from_segment", spy)
+    monkeypatch.setattr(receive_module, "from_segment", spy)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     base = torch.arange(40, dtype=torch.float32)
@@ -662,7 +660,7 @@ def test_a_restore_assembled_by_the_sidecar_is_lent_sealed_never_named_as_a_file
             os.close(rw)
         return fd
 
-    monkeypatch.setattr(client_module, "open_segment", inspect)
+    monkeypatch.setattr(receive_module, "open_segment", inspect)
     out = state(-1.0)
     restorer = make_client(second, job_name, capture_rng=False)
     assert restorer.restore(out) == 4

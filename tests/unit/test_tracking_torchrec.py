@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from trainer_client import _tree
+from trainer_client._state import roles
 from trainer_client._tracking import RowTracker
-from trainer_client.client import _roles
 
 pytestmark = [
     pytest.mark.torchrec,
@@ -146,7 +146,7 @@ def test_torchrec_tables_are_marked_as_embeddings_for_quantization(kind):
     model, opt = dlrm.build(kind, SHAPE)
     state = dlrm.state_of(model, opt)
     flat = _tree.flatten(state)
-    marked = {name for (name, _), role in zip(flat.tensors, _roles(state, flat.tensors), strict=True) if role}
+    marked = {name for (name, _), role in zip(flat.tensors, roles(state, flat.tensors), strict=True) if role}
     assert marked == {f"model.{t}.weight" for t in TABLES}
 
 

@@ -16,7 +16,7 @@ import xxhash
 
 from sidecar.api import pb
 from trainer_client import RestoreError, _verify
-from trainer_client.client import _from_segment, _receive, _SegmentChanged, _unverified
+from trainer_client._receive import SegmentChanged, from_segment, receive, unverified
 
 SIZES = [3, 100, _verify.CHUNK, 5 * _verify.CHUNK + 17, 1, 2 * _verify.CHUNK - 1]
 
@@ -88,25 +88,25 @@ def case() -> tuple[np.ndarray, list[int], list[torch.Tensor]]:
 def test_a_streamed_restore_checks_every_tensor_against_its_digest():
     source, offsets, tensors = case()
     h = header(source, tensors, offsets, digests=True)
-    got, out = _receive(stream(h, source.tobytes()))
+    got, out = receive(stream(h, source.tobytes()))
     assert [bytes(t.numpy()) for t in out] == [
         source[o : o + t.numel()].tobytes() for o, t in zip(offsets, tensors, strict=True)
     ]
-    assert _unverified(got) == 0
+    assert unverified(got) == 0
     changed = bytearray(source.tobytes())
     changed[offsets[1] + 4000] ^= 0xFF
     with pytest.raises(
         RestoreError, match=r"step 4 from storage: tensor 't1' differs from what was saved \(digest"
     ):
-        _receive(stream(h, bytes(changed)))
+        receive(stream(h, bytes(changed)))
 
 
 def test_a_header_without_digests_restores_unverified(caplog):
     source, offsets, tensors = case()
     h = header(source, tensors, offsets, digests=False)  # an older sidecar
-    got, out = _receive(stream(h, source.tobytes()))
+    got, out = receive(stream(h, source.tobytes()))
     assert bytes(out[1].numpy()) == source[offsets[1] : offsets[1] + 5000].tobytes()
-    assert _unverified(got) == 3
+    assert unverified(got) == 3
     assert "3 of 3 tensors carry no digest" in caplog.text
 
 
@@ -132,21 +132,21 @@ def test_a_segment_with_other_bytes_than_the_header_names_is_refused(tmp_path):
     path = tmp_path / h.shm.name
     path.write_bytes(source.tobytes())
     call = _Call([pb.RestoreResponse(header=h)])
-    _, out = _receive(call, str(tmp_path))
+    _, out = receive(call, str(tmp_path))
     assert bytes(out[2].numpy()) == source[offsets[2] : offsets[2] + 64].tobytes()
     changed = bytearray(source.tobytes())
     changed[offsets[2]] ^= 1
     os.rename(_write(tmp_path / "other", bytes(changed)), path)  # renamed over it, same size
     call = _Call([pb.RestoreResponse(header=h)])
-    with pytest.raises(_SegmentChanged, match=r"strata-held-p1.0-abc-0: tensor 't2' differs .*digest"):
-        _receive(call, str(tmp_path))
+    with pytest.raises(SegmentChanged, match=r"strata-held-p1.0-abc-0: tensor 't2' differs .*digest"):
+        receive(call, str(tmp_path))
     assert call.cancelled  # the sidecar stops waiting; the client asks again for a streamed copy
     targets_ = [
         _verify.Target(o, np.zeros(t.numel(), np.uint8), m.xxh3, m.name)
         for o, t, m in zip(offsets, tensors, h.tensors, strict=True)
     ]
-    with pytest.raises(_SegmentChanged):  # the mapping is closed cleanly after a mismatch, every time
-        _from_segment(h, str(tmp_path), targets_)
+    with pytest.raises(SegmentChanged):  # the mapping is closed cleanly after a mismatch, every time
+        from_segment(h, str(tmp_path), targets_)
 
 
 def _write(path: Any, data: bytes) -> Any:
