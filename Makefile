@@ -39,8 +39,10 @@ demo: setup  ## SeaweedFS + sidecar + trainer; kill the trainer mid-save, resume
 test: setup setup-prometheus  ## unit + integration tests (real gRPC, real SeaweedFS, real Prometheus scrape)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## benchmarks; writes bench-results.json and prints a table
-	$(PY) -m tests.bench.run
+BENCH_ARGS ?=
+bench: setup  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
+	$(PY) -m pytest -q -m bench tests/integration/test_bench_quick.py
+	$(PY) -m tests.bench.run $(BENCH_ARGS)
 
 test-slow: setup  ## the tests left out of make test for time (-m slow)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -1,8 +1,9 @@
-"""The benchmark's --quick run works end to end and writes every foundation figure.
+"""The benchmark's --quick run works end to end and writes every section's figures.
 
 Runs it as a subprocess (as `make bench` does) against its own results file, so the real
 bench-results.json is never touched. A real sidecar, a real SeaweedFS, DCP and a few short
-training loops: ~47 s measured on a 2-core machine, so not marked slow.
+training loops: about two minutes on a 2-core machine, so marked ``bench``: `make bench` runs
+these first, `make test` leaves them out (its budget is 12 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytestmark = pytest.mark.bench
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The figures the foundation section must write (the issue's list), spelled out here on purpose:
@@ -240,3 +243,14 @@ def test_quick_bench_measures_the_cost_of_checking_a_memory_restore(tmp_path: Pa
         <= data["restore_memory_verify_overhead_ratio_ci_high"]
     )
     assert "restore_memory_verify_overhead_ratio" in proc.stdout
+
+
+def test_quick_torchrec_section_writes_the_issues_keys(tmp_path: Path) -> None:
+    """The TorchRec section's keys, read by name: the stall over a memcpy, no torn snapshot, and a
+    diff's bytes over a full's, tracked and compared by value."""
+    proc, data = run_quick("torchrec", tmp_path / "bench-results.json")
+    for key in ("torchrec_save_stall_ratio", "torchrec_diff_bytes_ratio", "torchrec_diff_bytes_ratio_values"):
+        assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
+    assert data["torchrec_torn_snapshots"] == 0  # a count: every snapshot compared with its clone
+    assert data["torchrec_diff_bytes_ratio"] < 1  # only the rows changed are written
+    assert "torchrec_save_stall_ratio" in proc.stdout
