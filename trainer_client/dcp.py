@@ -492,9 +492,11 @@ class _Saves:
 def save_state(client: CheckpointClient, step: int, state: Any) -> SaveHandle:
     """``client.save(step, state)`` for state holding DTensors or ShardedTensors:
     ``dcp.async_save`` through the client's :class:`StrataWriter` (every rank takes part; DCP's
-    planner decides which rank writes what). Returns once ``stage()`` has copied the state into
-    the client's staging buffers; ``durable`` once the step is committed. One DCP save is in
-    flight at a time: the next waits for this one (a save cannot be skipped on one rank alone)."""
+    planner decides which rank writes what), of the state's view (:class:`_View`: every rank's
+    data reader positions and random streams as replicated values). Returns once ``stage()`` has
+    copied the state into the client's staging buffers; ``durable`` once the step is committed.
+    One DCP save is in flight at a time: the next waits for this one (a save cannot be skipped on
+    one rank alone)."""
     import torch.distributed.checkpoint as dcp
 
     saves = client._dcp_saves
@@ -543,7 +545,8 @@ def _copy_outcome(src: Any, dst: Any) -> None:
 
 def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
     """``client.restore(state)`` for state holding DTensors or ShardedTensors: ``dcp.load`` through a
-    :class:`StrataReader` (``step``, or the step this attempt restores); the step loaded.
+    :class:`StrataReader` (``step``, or the step this attempt restores) into the state's view
+    (:class:`_View`), then this rank's reader positions, random streams and loaders; the step loaded.
     RestoreError (from a nothing-to-restore cause, which ``resume()`` takes as a fresh start)
     when the job has no committed checkpoint."""
     import torch.distributed.checkpoint as dcp
@@ -613,8 +616,8 @@ class _RNGStreams:
     def state_dict(self) -> dict[str, Any]:
         return _rng.to_json(_rng.capture())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # loaded by _View.loaded()
-        raise NotImplementedError
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("_View.loaded() restores this rank's own streams, or none")
 
 
 class _View:
