@@ -9,6 +9,7 @@ torch's are uint8 tensors.
 
 from __future__ import annotations
 
+import base64
 import logging
 import random
 from collections.abc import Mapping
@@ -91,3 +92,52 @@ class RNGState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         restore(state)
+
+
+def to_json(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (from :func:`capture`) as plain JSON values: what a checkpoint that stores no
+    tensors of it (torch.distributed.checkpoint's route: every rank's streams in one replicated
+    string) can hold. :func:`from_json` inverts it exactly."""
+    out: dict[str, Any] = {}
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        out["python"] = [version, list(internal), gauss]
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"][:5]
+        out["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    if "torch" in state:
+        out["torch"] = _b64(state["torch"])
+    if "cuda" in state:
+        out["cuda"] = [_b64(t) for t in state["cuda"]]
+    return out
+
+
+def from_json(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The :func:`capture` dict that :func:`to_json` made ``value`` from."""
+    unknown = set(value) - set(_KEYS)
+    if unknown:
+        raise ValueError(f"RNG state has unknown keys {sorted(unknown)}; expected some of {list(_KEYS)}")
+    state: dict[str, Any] = {}
+    if "python" in value:
+        version, internal, gauss = value["python"]
+        state["python"] = (version, tuple(internal), gauss)
+    if "numpy" in value:
+        name, keys, pos, has_gauss, cached = value["numpy"]
+        if np is None:
+            state["numpy"] = None  # restore() says it is skipped
+        else:
+            state["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+    if "torch" in value:
+        state["torch"] = _unb64(value["torch"])
+    if "cuda" in value:
+        state["cuda"] = [_unb64(t) for t in value["cuda"]]
+    return state
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    raw = base64.b64decode(text.encode("ascii"), validate=True)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)

@@ -43,6 +43,7 @@ allowed with ``torch.serialization.add_safe_globals``.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import time
@@ -52,6 +53,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -68,11 +72,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from sidecar.api import DCP_METADATA_KEY
-from trainer_client import _tree
+from sidecar.api import DCP_METADATA_KEY, RNG_STATE_KEY
+from trainer_client import _loaders, _rng, _tree
 from trainer_client._dcp_metadata import Location, MetadataError, decode, encode, item_key
 from trainer_client._handles import SaveHandle
+from trainer_client._reshard import per_rank_readers
 from trainer_client._staging import Lease
+from trainer_client.data import AllRanksState
 from trainer_client.errors import NothingToRestore, RestoreError, SaveFailed
 
 if TYPE_CHECKING:  # the client imports this module (for its DCP route), not the other way
@@ -341,6 +347,8 @@ def _arena_estimate(obj: Any) -> int:
         return sum(_arena_estimate(v) for v in obj.values())
     if isinstance(obj, list) and any(isinstance(v, Mapping | list | torch.Tensor) for v in obj):
         return sum(_arena_estimate(v) for v in obj)
+    if isinstance(obj, str | bytes):  # every rank's data position or random streams: ~21 KB a rank
+        return _PICKLED_VALUE_BYTES + len(obj)
     return _PICKLED_VALUE_BYTES + (64 * len(obj) if isinstance(obj, list | tuple) else 0)
 
 
@@ -488,9 +496,11 @@ class _Saves:
 def save_state(client: CheckpointClient, step: int, state: Any) -> SaveHandle:
     """``client.save(step, state)`` for state holding DTensors or ShardedTensors:
     ``dcp.async_save`` through the client's :class:`StrataWriter` (every rank takes part; DCP's
-    planner decides which rank writes what). Returns once ``stage()`` has copied the state into
-    the client's staging buffers; ``durable`` once the step is committed. One DCP save is in
-    flight at a time: the next waits for this one (a save cannot be skipped on one rank alone)."""
+    planner decides which rank writes what), of the state's view (:class:`_View`: every rank's
+    data reader positions and random streams as replicated values). Returns once ``stage()`` has
+    copied the state into the client's staging buffers; ``durable`` once the step is committed.
+    One DCP save is in flight at a time: the next waits for this one (a save cannot be skipped on
+    one rank alone)."""
     import torch.distributed.checkpoint as dcp
 
     saves = client._dcp_saves
@@ -499,8 +509,9 @@ def save_state(client: CheckpointClient, step: int, state: Any) -> SaveHandle:
     saves.wait()
     handle = SaveHandle(step)
     t0 = time.perf_counter()
+    view = _View(client, state, loading=False).view
     response = dcp.async_save(
-        state, storage_writer=saves.writer, checkpoint_id=str(step), process_group=saves.group
+        view, storage_writer=saves.writer, checkpoint_id=str(step), process_group=saves.group
     )
     # (a response with a staging future only comes from a stager whose stage() returns one)
     upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
@@ -538,7 +549,8 @@ def _copy_outcome(src: Any, dst: Any) -> None:
 
 def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
     """``client.restore(state)`` for state holding DTensors or ShardedTensors: ``dcp.load`` through a
-    :class:`StrataReader` (``step``, or the step this attempt restores); the step loaded.
+    :class:`StrataReader` (``step``, or the step this attempt restores) into the state's view
+    (:class:`_View`), then this rank's reader positions, random streams and loaders; the step loaded.
     RestoreError (from a nothing-to-restore cause, which ``resume()`` takes as a fresh start)
     when the job has no committed checkpoint."""
     import torch.distributed.checkpoint as dcp
@@ -552,9 +564,12 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
             raise
         step = int(header.step)
     reader = StrataReader(client, step=step)
-    _check_lazy_optimizers(state, reader.read_metadata())
-    dcp.load(state, storage_reader=reader)
+    metadata = reader.read_metadata()
+    _check_lazy_optimizers(state, metadata)
+    prepared = _View(client, state, loading=True, saved=set(metadata.state_dict_metadata))
+    dcp.load(prepared.view, storage_reader=reader, planner=_LoadPlanner())
     assert reader.position is not None
+    prepared.loaded(reader.position[1], reader.world_size)
     client.last_restore = {
         "step": reader.position[1],
         "source": "dcp",
@@ -567,6 +582,172 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
         "sources": dict(reader.sources),
     }
     return reader.position[1]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a TorchRec table with no shard on this rank does not
+    make it take the checkpoint for one saved by torch 2.3 or older. DCP guesses so when a key the
+    checkpoint holds is missing from this rank's flattened state dict but present under 2.3's
+    names; a table-wise sharded table this rank holds no shard of is such a key, and under 2.3's
+    names a nested plain value (a data reader's ``{"ranks": ...}``) is not found: "Missing key in
+    checkpoint state_dict". The same check, with those tables left out of it."""
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        if self.flatten_state_dict:
+            missing = set(self.metadata.state_dict_metadata) - set(self.state_dict)
+            if missing:
+                _version._derived_version = "2_3"
+                try:
+                    old, old_mappings = flatten_state_dict(self.original_state_dict)
+                finally:
+                    _version._derived_version = None
+                if (set(old) - _shardless(self.original_state_dict)) & missing:
+                    self.state_dict, self.mappings = old, old_mappings
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
+def _shardless(state_dict: dict[str, Any]) -> set[str]:
+    """The fqns of the ShardedTensors in ``state_dict`` holding no shard on this rank."""
+    flat, _ = flatten_state_dict(state_dict)
+    return {fqn for fqn, v in flat.items() if isinstance(v, ShardedTensor) and not v.local_shards()}
+
+
+class _RNGStreams:
+    """This rank's global random streams, as a data reader of ``AllRanksState`` (its state: plain
+    JSON values): every rank's gathered into one replicated value DCP saves."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return _rng.to_json(_rng.capture())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("_View.loaded() restores this rank's own streams, or none")
+
+
+class _View:
+    """What ``client.save`` / ``client.resume`` hand DCP for ``state``: DCP saves plain values
+    from its coordinator only, so every per-rank value goes in as every rank's, gathered into one
+    replicated value (``AllRanksState``): each data reader found in ``state`` (a StatefulDataLoader,
+    a ResumableLoader or ResumableDistributedSampler), and, with ``capture_rng``, the global
+    random streams (under ``RNG_STATE_KEY``). Only the containers along the path to a reader are
+    copied: everything else is the user's own, loaded in place.
+
+    ``loading``: the readers' places hold placeholders of their saved form, filled by
+    ``dcp.load``; :meth:`loaded` then hands each its value, writes back the plain values DCP put
+    in the copied containers (``state["epoch"]``), restores the random streams and arms the
+    loaders (``_loaders.after_restore``), in the order ``CheckpointClient.restore`` does.
+    ``saved``: the fqns the checkpoint holds (a reader it lacks is named before anything loads)."""
+
+    def __init__(
+        self,
+        client: CheckpointClient,
+        state: Any,
+        *,
+        loading: bool,
+        saved: set[str] | None = None,
+    ) -> None:
+        self.client = client
+        self.state = state
+        self.readers = [path for path, _ in per_rank_readers(state, ())]
+        self.view: dict[str, Any] = dict(state)
+        self.rng = client.settings.capture_rng
+        if loading:
+            assert saved is not None
+            for path in self.readers:
+                if _fqn((*path, "ranks")) not in saved:
+                    raise RestoreError(
+                        f"state{''.join(f'[{k!r}]' for k in path)} "
+                        f"({type(_get(state, path)).__name__}): the checkpoint holds no position of "
+                        "it for every rank (saved by client.save before per-rank readers were, or "
+                        "without it): resume with the state it was saved with"
+                    )
+            self.rng = self.rng and _fqn((RNG_STATE_KEY, "ranks")) in saved
+        for path in self.readers:
+            reader = _get(state, path)
+            self._put(path, {"ranks": ""} if loading else AllRanksState(reader).state_dict())
+        if self.rng:
+            self.view[RNG_STATE_KEY] = {"ranks": ""} if loading else AllRanksState(_RNGStreams()).state_dict()
+
+    def _put(self, path: tuple[Any, ...], value: Any) -> None:
+        """Set ``value`` at ``path`` of the view, copying the user's containers on the way."""
+        node: Any = self.view
+        for key in path[:-1]:
+            child = node[key]
+            if not getattr(child, "_strata_view_copy", False):
+                child = _Copied(child) if isinstance(child, Mapping) else _CopiedList(child)
+                node[key] = child
+            node = child
+        node[path[-1]] = value
+
+    def loaded(self, step: int, saved_by: int) -> None:
+        for path in self.readers:
+            where = f"state{''.join(f'[{k!r}]' for k in path)}"
+            try:
+                AllRanksState(_get(self.state, path)).load_state_dict(_get(self.view, path))
+            except ValueError as exc:
+                raise RestoreError(f"step {step}: {where}: {exc}") from None
+        _write_back(self.state, self.view, set(self.readers))
+        if self.rng:
+            self._restore_rng(step, saved_by)
+        _loaders.after_restore(self.state)  # the loaders' next iter() must not redraw the epoch's seeds
+
+    def _restore_rng(self, step: int, saved_by: int) -> None:
+        s = self.client.settings
+        try:
+            ranks = json.loads(self.view[RNG_STATE_KEY]["ranks"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RestoreError(f"step {step}: the saved random streams are not JSON ({exc})") from None
+        if not isinstance(ranks, list) or len(ranks) != saved_by:
+            raise RestoreError(f"step {step}: the saved random streams are not one per rank")
+        if saved_by != s.world_size:  # another partition of the data: no stream continues a rank's
+            log.warning(
+                "step %d was saved by %d ranks: rank %d keeps its own random generators",
+                step,
+                saved_by,
+                s.rank,
+            )
+            return
+        try:
+            _rng.restore(_rng.from_json(ranks[s.rank]))
+        except (TypeError, ValueError) as exc:
+            raise RestoreError(f"step {step}: rank {s.rank}'s saved random streams: {exc}") from None
+
+
+class _Copied(dict[Any, Any]):
+    """A container of the user's state copied into a :class:`_View` (written back after a load)."""
+
+    _strata_view_copy = True
+
+
+class _CopiedList(list[Any]):
+    _strata_view_copy = True
+
+
+def _get(node: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _fqn(path: tuple[Any, ...]) -> str:
+    """DCP's name of the value at ``path`` (its flattened state dict's key)."""
+    return ".".join(str(k) for k in path)
+
+
+def _write_back(original: Any, copy: Any, skip: set[tuple[Any, ...]], path: tuple[Any, ...] = ()) -> None:
+    """Put into the user's ``original`` containers what ``dcp.load`` put into the view's copies of
+    them (plain values it replaced: ``state["epoch"]``); the copies along readers' paths are
+    walked, never put in."""
+    keys = list(original) if isinstance(original, Mapping) else range(len(original))
+    for key in keys:
+        here = (*path, key)
+        value = copy[key]
+        if here in skip:
+            continue
+        if getattr(value, "_strata_view_copy", False):
+            _write_back(original[key], value, skip, here)
+        elif value is not original[key] and not isinstance(original, tuple):
+            original[key] = value
 
 
 def _check_lazy_optimizers(state: Any, metadata: Metadata) -> None:

@@ -12,7 +12,9 @@ state; run by tests/integration/test_dmp.py, one process per rank.
                                                    # the state loaded ("loaded") and after LAST
 
 Each rank writes OUT.<rank>: its state's tensors by name, a ShardedTensor as its global size and
-its local shards with their offsets (the test assembles the global tensors). The rank, world
+its local shards with their offsets (the test assembles the global tensors); its report holds
+``draws``: what the Python and torch generators draw right after the save of SAVED (train; each
+rank seeds its own streams) or right after the resume (resume). The rank, world
 size, job, socket and generation come from STRATA_* variables, the rendezvous from MASTER_ADDR /
 MASTER_PORT.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,10 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: i
     dlrm.train_step(model, opt, dlrm.batch(SHAPE, rank, step))  # type: ignore[arg-type]
 
 
+def draws() -> list[float]:
+    return [random.random(), *torch.rand(2).tolist()]
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     rank = int(os.environ["STRATA_RANK"])
@@ -76,6 +83,8 @@ def main() -> None:
         model, opt = dlrm.build_sharded(world, shape=SHAPE)
         state = dlrm.state_of(model, opt)  # type: ignore[arg-type]
         report["resumed"] = client.resume(state)  # a fresh job: None
+        torch.manual_seed(100 + rank)  # each rank its own streams
+        random.seed(100 + rank)
         stalls = []
         for step in range(1, last + 1):
             train(model, opt, step, rank)
@@ -84,6 +93,7 @@ def main() -> None:
                 stalls.append(handle.staged.done())
             if step == saved_until:  # staged: the next steps train while the save goes on
                 parts["saved"] = snapshot(model, opt)
+                report["draws"] = draws()
         report["staged"] = stalls
         report["durable"] = handle.durable.result(60).step
         parts["final"] = snapshot(model, opt)
@@ -101,7 +111,7 @@ def main() -> None:
         opt.init_state()  # type: ignore[operator]
         step = client.resume(state)
         assert step is not None and client.last_restore is not None
-        report.update(step=step, saved_by=client.last_restore["saved_by"])
+        report.update(step=step, saved_by=client.last_restore["saved_by"], draws=draws())
         parts["loaded"] = snapshot(model, opt)
         for s in range(step + 1, last + 1):
             train(model, opt, s, rank)

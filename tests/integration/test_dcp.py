@@ -642,3 +642,52 @@ def test_resume_on_dtensor_state_starts_fresh_then_loads_through_dcp(
     assert_bitwise_equal(local_tensors(state), want)
     assert later.last_restore is not None
     assert later.last_restore["source"] == "dcp" and later.last_restore["saved_by"] == 1
+
+
+def test_client_resume_through_dcp_restores_readers_plain_values_and_random_streams(
+    one_rank, make_sidecar, make_client, job_name
+):
+    """``client.save`` / ``client.resume`` of sharded state beside the rest of a training state:
+    a data reader nested in the state (its position: every rank's, as one value), a plain value
+    beside it (DCP replaces it in the copied container: written back into the user's own) and the
+    global random streams (``capture_rng``) come back as they were at the save."""
+    import random
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+
+    from trainer_client.data import ResumableDistributedSampler, ResumableLoader
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, ResumableLoader]:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        data = list(range(40))
+        loader = ResumableLoader(
+            DataLoader(data, batch_size=4, sampler=ResumableDistributedSampler(data, seed=3))
+        )
+        return model, torch.optim.Adam(model.parameters(), lr=0.01), loader
+
+    torch.manual_seed(0)
+    model, opt, loader = build()
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=True)
+    state = {**fsdp2_state(model, opt, 1), "train": {"data": loader, "epoch": 2}, "step": 0}
+    assert client.resume(state) is None
+    batches = iter(loader)
+    read = [next(batches).tolist() for _ in range(3)]
+    state["train"]["epoch"], state["step"] = 3, 7
+    client.save(5, state).result(60)
+    want = [random.random(), *torch.rand(2).tolist()]
+    rest = [b.tolist() for b in batches]
+
+    model, opt, loader = build()
+    train = {"data": loader, "epoch": 0}
+    again = {**fsdp2_state(model, opt, 2), "train": train, "step": 0}
+    random.seed(9)
+    torch.manual_seed(9)
+    assert make_client(server, job_name, capture_rng=True).resume(again) == 5
+    assert again["train"] is train and train["epoch"] == 3 and again["step"] == 7
+    assert [random.random(), *torch.rand(2).tolist()] == want
+    assert [b.tolist() for b in loader] == rest
+    assert sorted(i for b in read + rest for i in b) == list(range(40))

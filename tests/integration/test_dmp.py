@@ -2,7 +2,8 @@
 2 gloo rank processes, a real sidecar, real storage. client.save goes through DCP
 (dcp.async_save staged by StrataWriter), client.resume through dcp.load, resharded by DCP's
 planner: a resume after the newest save, with the tables placed on each other's rank, loads bitwise
-and continues bitwise as the uninterrupted run; an optimizer whose lazy state does not exist yet
+and continues bitwise as the uninterrupted run, each rank's random streams where that rank left
+them; an optimizer whose lazy state does not exist yet
 is refused, naming what to call (through DCP and without)."""
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def test_dmp_saves_and_resumes_through_the_client_resharded_by_dcp(make_sidecar,
     assert [(r["step"], r["saved_by"]) for r in resumed] == [(3, 2), (3, 2)]
     assert_bitwise_equal(merged(b, 2, "loaded"), saved)
     assert_bitwise_equal(merged(b, 2, "final"), final)
+    # each rank draws on from its own streams as saved (DCP alone keeps the coordinator's values)
+    assert wrote[0]["draws"] != wrote[1]["draws"]
+    assert [r["draws"] for r in resumed] == [r["draws"] for r in wrote]
 
 
 def test_a_torchrec_optimizer_without_its_lazy_state_is_refused_naming_init_state(
