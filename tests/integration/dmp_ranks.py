@@ -43,22 +43,12 @@ SHAPE = dlrm.Shape(rows=200, batch=16)
 def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Copies of every tensor of the model's and optimizer's state dicts, by dotted name."""
     out: dict[str, Any] = {}
-
-    def walk(prefix: str, v: Any) -> None:
+    for name, v in [*dlrm.leaves("model", model.state_dict()), *dlrm.leaves("optimizer", opt.state_dict())]:
         if isinstance(v, ShardedTensor):
             shards = [(list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in v.local_shards()]
-            out[prefix] = ("sharded", list(v.size()), shards)
+            out[name] = ("sharded", list(v.size()), shards)
         elif isinstance(v, torch.Tensor):
-            out[prefix] = ("dense", v.detach().clone())
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(f"{prefix}.{k}", x)
-        elif isinstance(v, list | tuple):
-            for k, x in enumerate(v):
-                walk(f"{prefix}.{k}", x)
-
-    walk("model", model.state_dict())
-    walk("optimizer", opt.state_dict())
+            out[name] = ("dense", v.detach().clone())
     return out
 
 
