@@ -435,6 +435,7 @@ class CheckpointClient:
         """The state is known: stage its optimizers in the background (``overlap="auto"``) and
         pre-fault the staging buffers for it, off the training thread. State holding DTensors
         is saved through DCP (``StrataWriter``), which stages its own way: nothing to adopt."""
+        _loaders.track(state)  # before _warm reads the loaders' state_dict()
         if _holds_dtensor(state):
             return
         if self.settings.overlap == "auto":
@@ -717,6 +718,7 @@ class CheckpointClient:
             self._heartbeat.touch()  # progress, for the launcher's hang detection
         if self.stats["saves"] == 0 and not plain:
             _loaders.check(state)  # once: loader setups a resume cannot keep exact
+            _loaders.track(state)  # their states record their epochs (when no resume() tracked them)
             if self.settings.overlap == "auto":
                 for optimizer in _optimizers(state):
                     self.register_optimizer(optimizer)
