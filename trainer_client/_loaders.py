@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from trainer_client._rng import kept_global_rng
-from trainer_client.data import ResumableLoader
+from trainer_client.data import ResumableDistributedSampler, ResumableLoader
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +120,14 @@ def _track(loader: Any) -> None:
 _TRACKED: dict[type, type] = {}  # a StatefulDataLoader class -> its tracked subclass
 
 
-def _epoch(loader: Any) -> int | None:
-    """The epoch the loader's sampler is at, if it has epochs (``set_epoch``)."""
+def _epoch(loader: Any, saved: int | None = None) -> int | None:
+    """The epoch the loader's sampler is at, if it has epochs (``set_epoch``); ``saved`` for a
+    ResumableDistributedSampler that no ``set_epoch`` told otherwise (it adopts a loaded one)."""
     for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
         epoch = getattr(sampler, "epoch", None)
         if callable(getattr(sampler, "set_epoch", None)) and isinstance(epoch, int):
-            return epoch
+            adopts = isinstance(sampler, ResumableDistributedSampler) and not sampler._epoch_announced
+            return saved if adopts and saved is not None else epoch
     return None
 
 
@@ -142,7 +144,7 @@ def _get_iterator(loader: Any) -> Any:
     if state is not None and EPOCH_KEY in state:
         saved = state[EPOCH_KEY]
         state = {k: v for k, v in state.items() if k != EPOCH_KEY}
-        epoch = _epoch(loader)
+        epoch = _epoch(loader, saved)
         if epoch is not None and saved != epoch:
             state = None  # another epoch: the uninterrupted run began it fresh
         elif state.get(_FINISHED):
