@@ -28,6 +28,7 @@ cannot be made exact, with the fix.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 import sys
 from collections.abc import Iterator, Mapping
@@ -110,6 +111,7 @@ def _track(loader: Any) -> None:
                 "__iter__": _iter,
                 "_get_iterator": _get_iterator,
                 "state_dict": _state_dict,
+                "__reduce_ex__": _reduce_ex,
             },
         )
     loader._strata_armed = False  # the next _get_iterator keeps the global streams
@@ -129,6 +131,22 @@ def _epoch(loader: Any, saved: int | None = None) -> int | None:
             adopts = isinstance(sampler, ResumableDistributedSampler) and not sampler._epoch_announced
             return saved if adopts and saved is not None else epoch
     return None
+
+
+def _reduce_ex(loader: Any, protocol: Any) -> Any:
+    """Pickled (and copied) as the loader's own class: pickle finds a class by its name, which
+    names that one."""
+    func, args, *rest = super(type(loader), loader).__reduce_ex__(protocol)
+    if args and args[0] is type(loader):
+        # pickle refuses copyreg.__newobj__ of a class that is not the object's
+        if func is copyreg.__newobj__:  # type: ignore[attr-defined]
+            func = _new
+        args = (type(loader).__mro__[1], *args[1:])
+    return (func, args, *rest)
+
+
+def _new(cls: type, *args: Any) -> Any:
+    return cls.__new__(cls, *args)
 
 
 def _iter(loader: Any) -> Any:

@@ -215,6 +215,18 @@ def test_a_loaded_state_is_its_state_until_iter_applies_it() -> None:
     assert type(fresh).__qualname__ == "StatefulDataLoader"  # checkpoints name the same type
 
 
+def test_a_tracked_loader_pickles_and_copies_as_a_stateful_dataloader() -> None:
+    import copy
+    import pickle
+
+    loader = StatefulDataLoader(Features(False), batch_size=BATCH)
+    _loaders.track({"data": loader})
+    assert type(loader) is not StatefulDataLoader and isinstance(loader, StatefulDataLoader)
+    for other in [copy.deepcopy(loader)] + [pickle.loads(pickle.dumps(loader, p)) for p in (1, 5)]:
+        assert type(other) is StatefulDataLoader
+        assert len(list(other)) == PER_EPOCH
+
+
 def test_a_resumable_sampler_left_at_its_epoch_adopts_the_checkpoints() -> None:
     """With no set_epoch before the resumed pass, a ResumableDistributedSampler continues the
     checkpoint's epoch, as it does outside a StatefulDataLoader."""
