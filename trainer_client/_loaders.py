@@ -11,45 +11,42 @@ nothing. A loader whose state is at an epoch's end then starts its next epoch wi
 iterator, drawn as the uninterrupted run drew it there. ``ResumableLoader`` does the same for plain
 DataLoaders by itself (trainer_client.data).
 
+The usual epoch loop (``sampler.set_epoch(epoch)``, then ``for batch in loader``) with a sampler
+that has epochs (torch's or torchdata's DistributedSampler, ResumableDistributedSampler): a
+StatefulDataLoader's state names no epoch, and torchdata applies a loaded position to whatever
+epoch the sampler is at. :func:`track` makes each such loader's ``state_dict()`` record the epoch
+of its pass (``strata_epoch``); the iterator that applies a loaded state then continues the pass
+only when the loop's ``set_epoch`` selected that epoch (an empty pass if it had ended), and
+otherwise starts the selected epoch fresh, drawing what the uninterrupted run drew for it. A
+loaded state's ``state_dict()`` is that state until an ``iter()`` applies it: building the
+iterator earlier (for the client's first look at the state's layout) would draw its indices
+before the loop's ``set_epoch``.
+
 :func:`check` (called at a client's first save) logs, once, each loader setup whose resume
 cannot be made exact, with the fix.
 """
 
 from __future__ import annotations
 
+import copyreg
 import logging
-import random
 import sys
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-try:
-    import numpy as np
-except ModuleNotFoundError:  # pragma: no cover - torch runs without numpy
-    np = None  # type: ignore[assignment]
+from trainer_client._rng import kept_global_rng
+from trainer_client.data import ResumableDistributedSampler, ResumableLoader
 
 log = logging.getLogger(__name__)
 
-__all__ = ["after_restore", "check", "kept_global_rng"]
+__all__ = ["after_restore", "check", "track"]
 
-
-@contextmanager
-def kept_global_rng() -> Iterator[None]:
-    """Run the body without moving the global Python, numpy and torch CPU generators."""
-    py = random.getstate()
-    cpu = torch.get_rng_state()
-    npy = np.random.get_state() if np is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        torch.set_rng_state(cpu)
-        if np is not None:
-            np.random.set_state(npy)
+#: the key a tracked StatefulDataLoader's state records its pass's epoch under
+EPOCH_KEY = "strata_epoch"
+_FINISHED = "_iterator_finished"  # torchdata's: the saved pass had ended (its loop exited)
 
 
 def _walk(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
@@ -73,45 +70,140 @@ def _stateful_loader_type() -> Any:
     return getattr(module, "StatefulDataLoader", None) if module is not None else None
 
 
+def _stateful_loaders(state: Mapping[str, Any]) -> Iterator[Any]:
+    kind = _stateful_loader_type()
+    if kind is not None:
+        yield from (obj for obj in _walk(state) if isinstance(obj, kind))
+
+
+def track(state: Mapping[str, Any]) -> None:
+    """Make the StatefulDataLoaders in ``state`` record their pass's epoch in their state and
+    apply a loaded one by the epoch the loop selects (see the module docstring). Idempotent."""
+    for loader in _stateful_loaders(state):
+        _track(loader)
+
+
 def after_restore(state: Mapping[str, Any]) -> None:
     """Make the next ``iter()`` of every StatefulDataLoader in ``state`` that holds a loaded
-    state draw what the uninterrupted run drew at that point: nothing mid-epoch, the next
-    epoch's draws after an epoch's end. Call after the RNG restore."""
-    kind = _stateful_loader_type()
-    if kind is None:
+    state draw what the uninterrupted run drew at that point: nothing when it continues the
+    saved pass, the epoch's draws when it starts one. Call after the RNG restore."""
+    for loader in _stateful_loaders(state):
+        if getattr(loader, "next_iter_state", None) is not None:
+            _track(loader)
+            loader._strata_armed = True  # the iterator that applies it keeps the restored streams
+
+
+def _track(loader: Any) -> None:
+    kind = type(loader)
+    if kind in _TRACKED.values():
         return
-    for obj in _walk(state):
-        if isinstance(obj, kind) and getattr(obj, "next_iter_state", None) is not None:
-            _prime(obj)
+    tracked = _TRACKED.get(kind)
+    if tracked is None:
+        # A subclass (not methods patched onto the loader, which would make cycles that keep
+        # a dropped loader's workers alive until a collection), named as the loader's class:
+        # checkpoints record the same type, and type checks agree.
+        tracked = _TRACKED[kind] = type(
+            kind.__name__,
+            (kind,),
+            {
+                "__module__": kind.__module__,
+                "__qualname__": kind.__qualname__,
+                "__iter__": _iter,
+                "_get_iterator": _get_iterator,
+                "state_dict": _state_dict,
+                "__reduce_ex__": _reduce_ex,
+            },
+        )
+    loader._strata_armed = False  # the next _get_iterator keeps the global streams
+    loader._strata_pass_epoch = None  # the epoch the latest iter() began its pass at
+    loader.__class__ = tracked
 
 
-def _prime(loader: Any) -> None:
-    """Make the loader's next ``_get_iterator()`` (the one that applies the loaded state, inside
-    the user's ``iter()``, after their ``set_epoch``) leave the global streams alone; later
-    iterators, a fresh epoch after an end-of-epoch state included, draw as usual."""
-    if "_get_iterator" in vars(loader):
-        return  # already armed by an earlier restore that no iter() consumed
-    shared = loader.generator is not None and getattr(loader.sampler, "generator", None) is loader.generator
-    original = loader._get_iterator
+_TRACKED: dict[type, type] = {}  # a StatefulDataLoader class -> its tracked subclass
 
-    def first() -> Any:
-        del loader._get_iterator  # one shot
-        with kept_global_rng():
-            iterator = original()
-        if shared and loader.num_workers == 0:
-            # The single-process state holds the shared generator as the epoch's permutation
-            # found it; loading it leaves the generator after the permutation, but the
-            # uninterrupted run then drew the base seed from it too. (The multi-process state is
-            # taken after that.)
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-        return iterator
 
-    loader._get_iterator = first
+def _epoch(loader: Any, saved: int | None = None) -> int | None:
+    """The epoch the loader's sampler is at, if it has epochs (``set_epoch``); ``saved`` for a
+    ResumableDistributedSampler that no ``set_epoch`` told otherwise (it adopts a loaded one)."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        epoch = getattr(sampler, "epoch", None)
+        if callable(getattr(sampler, "set_epoch", None)) and isinstance(epoch, int):
+            adopts = isinstance(sampler, ResumableDistributedSampler) and not sampler._epoch_announced
+            return saved if adopts and saved is not None else epoch
+    return None
+
+
+def _reduce_ex(loader: Any, protocol: Any) -> Any:
+    """Pickled (and copied) as the loader's own class: pickle finds a class by its name, which
+    names that one."""
+    func, args, *rest = super(type(loader), loader).__reduce_ex__(protocol)
+    if args and args[0] is type(loader):
+        # pickle refuses copyreg.__newobj__ of a class that is not the object's
+        if func is copyreg.__newobj__:  # type: ignore[attr-defined]
+            func = _new
+        args = (type(loader).__mro__[1], *args[1:])
+    return (func, args, *rest)
+
+
+def _new(cls: type, *args: Any) -> Any:
+    return cls.__new__(cls, *args)
+
+
+def _iter(loader: Any) -> Any:
+    iterator = super(type(loader), loader).__iter__()
+    loader._strata_pass_epoch = _epoch(loader)
+    return iterator
+
+
+def _get_iterator(loader: Any) -> Any:
+    """Apply a loaded state by the selected epoch; keep the streams when it continues."""
+    armed, loader._strata_armed = loader._strata_armed, False
+    state = loader.next_iter_state
+    if state is not None and EPOCH_KEY in state:
+        saved = state[EPOCH_KEY]
+        state = {k: v for k, v in state.items() if k != EPOCH_KEY}
+        epoch = _epoch(loader, saved)
+        if epoch is not None and saved != epoch:
+            state = None  # another epoch: the uninterrupted run began it fresh
+        elif state.get(_FINISHED):
+            # The same epoch, its pass ended: an empty pass (the state's sampler position is
+            # its end), not torchdata's fresh one, which would read the epoch again.
+            state[_FINISHED] = False
+        loader.next_iter_state = state
+    base: Any = super(type(loader), loader)
+    # Persistent workers: the uninterrupted run made its one iterator (and drew for it) before
+    # the saved step, and began later epochs on it drawing nothing.
+    persistent = loader.persistent_workers and loader.num_workers > 0
+    if not armed or (state is None and not persistent):
+        return base._get_iterator()
+    generator = loader.generator
+    shared = generator is not None and getattr(loader.sampler, "generator", None) is generator
+    with kept_global_rng():
+        iterator = base._get_iterator()
+    if shared and loader.num_workers == 0:
+        # The single-process state holds the shared generator as the epoch's permutation
+        # found it; loading it leaves the generator after the permutation, but the
+        # uninterrupted run then drew the base seed from it too. (The multi-process state is
+        # taken after that.)
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return iterator
+
+
+def _state_dict(loader: Any) -> dict[str, Any]:
+    """The loader's state with its pass's epoch; a loaded state no ``iter()`` applied yet is
+    returned as it is (building its iterator here would draw its indices and seeds before the
+    loop's ``set_epoch``)."""
+    if loader._iterator is None and loader.next_iter_state is not None:
+        return dict(loader.next_iter_state)
+    state: dict[str, Any] = super(type(loader), loader).state_dict()
+    epoch = loader._strata_pass_epoch if loader._iterator is not None else None
+    epoch = _epoch(loader) if epoch is None else epoch
+    if epoch is not None:
+        state[EPOCH_KEY] = epoch
+    return state
 
 
 def _problems(state: Mapping[str, Any]) -> list[str]:
-    from trainer_client.data import ResumableLoader  # data imports nothing of ours; no cycle
-
     objects = list(_walk(state))
     kept = {id(o) for o in objects if isinstance(o, torch.Generator)}
     kind = _stateful_loader_type()

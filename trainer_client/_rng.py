@@ -12,7 +12,8 @@ from __future__ import annotations
 import base64
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +26,21 @@ except ModuleNotFoundError:  # torch runs without numpy; then there is no numpy 
 log = logging.getLogger(__name__)
 
 _KEYS = ("python", "numpy", "torch", "cuda")
+
+
+@contextmanager
+def kept_global_rng() -> Iterator[None]:
+    """Run the body without moving the global Python, numpy and torch CPU generators."""
+    py = random.getstate()
+    cpu = torch.get_rng_state()
+    npy = np.random.get_state() if np is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        torch.set_rng_state(cpu)
+        if np is not None:
+            np.random.set_state(npy)
 
 
 def capture() -> dict[str, Any]:

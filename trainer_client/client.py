@@ -408,6 +408,7 @@ class CheckpointClient:
         pre-fault the staging buffers for it, off the training thread. State holding DTensors
         or ShardedTensors is saved through DCP (``StrataWriter``), which stages its own way:
         nothing to adopt."""
+        _loaders.track(state)  # before _warm reads the loaders' state_dict()
         if _state.through_dcp(state):
             return
         if self.settings.overlap == "auto":
@@ -680,6 +681,7 @@ class CheckpointClient:
             self._heartbeat.touch()  # progress, for the launcher's hang detection
         if self.stats["saves"] == 0 and not plain:
             _loaders.check(state)  # once: loader setups a resume cannot keep exact
+            _loaders.track(state)  # their states record their epochs (when no resume() tracked them)
             if self.settings.overlap == "auto":
                 for optimizer in _state.optimizers(state):
                     self.register_optimizer(optimizer)

@@ -48,7 +48,10 @@ epoch's last batch (inside the loop or after it) makes passes over that epoch em
 ``load_state_dict`` adopts the checkpoint's epoch unless ``set_epoch`` was called after the last
 pass began (StatefulDataLoader applies its state lazily, inside ``iter()``, after your
 ``set_epoch``: your epoch wins there, and the saved position applies only to the same epoch, so
-keep your own epoch counter in the state, e.g. ``{"epoch": epoch, "data": stateful_loader}``).
+keep your own epoch counter in the state, e.g. ``{"epoch": epoch, "data": stateful_loader}``, or
+compute it from the restored step). A StatefulDataLoader that ``CheckpointClient`` saves and
+restores follows the same rule with any sampler that has epochs, torchdata's
+StatefulDistributedSampler included (trainer_client._loaders).
 
 Random numbers: a resumed run draws those of the uninterrupted run. ``iter(DataLoader)`` draws the
 workers' base seed from the global torch generator (or the loader's ``generator``), which the
@@ -82,7 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
-from trainer_client._loaders import kept_global_rng
+from trainer_client._rng import kept_global_rng
 
 try:
     import numpy as np

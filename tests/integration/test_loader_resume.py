@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from tests.unit.test_loader_rng import BATCH, EPOCHS, PER_EPOCH, Features, Run
+from tests.unit.test_loader_rng import BATCH, EPOCHS, PER_EPOCH, Features, N, Run
 from trainer_client.data import ResumableDistributedSampler, ResumableLoader
 
 
@@ -54,3 +54,75 @@ def test_resume_through_the_client_is_bit_identical(
     for (name, a), b in zip(resumed.model.named_parameters(), straight.model.parameters(), strict=True):
         assert torch.equal(a, b), f"{name} differs after the resume"
     assert torch.equal(resumed.final_rng, straight.final_rng)
+
+
+class EpochLoop(ClientRun):
+    """The loop every DDP tutorial writes, on one simulated rank of ``world``: the epoch comes from
+    the restored step, and the sampler's ``set_epoch`` precedes each pass."""
+
+    def train(self, stop_at: int | None = None, *, after_loop: bool = False) -> Any:
+        per = len(self.loader)
+        for epoch in range(self.step // per, EPOCHS):
+            self.loader.sampler.set_epoch(epoch)
+            for batch in self.loader:
+                self.batches.append(batch)
+                self.step += 1
+                self.opt.zero_grad()
+                self.model(batch).square().mean().backward()
+                self.opt.step()
+                if self.step == stop_at:
+                    return self.checkpoint()
+        self.final_rng = torch.get_rng_state()
+        return None
+
+
+def _samples(batches: list[torch.Tensor]) -> list[int]:
+    """The dataset indices of Features(False) rows (row i ends with (i + 1) / N)."""
+    return [round(float(row[-1]) * N) - 1 for batch in batches for row in batch]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("sampler", ["torchdata", "strata"])
+@pytest.mark.parametrize("stop_at", [5, 4], ids=["mid-epoch-2", "end-of-epoch-1"])
+def test_the_usual_epoch_loop_resumes_in_a_later_epoch(
+    make_sidecar, make_client, job_name, workers, sampler, stop_at
+) -> None:
+    """Resumed in epoch 2 (or at epoch 1's end, the loop going on with epoch 2), each of 2 ranks
+    trains the batches of the uninterrupted run with its random draws: every sample once per
+    epoch. The client's restore must not build the loaded iterator before the loop's set_epoch
+    (its workers would draw epoch 0's order), and a state at an epoch's end must start the next
+    epoch fresh."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    server = make_sidecar()
+    world, per = 2, 2  # 5 samples per rank: batches of 4 and 1
+    per_rank: list[list[int]] = []
+    for rank in range(world):
+
+        def make(rank: int = rank) -> StatefulDataLoader:
+            if sampler == "torchdata":
+                s: Any = StatefulDistributedSampler(Features(False), num_replicas=world, rank=rank, seed=1)
+            else:
+                s = ResumableDistributedSampler(N, num_replicas=world, rank=rank, seed=1)
+            return StatefulDataLoader(Features(False), batch_size=BATCH, sampler=s, num_workers=workers)
+
+        straight = EpochLoop(make, None)
+        straight.train()
+        job = f"{job_name}-{rank}"
+        first = EpochLoop(make, make_client(server, job))
+        assert first.client.resume(first.state) is None  # a fresh start, as a launched job does
+        assert first.train(stop_at) == stop_at
+        first.client.close()
+        resumed = EpochLoop(make, make_client(server, job))  # rebuilt, as a new process would
+        resumed.step = resumed.client.resume(resumed.state)
+        assert resumed.step == stop_at
+        resumed.train()
+        got = first.batches + resumed.batches
+        assert len(got) == len(straight.batches) == EPOCHS * per, f"rank {rank}"
+        for i, (a, b) in enumerate(zip(got, straight.batches, strict=True)):
+            assert torch.equal(a, b), f"rank {rank}: batch {i} differs"
+        assert torch.equal(resumed.final_rng, straight.final_rng), f"rank {rank}: the draws differ"
+        per_rank.append(_samples(got))
+    for epoch in range(EPOCHS):
+        seen = [i for samples in per_rank for i in samples[epoch * 5 : (epoch + 1) * 5]]
+        assert sorted(seen) == list(range(N)), f"epoch {epoch}: {seen}"

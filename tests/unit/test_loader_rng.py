@@ -43,7 +43,11 @@ class Features(Dataset[torch.Tensor]):
 class Run:
     """Model, optimizer and loader as a fresh process would build them."""
 
-    def __init__(self, make_loader: Callable[[], Any]) -> None:
+    def __init__(self, make_loader: Callable[[], Any], start: str = "state") -> None:
+        #: where the loop starts after a resume: the epoch in the state ("state"), the one the
+        #: restored step is in ("step"), or the state's epoch not advanced by a save after an
+        #: epoch's loop ("kept": that epoch is entered again, and must be empty)
+        self.start = start
         torch.manual_seed(0)  # the process's seed; a resumed process sets it again
         self.model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 1))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
@@ -56,7 +60,8 @@ class Run:
     def train(self, stop_at: int | None = None, *, after_loop: bool = False) -> Any:
         """Train to the end, or return a checkpoint taken after step ``stop_at`` (after the
         epoch's loop ended, with ``after_loop``, when that step is an epoch's last)."""
-        for epoch in range(self.state["epoch"], EPOCHS):
+        first = self.step // len(self.loader) if self.start == "step" else self.state["epoch"]
+        for epoch in range(first, EPOCHS):
             self.state["epoch"] = epoch
             if isinstance(self.loader, ResumableLoader):
                 self.loader.set_epoch(epoch)
@@ -71,13 +76,14 @@ class Run:
                 if self.step == stop_at and not after_loop:
                     return self.checkpoint()
             if self.step == stop_at:
-                self.state["epoch"] = epoch + 1
+                self.state["epoch"] = epoch if self.start == "kept" else epoch + 1
                 return self.checkpoint()
         self.final_rng = torch.get_rng_state()
         return None
 
     def checkpoint(self) -> tuple[bytes, list[torch.Tensor], int]:
         """What the client sends: the skeleton and tensors of the state and the global RNG."""
+        _loaders.track(self.state)  # as the client's first save does
         flat = flatten({**self.state, "rng": _rng.capture()})
         return encode_skeleton(flat.skeleton), [t.clone() for _, t in flat.tensors], self.step
 
@@ -89,15 +95,18 @@ class Run:
         self.state.update((k, v) for k, v in target.items() if k != "rng")
         _rng.restore(target["rng"])
         _loaders.after_restore(self.state)
+        _loaders.track(self.state)
 
 
-def compare(make_loader: Callable[[], Any], stop_at: int, *, after_loop: bool = False) -> None:
+def compare(
+    make_loader: Callable[[], Any], stop_at: int, *, after_loop: bool = False, start: str = "state"
+) -> None:
     straight = Run(make_loader)
     straight.train()
-    first = Run(make_loader)
+    first = Run(make_loader, start)
     saved = first.train(stop_at, after_loop=after_loop)
     assert saved is not None
-    resumed = Run(make_loader)  # a fresh process: everything rebuilt, then loaded
+    resumed = Run(make_loader, start)  # a fresh process: everything rebuilt, then loaded
     resumed.resume(saved)
     resumed.train()
     got = first.batches + resumed.batches
@@ -125,12 +134,7 @@ def test_stateful_dataloader_default(workers: int, stop_at: int, after_loop: boo
     )
 
 
-# torchdata's StatefulDistributedSampler, saved after an epoch's loop ended with num_workers=0,
-# makes the next epoch empty whatever the client does (its position ignores set_epoch): that
-# torchdata case is left out.
-DISTRIBUTED = [(False, stop, after) for stop, after in STOPS] + [
-    (True, stop, after) for stop, after in STOPS if not after
-]
+DISTRIBUTED = [(stateful, stop, after) for stateful in (False, True) for stop, after in STOPS]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -150,6 +154,100 @@ def test_stateful_dataloader_with_a_distributed_sampler_and_set_epoch(
         return StatefulDataLoader(Features(False), batch_size=BATCH, sampler=sampler, num_workers=workers)
 
     compare(make, stop_at, after_loop=after_loop)
+
+
+# "kept" differs from "step" only after a save that followed an epoch's loop
+LOOPS = [("step", stop, after) for stop, after in [(5, False), (3, False), (3, True), (6, True)]] + [
+    ("kept", 3, True),
+    ("kept", 6, True),
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("start", "stop_at", "after_loop"), LOOPS)
+def test_the_loops_set_epoch_selects_what_a_stateful_loader_resumes(
+    workers: int, start: str, stop_at: int, after_loop: bool
+) -> None:
+    """torchdata's StatefulDistributedSampler (its state has no epoch), with persistent workers
+    when there are workers: the checkpoint's epoch continues, empty if the checkpoint ended it
+    ("kept"); the next one ("step" after an epoch's last batch) starts fresh, drawing what the
+    uninterrupted run drew for it (nothing with persistent workers)."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def make() -> StatefulDataLoader:
+        sampler = StatefulDistributedSampler(Features(False), num_replicas=1, rank=0, seed=1)
+        return StatefulDataLoader(
+            Features(False),
+            batch_size=BATCH,
+            sampler=sampler,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
+
+    compare(make, stop_at, after_loop=after_loop, start=start)
+
+
+def test_a_loaded_state_is_its_state_until_iter_applies_it() -> None:
+    """Building the loaded iterator in state_dict() (the client reads the state's layout at
+    restore) would draw its workers' indices before the loop's set_epoch."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def make() -> StatefulDataLoader:
+        sampler = StatefulDistributedSampler(Features(False), num_replicas=1, rank=0, seed=1)
+        return StatefulDataLoader(Features(False), batch_size=BATCH, sampler=sampler, num_workers=2)
+
+    loader = make()
+    _loaders.track({"data": loader})
+    loader.sampler.set_epoch(1)
+    it = iter(loader)
+    next(it)
+    saved = loader.state_dict()
+    assert saved[_loaders.EPOCH_KEY] == 1
+    del it
+    fresh = make()
+    fresh.load_state_dict(saved)
+    _loaders.after_restore({"data": fresh})
+    before = torch.get_rng_state()
+    assert fresh.state_dict() == saved and fresh._iterator is None
+    fresh.sampler.set_epoch(1)
+    assert len(list(fresh)) == PER_EPOCH - 1  # the rest of epoch 1, its draws kept
+    assert torch.equal(torch.get_rng_state(), before)
+    assert type(fresh).__qualname__ == "StatefulDataLoader"  # checkpoints name the same type
+
+
+def test_a_tracked_loader_pickles_and_copies_as_a_stateful_dataloader() -> None:
+    import copy
+    import pickle
+
+    loader = StatefulDataLoader(Features(False), batch_size=BATCH)
+    _loaders.track({"data": loader})
+    assert type(loader) is not StatefulDataLoader and isinstance(loader, StatefulDataLoader)
+    for other in [copy.deepcopy(loader)] + [pickle.loads(pickle.dumps(loader, p)) for p in (1, 5)]:
+        assert type(other) is StatefulDataLoader
+        assert len(list(other)) == PER_EPOCH
+
+
+def test_a_resumable_sampler_left_at_its_epoch_adopts_the_checkpoints() -> None:
+    """With no set_epoch before the resumed pass, a ResumableDistributedSampler continues the
+    checkpoint's epoch, as it does outside a StatefulDataLoader."""
+
+    def make() -> StatefulDataLoader:
+        sampler = ResumableDistributedSampler(N, num_replicas=1, rank=0, seed=1)
+        return StatefulDataLoader(Features(False), batch_size=BATCH, sampler=sampler)
+
+    loader = make()
+    _loaders.track({"data": loader})
+    loader.sampler.set_epoch(2)
+    whole = list(loader)
+    loader.sampler.set_epoch(2)
+    it = iter(loader)
+    next(it)
+    fresh = make()
+    fresh.load_state_dict(loader.state_dict())
+    _loaders.after_restore({"data": fresh})
+    rest = list(fresh)
+    assert len(rest) == PER_EPOCH - 1
+    assert all(torch.equal(a, b) for a, b in zip(rest, whole[1:], strict=True))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
