@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from trainer_client._rng import kept_global_rng
+from trainer_client._state import found, walk
 from trainer_client.data import ResumableDistributedSampler, ResumableLoader
 
 log = logging.getLogger(__name__)
@@ -49,21 +50,6 @@ EPOCH_KEY = "strata_epoch"
 _FINISHED = "_iterator_finished"  # torchdata's: the saved pass had ended (its loop exited)
 
 
-def _walk(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
-    """``obj`` and everything nested in its mappings, lists and tuples."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    yield obj
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _walk(value, seen)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from _walk(value, seen)
-
-
 def _stateful_loader_type() -> Any:
     # Without torchdata imported, no StatefulDataLoader can exist: do not import it here.
     module = sys.modules.get("torchdata.stateful_dataloader")
@@ -73,7 +59,7 @@ def _stateful_loader_type() -> Any:
 def _stateful_loaders(state: Mapping[str, Any]) -> Iterator[Any]:
     kind = _stateful_loader_type()
     if kind is not None:
-        yield from (obj for obj in _walk(state) if isinstance(obj, kind))
+        yield from found(state, kind)
 
 
 def track(state: Mapping[str, Any]) -> None:
@@ -204,7 +190,7 @@ def _state_dict(loader: Any) -> dict[str, Any]:
 
 
 def _problems(state: Mapping[str, Any]) -> list[str]:
-    objects = list(_walk(state))
+    objects = list(walk(state))
     kept = {id(o) for o in objects if isinstance(o, torch.Generator)}
     kind = _stateful_loader_type()
     problems = []

@@ -55,16 +55,25 @@ def through_dcp(state: Any) -> bool:
     return walk(state)
 
 
+def walk(obj: Any, seen: set[int] | None = None) -> Iterator[Any]:
+    """``obj`` and everything nested in its mappings, lists and tuples."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield obj
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from walk(value, seen)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from walk(value, seen)
+
+
 def found(state: Any, kind: type[T]) -> Iterator[T]:
-    """The objects of ``kind`` in ``state`` (its dicts, lists and tuples walked, not the objects)."""
-    if isinstance(state, kind):
-        yield state
-    elif isinstance(state, dict):
-        for v in state.values():
-            yield from found(v, kind)
-    elif isinstance(state, list | tuple):
-        for v in state:
-            yield from found(v, kind)
+    """The objects of ``kind`` in ``state`` (its mappings, lists and tuples walked, not the
+    objects), each once."""
+    return (obj for obj in walk(state) if isinstance(obj, kind))
 
 
 def optimizers(state: Any) -> Iterator[torch.optim.Optimizer]:
