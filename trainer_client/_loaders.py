@@ -62,6 +62,11 @@ def _stateful_loaders(state: Mapping[str, Any]) -> Iterator[Any]:
         yield from found(state, kind)
 
 
+#: what tracking replaces: a subclass that overrides any of them is left as it is
+_TRACKED_METHODS = ("__iter__", "_get_iterator", "state_dict", "load_state_dict")
+_UNTRACKED: set[type] = set()
+
+
 def track(state: Mapping[str, Any]) -> None:
     """Make the StatefulDataLoaders in ``state`` record their pass's epoch in their state and
     apply a loaded one by the epoch the loop selects (see the module docstring). Idempotent."""
@@ -82,6 +87,19 @@ def after_restore(state: Mapping[str, Any]) -> None:
 def _track(loader: Any) -> None:
     kind = type(loader)
     if kind in _TRACKED.values():
+        return
+    base = _stateful_loader_type()
+    if any(getattr(kind, m) is not getattr(base, m) for m in _TRACKED_METHODS):
+        # A subclass with its own state (or iteration) keeps it as it wrote it: what it saves
+        # is its own shape, which the epoch bookkeeping here must not replace.
+        if kind not in _UNTRACKED:
+            _UNTRACKED.add(kind)
+            log.warning(
+                "%s overrides StatefulDataLoader's %s: its state is saved as it writes it, and a "
+                "resume in another epoch than the checkpoint's follows its own set_epoch handling",
+                kind.__qualname__,
+                "/".join(m for m in _TRACKED_METHODS if getattr(kind, m) is not getattr(base, m)),
+            )
         return
     tracked = _TRACKED.get(kind)
     if tracked is None:

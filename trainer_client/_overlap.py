@@ -180,8 +180,13 @@ def _hooks_run(opt: torch.optim.Optimizer) -> bool:
         return False
     if not isinstance(vars(opt).get("_optimizer_step_pre_hooks"), dict):
         return False
-    own = vars(opt).get("step")  # replaced on the instance: only an LR scheduler's wrapper is known
-    return own is None or bool(getattr(own, "_wrapped_by_lr_sched", False))
+    # Replaced on the instance: only an LR scheduler's wrapper of the class's own (hooked) step
+    # is known to reach the hooks before anything else runs; a wrapper of a wrapper is not.
+    own = vars(opt).get("step")
+    return own is None or (
+        bool(getattr(own, "_wrapped_by_lr_sched", False))
+        and getattr(own, "__wrapped__", None) is type(opt).step
+    )
 
 
 def _inner(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

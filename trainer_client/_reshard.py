@@ -58,8 +58,9 @@ READERS = ("ResumableDistributedSampler", "ResumableLoader", "StatefulDataLoader
 
 def per_rank_readers(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
     """(path, type name) of the data readers in the live state that save one rank's position
-    (not wrapped in ``AllRanksState``, whose value is every rank's)."""
-    if type(node).__name__ in READERS:
+    (not wrapped in ``AllRanksState``, whose value is every rank's). Subclasses too: matched by
+    name along the class's MRO (TorchRec or torchdata need not be imported)."""
+    if any(c.__name__ in READERS for c in type(node).__mro__):
         yield path, type(node).__name__
     elif isinstance(node, dict):
         for k, v in node.items():

@@ -739,12 +739,17 @@ def _write_back(original: Any, copy: Any, skip: set[tuple[Any, ...]], path: tupl
     them (plain values it replaced: ``state["epoch"]``); the copies along readers' paths are
     walked, never put in."""
     keys = list(original) if isinstance(original, Mapping) else range(len(original))
+    along = {p[:i] for p in skip for i in range(1, len(p))}  # containers holding a reader
     for key in keys:
         here = (*path, key)
         value = copy[key]
         if here in skip:
             continue
-        if getattr(value, "_strata_view_copy", False):
+        # DCP replaces a container without tensors (a list holding a reader's saved form) whole:
+        # walk it too, so the user's container, and the reader in it, stay.
+        if getattr(value, "_strata_view_copy", False) or (
+            here in along and isinstance(value, Mapping | list | tuple)
+        ):
             _write_back(original[key], value, skip, here)
         elif value is not original[key] and not isinstance(original, tuple):
             original[key] = value

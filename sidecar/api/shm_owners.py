@@ -19,6 +19,7 @@ import fcntl
 import os
 import re
 import stat
+import time
 import weakref
 
 from sidecar.api import SHM_SEGMENT_PATTERN
@@ -35,10 +36,16 @@ class OwnerLock:
     def __init__(self, directory: str, instance: str) -> None:
         self.path = os.path.join(directory, f".strata-owner-{instance}")
         assert _OWNER.fullmatch(os.path.basename(self.path)), instance
-        for _ in range(3):
-            fd = os.open(
-                self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
+        for attempt in range(50):
+            try:
+                fd = os.open(
+                    self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+                )
+            except FileExistsError:
+                # A sweeper took our new file's lock before we did and has not unlinked it yet:
+                # it will, at once (the instance is ours alone), so wait a moment and create it.
+                time.sleep(0.002 * (attempt + 1))
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 # A sweeper that opened it between our create and our lock saw no owner and

@@ -691,3 +691,54 @@ def test_client_resume_through_dcp_restores_readers_plain_values_and_random_stre
     assert [random.random(), *torch.rand(2).tolist()] == want
     assert [b.tolist() for b in loader] == rest
     assert sorted(i for b in read + rest for i in b) == list(range(40))
+
+
+def test_client_resume_through_dcp_keeps_readers_in_lists_and_subclasses_per_rank(
+    one_rank, make_sidecar, make_client, job_name
+):
+    """A reader in a list (DCP replaces a list without tensors whole: the user's list and the
+    reader in it must stay), and a subclass of a reader (found along its MRO, saved per rank, not
+    pickled whole), resume at their position, save it again, and resume there a second time."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+
+    from trainer_client.data import ResumableDistributedSampler, ResumableLoader
+
+    class MyLoader(ResumableLoader):
+        pass
+
+    data = list(range(40))
+
+    def build(n: int) -> dict:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        loaders = [
+            kind(DataLoader(data, batch_size=4, sampler=ResumableDistributedSampler(data, seed=3)))
+            for kind in (ResumableLoader, MyLoader)
+        ]
+        return {**fsdp2_state(model, opt, n), "loaders": loaders}
+
+    server = make_sidecar()
+    state = build(1)
+    assert make_client(server, job_name).resume(state) is None
+    its = [iter(x) for x in state["loaders"]]
+    for it in its:
+        [next(it) for _ in range(3)]
+    make_client(server, job_name).save(5, state).result(60)
+
+    state = build(2)
+    resumed = make_client(server, job_name)
+    assert resumed.resume(state) == 5
+    loaders = state["loaders"]
+    assert [type(x).__name__ for x in loaders] == ["ResumableLoader", "MyLoader"]
+    its = [iter(x) for x in loaders]
+    for it in its:
+        [next(it) for _ in range(2)]  # 5 batches read: the position a second resume must give
+    resumed.save(6, state).result(60)
+    rest = [[b.tolist() for b in it] for it in its]
+
+    state = build(3)
+    assert make_client(server, job_name).resume(state) == 6
+    assert [[b.tolist() for b in x] for x in state["loaders"]] == rest

@@ -344,3 +344,24 @@ def test_warns_once_at_first_check(caplog: pytest.LogCaptureFixture) -> None:
     default = StatefulDataLoader(Features(False), batch_size=BATCH, shuffle=True)
     _loaders.check({"nested": [{"data": default}], "data": resumable(2)()})
     assert not caplog.records  # the exact setups
+
+
+class _Counting(StatefulDataLoader):
+    """A user's loader that saves a state of its own shape around torchdata's."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": super().state_dict(), "batches_seen": 3}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state["inner"])
+
+
+def test_a_loader_subclass_with_a_state_of_its_own_is_left_as_it_wrote_it(caplog) -> None:
+    loader = _Counting(list(range(8)), batch_size=2)
+    with caplog.at_level(logging.WARNING, logger="trainer_client._loaders"):
+        _loaders.track({"data": loader})
+        _loaders.track({"data": loader})
+    assert type(loader) is _Counting  # not swapped for the tracking subclass
+    assert set(loader.state_dict()) == {"inner", "batches_seen"}
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "overrides StatefulDataLoader's state_dict/load_state_dict" in caplog.records[0].getMessage()

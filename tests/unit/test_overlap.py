@@ -76,3 +76,28 @@ def test_torchrec_defers_the_dense_optimizer_through_its_wrappers_and_never_the_
     # Plain Adagrad tables are stepped by a real torch optimizer; fused and in-backward ones
     # change inside backward.
     assert bool(tables) == (kind == "plain")
+
+
+def test_a_step_replaced_on_the_instance_is_trusted_only_as_an_lr_schedulers_wrapper_of_its_own():
+    """An LR scheduler wraps the class's (hooked) step: the hooks still run first. A wrapper the
+    script put on the instance (weight decay before the real step) runs before them, whatever
+    wraps it later: its optimizer's tensors are copied inside save()."""
+    import types
+
+    from trainer_client._overlap import _hooks_run
+
+    plain = torch.optim.SGD(_model().parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(plain, 10)
+    assert _hooks_run(plain)
+
+    wrapped = torch.optim.SGD(_model().parameters(), lr=0.1)
+    real = wrapped.step
+
+    def decay_then_step(self: torch.optim.Optimizer, closure: object = None) -> object:
+        with torch.no_grad():
+            torch._foreach_mul_([p for g in self.param_groups for p in g["params"]], 0.99)
+        return real(closure)
+
+    wrapped.step = types.MethodType(decay_then_step, wrapped)  # type: ignore[method-assign]
+    torch.optim.lr_scheduler.StepLR(wrapped, 10)
+    assert not _hooks_run(wrapped)
