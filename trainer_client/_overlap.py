@@ -16,9 +16,10 @@ A tensor is deferred only when both halves of the proof hold:
   is done, before the optimizer's step may run; a change fails the save (:class:`TornSnapshot`,
   nothing is sent) and that optimizer's tensors are copied inside ``save()`` from then on.
 
-The runtime half cannot see writes through ``.data`` or ``.detach()``'d aliases made without
-autograd's knowledge (they do not bump the version counter), nor an in-place kernel still running
-on another thread at the instant the copy ends.
+The runtime half cannot see writes made without autograd's knowledge (they do not bump the
+version counter): through ``.data``, ``.numpy()`` or other aliases, by c10d collectives into a
+parameter (``broadcast``, ``all_reduce``), nor an in-place kernel still running on another thread
+at the instant the copy ends.
 """
 
 from __future__ import annotations
