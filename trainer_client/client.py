@@ -1432,9 +1432,12 @@ class CheckpointClient:
         try:
             if not header_only:
                 return self._restore_stream(req)
-            stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
-            messages = list(stream)
+            # no local holds the call: see _untangle
+            messages = list(
+                self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
+            )
         except grpc.RpcError as exc:
+            _untangle(exc)
             what = f"step {step}" if step is not None else "the newest committed step"
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 raise SidecarUnavailable(f"{what} of rank {rank}: {exc.details()}") from None
@@ -1456,8 +1459,12 @@ class CheckpointClient:
         req.shm_ok = bool(shm_dir)
         while True:
             try:
-                stream = self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata)
-                return _receive.receive(stream, shm_dir, in_place)
+                # no local holds the call: see _untangle
+                return _receive.receive(
+                    self._stub.Restore(req, timeout=self.settings.rpc_timeout_s, metadata=self._metadata),
+                    shm_dir,
+                    in_place,
+                )
             except _receive.SegmentChanged as exc:  # not the file the sidecar checked: its own copy instead
                 log.error("%s; restoring over gRPC", exc)
                 req.shm_ok = False
@@ -1465,11 +1472,21 @@ class CheckpointClient:
                 log.info("%s; restoring over gRPC", exc)
                 req.shm_ok = False
             except grpc.RpcError as exc:
+                _untangle(exc)
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + delay >= deadline:
                     raise
                 log.info("restore refused for now (%s); retrying", exc.details())
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
+
+
+def _untangle(exc: grpc.RpcError) -> None:
+    """Drop the traceback of a streaming call's error. grpc's call object is itself the error,
+    and the frames of its traceback hold the call: a cycle that keeps those frames' callers (the
+    training script's state, its DataLoaders' worker processes) alive until a garbage
+    collection, whose finalizers stop a loader's queue threads before its workers are told to
+    exit: each worker then takes 5 s to be given up on."""
+    exc.__traceback__ = None
 
 
 def _check_step(step: Any) -> None:

@@ -4,6 +4,8 @@ uninterrupted run: same batches, bit-identical parameters."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -126,3 +128,23 @@ def test_the_usual_epoch_loop_resumes_in_a_later_epoch(
     for epoch in range(EPOCHS):
         seen = [i for samples in per_rank for i in samples[epoch * 5 : (epoch + 1) * 5]]
         assert sorted(seen) == list(range(N)), f"epoch {epoch}: {seen}"
+
+
+def test_a_fresh_start_keeps_nothing_of_the_caller_alive(make_sidecar, make_client, job_name) -> None:
+    """resume() with nothing to restore (the restore stream ends in NOT_FOUND) leaves no cycle
+    holding the caller's frame: its objects go with their last reference. (A DataLoader iterator
+    that the garbage collector finds instead has its queue threads stopped before its workers
+    are told to exit: each worker then stalls the collection 5 s.)"""
+    client = make_client(make_sidecar(), job_name)
+
+    def start() -> weakref.ref[Any]:
+        kept = torch.nn.Linear(2, 2)  # a local of the caller, not in the state
+        assert client.resume({"w": torch.zeros(2)}) is None
+        return weakref.ref(kept)
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert start()() is None
+    finally:
+        gc.enable()
