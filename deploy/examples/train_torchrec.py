@@ -16,7 +16,8 @@ saved and resumed through torch.distributed.checkpoint (trainer_client.dcp).
 The data: a StatefulDataLoader over a StatefulDistributedSampler, and the loop every DDP tutorial
 writes (``for epoch ...: sampler.set_epoch(epoch); for batch in loader``). The state handed to
 Strata is the model, the optimizer, the loader and the epoch; a resume continues mid-epoch.
-Rank 0 prints ``FINAL_DIGEST`` (model, optimizer, RNG) and, with ``--out``, writes it there.
+Rank 0 prints ``FINAL_DIGEST`` (every rank's model shards, optimizer state and RNG) and, with
+``--out``, writes it there with each rank's own digest.
 """
 
 from __future__ import annotations
@@ -195,11 +196,17 @@ def main() -> int:
         state["epoch"] = epoch + 1  # a checkpoint after this epoch's last batch starts the next
     if client is not None:
         client.close()
-    final = digest(model, optimizer)
+    mine = digest(model, optimizer)  # this rank's shards: with DMP each rank holds other tables
+    digests = [mine]
+    if distributed:
+        digests = [""] * world
+        dist.all_gather_object(digests, mine)
+    final = hashlib.sha256(",".join(digests).encode()).hexdigest()[:16]
     if rank == 0:
         print(f"FINAL_DIGEST {final}", flush=True)
         if args.out:
-            Path(args.out).write_text(json.dumps({"digest": final, "resumed_from": resumed}))
+            result = {"digest": final, "ranks": digests, "resumed_from": resumed}
+            Path(args.out).write_text(json.dumps(result))
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ never run)."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
-dlrm = pytest.importorskip("tests.fixtures.dlrm")
+with warnings.catch_warnings():  # collection imports it before the marks apply
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from tests.fixtures import dlrm
 
 
 @pytest.mark.parametrize(

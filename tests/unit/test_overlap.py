@@ -65,7 +65,8 @@ torchrec = pytest.mark.torchrec
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # apply_optimizer_in_backward's imports
 @pytest.mark.parametrize("kind", ["plain", "fused", "in_backward"])
 def test_torchrec_defers_the_dense_optimizer_through_its_wrappers_and_never_the_tables(kind):
-    dlrm = pytest.importorskip("tests.fixtures.dlrm")
+    from tests.fixtures import dlrm  # make setup installs TorchRec: missing, this fails
+
     model, opt = dlrm.build(kind, fused_optimizer=torch.optim.Adagrad)
     overlap = Overlap(lambda: None)
     overlap.register(opt)
