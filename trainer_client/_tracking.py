@@ -110,7 +110,14 @@ class RowTracker:
     def _track_module(self, label: str, sub: nn.Embedding | nn.EmbeddingBag, optimizer: Any) -> list[str]:
         weight = sub.weight
         opt = owner(optimizer, weight)
-        why = "the optimizer does not own this table" if opt is None else untouched_rows_stay(opt, weight)
+        if opt is None:
+            why = (
+                "the optimizer given does not own this table"
+                if optimizer is not None
+                else "no optimizer steps it: pass the one that does, track(..., optimizer=opt)"
+            )
+        else:
+            why = untouched_rows_stay(opt, weight)
         if why:
             log.warning("not tracking %s by lookups (%s); the sidecar diffs it by value", label, why)
             return []

@@ -467,6 +467,12 @@ class CheckpointClient:
         optimizers are found without it); tracking is used only where it leaves rows without
         gradient alone (plain SGD, SparseAdam, Adagrad without weight decay; fbgemm's SGD and
         Adagrad). Returns the names of the tables tracked; warns when there are none."""
+        if _state.through_dcp(list(modules)):
+            log.warning(
+                "track(%s): sharded state is saved through torch.distributed.checkpoint, which "
+                "sends no row bitmaps: its tables are diffed by value",
+                ", ".join(type(m).__name__ for m in modules),
+            )
         return self._tracker.track(modules, optimizer)
 
     # --- replica-aware saves ---------------------------------------------------------------
@@ -578,7 +584,11 @@ class CheckpointClient:
 
     def save(self, step: int, state: MutableMapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` at ``step``; returns once the synchronous copy is done. After
-        SIGTERM (``save_on_sigterm``) it saves, waits for durable and raises :class:`Preempted`."""
+        SIGTERM (``save_on_sigterm``) it saves, waits for durable and raises :class:`Preempted`.
+        State holding DTensors or ShardedTensors (FSDP2, TorchRec DMP) is saved through
+        torch.distributed.checkpoint (``trainer_client.dcp``): a collective every rank calls at
+        the same steps, which waits for the previous save to be durable (``when_busy`` does not
+        apply: one rank alone cannot skip a step)."""
         _check_step(step)
         if self._restart_generation:
             raise RestartInPlace(self._restart_generation)
@@ -658,7 +668,7 @@ class CheckpointClient:
         lies in a buffer lent to the writer's ``stage()`` (``_lease``), sent from there."""
         _check_step(step)
         if not plain and _state.through_dcp(state):
-            from trainer_client.dcp import save_state  # imports this module
+            from trainer_client.dcp import save_state  # torch.distributed.checkpoint: loaded on use
 
             return save_state(self, step, state)
         t0 = time.perf_counter()
@@ -1184,7 +1194,7 @@ class CheckpointClient:
         ``trainer_client.dcp.StrataWriter``, resharded by DCP's planner to this job's ranks:
         pass the same state that was saved (every rank takes part)."""
         if _state.through_dcp(state):
-            from trainer_client.dcp import load_resume  # imports this module
+            from trainer_client.dcp import load_resume  # torch.distributed.checkpoint: loaded on use
 
             return load_resume(self, state, step)
         req = pb.RestoreRequest(protocol_version=PROTOCOL_VERSION, identity=self._identity)

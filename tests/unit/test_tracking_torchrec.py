@@ -110,7 +110,7 @@ def test_tables_the_optimizer_does_not_own_are_not_tracked_and_warned(caplog):
     dense_only = torch.optim.SGD([p for n, p in model.named_parameters() if "sparse" not in n], lr=0.1)
     with caplog.at_level(logging.WARNING, "strata.client"):
         assert RowTracker().track([model], dense_only) == []
-    assert "the optimizer does not own this table" in caplog.text and "track(DLRM)" in caplog.text
+    assert "the optimizer given does not own this table" in caplog.text and "track(DLRM)" in caplog.text
 
 
 def test_fused_tables_count_ids_per_feature_and_batch():
@@ -275,3 +275,10 @@ def test_both_ways_of_marking_find_the_ids_of_each_feature(per_feature):
         {"batch_size_per_feature_per_rank": per_rank},
     )
     assert torch.nonzero(seen).flatten().tolist() == [5, 16, 18, 29]
+
+
+def test_tables_tracked_without_an_optimizer_say_which_argument_is_missing(caplog):
+    model, _ = dlrm.build("plain", SHAPE)
+    with caplog.at_level(logging.WARNING, "strata.client"):
+        assert RowTracker().track([model]) == []
+    assert "no optimizer steps it: pass the one that does, track(..., optimizer=opt)" in caplog.text
