@@ -7,13 +7,15 @@ ran, which is where overlapped staging copies. Figures:
 - ``torchrec_save_stall_ratio``: the ``save()`` stall with the defaults over a plain torch copy of
   the same tensors into preallocated buffers (``memcpy``), for a DLRM whose 4 tables of 100k x 64
   (20k with ``--quick``) fbgemm's fused TBE trains (Adagrad, inside backward) beside Adam on the
-  dense layers: the median of the per-save ratios, with a 95% confidence interval (target <= 1.5).
+  dense layers: the median of the per-save ratios of the saves that committed and were compared
+  (a refused one stored nothing), with a 95% confidence interval (target <= 1.5).
   Each of these snapshots is also restored and compared with a clone taken at the call
   (``torchrec_stall_snapshots_torn``, which must be 0 for the ratio to pass).
 - ``torchrec_torn_snapshots``: over ``SAVES`` saves of each setup (fused TBE, plain optimizers,
   in-backward optimizers; small tables), the committed steps whose restore differs from the clone
-  taken at the save call (target 0), and ``torchrec_failed_saves``, saves refused as torn
-  (a change overlapped staging caught; reported, expected 0).
+  taken at the save call, and ``torchrec_failed_saves``, saves refused as torn (a change
+  overlapped staging caught: a checkpoint lost, never compared); the row passes only when both are
+  0. ``torchrec_saves_compared`` counts the saves really restored and compared (3 x ``SAVES``).
 
 Each measure is one function of ``MEASURES`` writing its own figures, with its rows in ``ROWS``;
 a measure added later appends to both. ``--size-gib`` does not apply.
@@ -128,7 +130,8 @@ def stall(ctx: Context, figures: dict[str, Any], phases: Phases) -> None:
                 copy_s = memcpy()
                 stall_s, differs = _save_and_check(client, step, state, train, scratch)
                 torn += differs is None or bool(differs)
-                if step:  # the first one is warm-up
+                # the first one is warm-up; a refused save stored nothing, so its stall says nothing
+                if step and differs is not None:
                     ratios.append(stall_s / copy_s)
                     stalls.append(stall_s)
                     copies.append(copy_s)
@@ -156,7 +159,7 @@ def torn(ctx: Context, figures: dict[str, Any], phases: Phases) -> None:
     from tests.fixtures import dlrm
 
     shape = dlrm.Shape()
-    total, failed = 0, 0
+    total, failed, checked = 0, 0, 0
     for kind in ("fused", "plain", "in_backward"):
         model, opt = dlrm.build(kind, shape, fused_optimizer=torch.optim.Adagrad)
         scratch_model, scratch_opt = dlrm.build(kind, shape, seed=1, fused_optimizer=torch.optim.Adagrad)
@@ -167,7 +170,7 @@ def torn(ctx: Context, figures: dict[str, Any], phases: Phases) -> None:
             dlrm.train_step(model, opt, dlrm.batch(shape, 0, next(batches)))
 
         client = ctx.client()
-        count, refused, first = 0, 0, ""
+        count, refused, compared, first = 0, 0, 0, ""
         try:
             client.resume(state)
             with phases(f"{SAVES} saves of the {kind} DLRM, each restored and compared"):
@@ -175,17 +178,18 @@ def torn(ctx: Context, figures: dict[str, Any], phases: Phases) -> None:
                     train()
                     _, differs = _save_and_check(client, step, state, train, scratch)
                     refused += differs is None
+                    compared += differs is not None
                     if differs:
                         count += 1
                         first = first or f"step {step}: {differs[:3]}"
         finally:
             client.close()
         figures[f"torchrec_torn_snapshots_{kind}"] = count
-        total, failed = total + count, failed + refused
+        total, failed, checked = total + count, failed + refused, checked + compared
         print(f"  {kind}: {count} torn, {refused} refused of {SAVES} saves {first}", flush=True)
     figures["torchrec_torn_snapshots"] = total
     figures["torchrec_failed_saves"] = failed
-    figures["torchrec_saves_compared"] = 3 * SAVES
+    figures["torchrec_saves_compared"] = checked  # a refused save is never restored nor compared
 
 
 Measure = Callable[[Context, dict[str, Any], Phases], None]
@@ -241,14 +245,15 @@ def _stall_rows(f: dict[str, Any]) -> list[Row]:
 
 
 def _torn_rows(f: dict[str, Any]) -> list[Row]:
-    count = f.get("torchrec_torn_snapshots")
+    count, failed = f.get("torchrec_torn_snapshots"), f.get("torchrec_failed_saves")
     return [
         Row(
             "torchrec_torn_snapshots",
             count,
-            f"of {f.get('torchrec_saves_compared', 3 * SAVES)}",
-            target="0",
-            passed=None if count is None else count == 0,
+            f"of {f.get('torchrec_saves_compared')} compared",
+            target="0, none refused",
+            # a refused save is a checkpoint lost, and one never compared: it fails the row too
+            passed=None if count is None else count == 0 and failed == 0,
         ),
         *(
             Row(f"torchrec_torn_snapshots_{k}", f.get(f"torchrec_torn_snapshots_{k}"), "snapshots")

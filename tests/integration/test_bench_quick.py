@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.bench import torchrec as bench_torchrec
+
 pytestmark = pytest.mark.bench
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -252,5 +254,7 @@ def test_quick_torchrec_section_writes_the_issues_keys(tmp_path: Path) -> None:
     for key in ("torchrec_save_stall_ratio", "torchrec_diff_bytes_ratio", "torchrec_diff_bytes_ratio_values"):
         assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
     assert data["torchrec_torn_snapshots"] == 0  # a count: every snapshot compared with its clone
+    assert data["torchrec_failed_saves"] == 0  # a save refused as torn is a checkpoint lost
+    assert data["torchrec_saves_compared"] == 3 * bench_torchrec.SAVES  # each one restored and compared
     assert data["torchrec_diff_bytes_ratio"] < 1  # only the rows changed are written
     assert "torchrec_save_stall_ratio" in proc.stdout
