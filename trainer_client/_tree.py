@@ -649,10 +649,13 @@ def check_fits(
     of the live state); returns the rebuilt value. ValueError or StateError if it does not fit."""
     restored = rebuild(skeleton, tensors)
     missing: list[Path] = []
-    _find_missing(state, restored, (), missing)
+    lazy: list[str] = []
+    _find_missing(state, restored, (), missing, lazy)
     if missing:
         names = ", ".join(where(p) for p in missing)
         raise StateError(f"{names}: not in the checkpoint; refusing a restore that would leave it stale")
+    if lazy:  # here, not when load_state_dict refuses: by then earlier keys were already loaded
+        raise StateError(lazy[0])
     return restored
 
 
@@ -685,17 +688,31 @@ def _lazy_state(live: Any, saved: Any) -> str:
     )
 
 
-def _find_missing(live: Any, value: Any, path: Path, out: list[Path]) -> None:
+def _loads_only_into_its_state(opt: Any) -> bool:
+    """TorchRec's KeyedOptimizer (and its subclasses) loads only into state it already has; torch's
+    optimizers create what they lack from the checkpoint. By type name: TorchRec is optional."""
+    return any(
+        c.__name__ == "KeyedOptimizer" and c.__module__.startswith("torchrec.") for c in type(opt).__mro__
+    )
+
+
+def _find_missing(live: Any, value: Any, path: Path, out: list[Path], lazy: list[str]) -> None:
+    """The live keys the checkpoint lacks into ``out``; into ``lazy``, why an optimizer that loads
+    only into its existing state would refuse the checkpoint's (its lazy state is not made yet)."""
+    if _loads_only_into_its_state(live):
+        why = _lazy_state(live, value)
+        if why:
+            lazy.append(f"{where(path)}: {why}")
     kind = _walks(live, value)
     if kind == "mapping":
         for k in live:
             if k in value:
-                _find_missing(live[k], value[k], (*path, k), out)
+                _find_missing(live[k], value[k], (*path, k), out, lazy)
             else:
                 out.append((*path, k))
     elif kind == "sequence":
         for i, (a, b) in enumerate(zip(live, value, strict=True)):
-            _find_missing(a, b, (*path, i), out)
+            _find_missing(a, b, (*path, i), out, lazy)
 
 
 def _load(live: Any, value: Any, path: Path) -> Any:

@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
@@ -755,32 +755,49 @@ def _write_back(original: Any, copy: Any, skip: set[tuple[Any, ...]], path: tupl
             original[key] = value
 
 
+def _optimizers_at(
+    node: Any, path: tuple[Any, ...] = (), seen: set[int] | None = None
+) -> Iterator[tuple[tuple[Any, ...], torch.optim.Optimizer]]:
+    """(path, optimizer) of each optimizer in ``node``, however deeply nested in its mappings,
+    lists and tuples (each container once): DCP names its values by that path
+    (``train.optimizer.state...``)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, torch.optim.Optimizer):
+        yield path, node
+    elif isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _optimizers_at(v, (*path, k), seen)
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            yield from _optimizers_at(v, (*path, i), seen)
+
+
 def _check_lazy_optimizers(state: Any, metadata: Metadata) -> None:
     """RestoreError naming an optimizer of ``state`` whose parameters' state the checkpoint holds
     but which has not created it yet (it does so lazily, at its first step): DCP loads into the
     state dict the live optimizer gives, so that state would silently stay unloaded."""
-    if not isinstance(state, Mapping):
-        return
     saved = metadata.state_dict_metadata
-    for key, opt in state.items():
-        if not isinstance(opt, torch.optim.Optimizer):
-            continue
+    for path, opt in _optimizers_at(state):
         params = getattr(opt, "params", None)  # TorchRec's KeyedOptimizer: its parameters by name
         if isinstance(params, Mapping):
             named = list(params.items())
         else:  # torch's state dict numbers the parameters in the order of its groups
             named = [(str(i), p) for i, p in enumerate(p for g in opt.param_groups for p in g["params"])]
+        prefix = _fqn((*path, "state"))
         lazy = [
             name
             for name, p in named
-            if p not in opt.state and any(fqn.startswith(f"{key}.state.{name}.") for fqn in saved)
+            if p not in opt.state and any(fqn.startswith(f"{prefix}.{name}.") for fqn in saved)
         ]
         if lazy:
             raise RestoreError(
-                f"state[{key!r}] ({type(opt).__qualname__}): the checkpoint holds optimizer state for "
-                f"{len(lazy)} parameters it has not created yet (e.g. {lazy[0]}): create its state "
-                "before resuming (TorchRec: optimizer.init_state(); other optimizers: one step), "
-                "as its first step would"
+                f"state{''.join(f'[{k!r}]' for k in path)} ({type(opt).__qualname__}): the checkpoint "
+                f"holds optimizer state for {len(lazy)} parameters it has not created yet (e.g. "
+                f"{lazy[0]}): create its state before resuming (TorchRec: optimizer.init_state(); "
+                "other optimizers: one step), as its first step would"
             )
 
 
