@@ -49,7 +49,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -85,6 +85,7 @@ if TYPE_CHECKING:  # the client imports this module (for its DCP route), not the
     from trainer_client.client import CheckpointClient
 
 log = logging.getLogger("strata.dcp")
+T = TypeVar("T")
 
 #: Keys of a DCP save's Strata state: the write items, and (rank 0) the Metadata as JSON.
 ITEMS_KEY = "dcp"
@@ -503,6 +504,13 @@ def save_state(client: CheckpointClient, step: int, state: Any) -> SaveHandle:
     one rank alone)."""
     import torch.distributed.checkpoint as dcp
 
+    nested = _nested_modules_or_optimizers(state)
+    if nested:
+        raise _tree.StateError(
+            f"step {step}: {nested}: state saved through torch.distributed.checkpoint holds its "
+            "modules and optimizers at the top level (DCP saves the state dicts of those only); "
+            "move them up, e.g. state = {'model': model, 'optimizer': optimizer, ...}"
+        )
     saves = client._dcp_saves
     if saves is None:
         saves = client._dcp_saves = _Saves(client)
@@ -555,6 +563,13 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
     when the job has no committed checkpoint."""
     import torch.distributed.checkpoint as dcp
 
+    nested = _nested_modules_or_optimizers(state)
+    if nested:
+        raise RestoreError(
+            f"{nested}: state loaded through torch.distributed.checkpoint holds its modules and "
+            "optimizers at the top level (DCP loads the state dicts of those only); move them up, "
+            "as they were when the checkpoint was saved"
+        )
     if step is None:
         try:
             header, _ = client._read_rank(0, header_only=True)
@@ -755,24 +770,41 @@ def _write_back(original: Any, copy: Any, skip: set[tuple[Any, ...]], path: tupl
             original[key] = value
 
 
-def _optimizers_at(
-    node: Any, path: tuple[Any, ...] = (), seen: set[int] | None = None
-) -> Iterator[tuple[tuple[Any, ...], torch.optim.Optimizer]]:
+def _optimizers_at(node: Any) -> Iterator[tuple[tuple[Any, ...], torch.optim.Optimizer]]:
     """(path, optimizer) of each optimizer in ``node``, however deeply nested in its mappings,
     lists and tuples (each container once): DCP names its values by that path
     (``train.optimizer.state...``)."""
+    return _objects_at(node, torch.optim.Optimizer)
+
+
+def _objects_at(
+    node: Any, kind: type[T], path: tuple[Any, ...] = (), seen: set[int] | None = None
+) -> Iterator[tuple[tuple[Any, ...], T]]:
     seen = set() if seen is None else seen
     if id(node) in seen:
         return
     seen.add(id(node))
-    if isinstance(node, torch.optim.Optimizer):
+    if isinstance(node, kind):
         yield path, node
     elif isinstance(node, Mapping):
         for k, v in node.items():
-            yield from _optimizers_at(v, (*path, k), seen)
+            yield from _objects_at(v, kind, (*path, k), seen)
     elif isinstance(node, list | tuple):
         for i, v in enumerate(node):
-            yield from _optimizers_at(v, (*path, i), seen)
+            yield from _objects_at(v, kind, (*path, i), seen)
+
+
+def _nested_modules_or_optimizers(state: Any) -> str:
+    """The modules and optimizers below the top level of ``state``, named, or "". DCP calls
+    ``state_dict()`` on the top-level values only: one nested deeper would be pickled whole
+    (a module's code and all), and no resume could load it."""
+    nested = [
+        f"state{''.join(f'[{k!r}]' for k in path)} ({type(obj).__name__})"
+        for kind in (torch.nn.Module, torch.optim.Optimizer)
+        for path, obj in _objects_at(state, kind)
+        if len(path) > 1
+    ]
+    return ", ".join(nested)
 
 
 def _check_lazy_optimizers(state: Any, metadata: Metadata) -> None:

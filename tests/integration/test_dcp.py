@@ -744,14 +744,17 @@ def test_client_resume_through_dcp_keeps_readers_in_lists_and_subclasses_per_ran
     assert [[b.tolist() for b in x] for x in state["loaders"]] == rest
 
 
-def test_a_nested_optimizer_without_its_lazy_state_is_refused_before_dcp_loads(
+def test_modules_and_optimizers_below_the_top_level_are_refused_on_the_dcp_route(
     one_rank, make_sidecar, make_client, job_name
 ):
-    """An optimizer nested in the state (``state["train"]["optimizer"]``) that has not made its
-    lazy state yet is named before ``dcp.load`` writes anything (DCP loads into the state the live
-    optimizer has: the checkpoint's would silently stay unloaded); once it has, it loads."""
+    """DCP calls ``state_dict()`` on the state's top-level values only: a module or optimizer
+    nested deeper (``state["train"]["optimizer"]``) would be pickled whole at a save and could
+    never be loaded. The save is refused naming it, and so is a resume, before anything is
+    written."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from trainer_client._tree import StateError
 
     def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
@@ -761,18 +764,15 @@ def test_a_nested_optimizer_without_its_lazy_state_is_refused_before_dcp_loads(
 
     model, opt = build(0)
     fsdp2_state(model, opt, 1)  # one step: Adam's state exists
-    # the optimizer's own state dict, as DCP names a live optimizer's (parameters by number)
-    saved = {"model": model.state_dict(), "train": {"optimizer": opt.state_dict()}}
     server = make_sidecar()
-    make_client(server, job_name, capture_rng=False).save(3, saved).result(60)
+    client = make_client(server, job_name, capture_rng=False)
+    nested = r"state\['train'\]\['optimizer'\] \(Adam\): state (saved|loaded) through torch.distributed"
+    with pytest.raises(StateError, match=r"step 3: " + nested):
+        client.save(3, {"model": model, "train": {"optimizer": opt}})
+    client.save(3, {"model": model, "optimizer": opt}).result(60)
 
     model, opt = build(1)
     before = [t.clone() for t in local_tensors(model.state_dict())]
-    state = {"model": model, "train": {"optimizer": opt}}
-    refused = (
-        r"^state\['train'\]\['optimizer'\] \(Adam\): the checkpoint holds optimizer state for 2 "
-        r"parameters it has not created yet \(e\.g\. 0\): create its state before resuming"
-    )
-    with pytest.raises(RestoreError, match=refused):
-        make_client(server, job_name, capture_rng=False).resume(state)
+    with pytest.raises(RestoreError, match="^" + nested):
+        make_client(server, job_name, capture_rng=False).resume({"model": model, "train": {"optimizer": opt}})
     assert_bitwise_equal(local_tensors(model.state_dict()), before)
