@@ -67,11 +67,7 @@ class EpochLoop(ClientRun):
         for epoch in range(self.step // per, EPOCHS):
             self.loader.sampler.set_epoch(epoch)
             for batch in self.loader:
-                self.batches.append(batch)
-                self.step += 1
-                self.opt.zero_grad()
-                self.model(batch).square().mean().backward()
-                self.opt.step()
+                self.train_on(batch)
                 if self.step == stop_at:
                     return self.checkpoint()
         self.final_rng = torch.get_rng_state()

@@ -57,6 +57,13 @@ class Run:
         self.step = 0
         self.final_rng = torch.empty(0)
 
+    def train_on(self, batch: torch.Tensor) -> None:
+        self.batches.append(batch)
+        self.step += 1
+        self.opt.zero_grad()
+        self.model(batch).square().mean().backward()
+        self.opt.step()
+
     def train(self, stop_at: int | None = None, *, after_loop: bool = False) -> Any:
         """Train to the end, or return a checkpoint taken after step ``stop_at`` (after the
         epoch's loop ended, with ``after_loop``, when that step is an epoch's last)."""
@@ -68,11 +75,7 @@ class Run:
             elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
                 self.loader.sampler.set_epoch(epoch)  # DistributedSampler: before iter(), as usual
             for batch in self.loader:
-                self.batches.append(batch)
-                self.step += 1
-                self.opt.zero_grad()
-                self.model(batch).square().mean().backward()
-                self.opt.step()
+                self.train_on(batch)
                 if self.step == stop_at and not after_loop:
                     return self.checkpoint()
             if self.step == stop_at:
