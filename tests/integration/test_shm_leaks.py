@@ -178,3 +178,36 @@ def test_an_owner_file_another_user_made_removes_nothing(short_tmp):
     forged.touch()
     os.chown(forged, 54321, 54321)
     assert remove_orphans(str(shm)) == [] and (shm / "strata-victim-0").exists()
+
+
+def test_an_owner_lock_lost_to_a_sweeper_is_made_again(short_tmp, monkeypatch):
+    """A sweeper that takes a new owner file's lock between its creator's create and flock sees
+    no owner and removes the file: the creator waits for the unlink and creates it again, rather
+    than giving up shared memory."""
+    import fcntl
+    import threading
+    import time
+
+    import sidecar.api.shm_owners as owners
+
+    real_flock, real_unlink = fcntl.flock, os.unlink
+    sweeper: list[threading.Thread] = []
+
+    def flock(fd: int, op: int) -> None:
+        if not sweeper and threading.current_thread() is threading.main_thread():
+            sweeper.append(threading.Thread(target=remove_orphans, args=(str(short_tmp),)))
+            sweeper[0].start()
+            time.sleep(0.05)  # the sweeper holds the lock now, and unlinks late
+        real_flock(fd, op)
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(owners.fcntl, "flock", flock)
+    monkeypatch.setattr(owners.os, "unlink", unlink)
+    lock = OwnerLock(str(short_tmp), "abc123")
+    sweeper[0].join()
+    assert os.path.exists(lock.path) and os.fstat(lock.fd).st_ino == os.lstat(lock.path).st_ino
+    lock.release()
