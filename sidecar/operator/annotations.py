@@ -32,7 +32,8 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "generation_file": "the operator owns the generation (a downward-API file)",
     "generation": "the operator owns the generation (a JobSet pod's, composed from its labels)",
     "peer_port": f"the injection sets it ({names.PEER_PORT}, container port {names.PEER_PORT_NAME}, "
-    "opened by the chart's peer NetworkPolicy) when strata.dev/redundancy is on",
+    "admitted under a default-deny by the chart's optional peer NetworkPolicy) "
+    "when strata.dev/redundancy is on",
     "peer_host": "the injection sets it (0.0.0.0) when strata.dev/redundancy is on",
     "peers": "commit hints between pods are not wired by the injection (storage decides commits)",
     "peer_fetch_timeout_s": "fetches of replicas between pods' sidecars are not wired by the injection yet",

@@ -50,7 +50,7 @@ LATEST_LABEL = "strata.dev/latest"
 STOP_REQUEST = "stop"
 
 #: The sidecars' peer port when strata.dev/redundancy is on (container port PEER_PORT_NAME; the chart's
-#: peer NetworkPolicy opens it between opted-in pods of a namespace).
+#: optional peer NetworkPolicy admits it between opted-in pods of a namespace under a default-deny).
 PEER_PORT = 9411
 PEER_PORT_NAME = "strata-peer"
 

@@ -59,7 +59,11 @@ MATRIX: dict[str, dict[str, Any]] = {
     "no-networkpolicy": {"networkPolicy": {"enabled": False}},
     "in-place-and-peers": {
         "operator": {"inPlaceRestart": True, "inPlaceTimeoutSeconds": 90},
-        "networkPolicy": {"peers": {"namespaces": ["ml"], "otherPorts": False}},
+        "networkPolicy": {"peers": {"enabled": True, "namespaces": ["ml"]}},
+    },
+    "namespaced-peers": {
+        "watchNamespaces": ["team-a", "team-b"],
+        "networkPolicy": {"peers": {"enabled": True}},
     },
     "restricted-metrics": {
         "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
@@ -288,6 +292,7 @@ def test_crds_are_valid(chart: Any) -> None:
         ("defaults", "v1.29.0"),
         ("cert-manager-and-monitors", "v1.33.0"),
         ("namespaced", None),
+        ("namespaced-peers", "v1.29.0"),
         ("replicas-peering", None),
         ("restricted-metrics", None),
     ],
@@ -323,6 +328,11 @@ def test_lint_strict_is_clean(case: str, kube_version: str | None) -> None:
         ({"webhook": {"timeoutSeconds": 60}}, "at '/webhook/timeoutSeconds'"),
         ({"storage": {"endpoint": "seaweedfs:8333"}}, "at '/storage/endpoint'"),
         ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0'"),
+        # removed: it re-opened the other ports with endPort ranges, which CNIs without endPort cut
+        (
+            {"networkPolicy": {"peers": {"otherPorts": True}}},
+            "additional properties 'otherPorts' not allowed",
+        ),
     ],
 )
 def test_schema_rejects_readably(chart: Any, values: dict[str, Any], message: str) -> None:
@@ -346,6 +356,10 @@ def test_values_the_schema_cannot_express_fail_the_render(chart: Any) -> None:
         chart.render({"operator": {"replicas": 2}}, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(helm.HelmRenderError, match="must not contain the release namespace"):
         chart.render({"watchNamespaces": [NAMESPACE]}, name=RELEASE, namespace=NAMESPACE)
+    with pytest.raises(
+        helm.HelmRenderError, match=r"networkPolicy\.peers\.enabled needs networkPolicy\.peers\.namespaces"
+    ):
+        chart.render({"networkPolicy": {"peers": {"enabled": True}}}, name=RELEASE, namespace=NAMESPACE)
 
 
 def test_every_value_is_in_the_schema(chart: Any) -> None:
@@ -916,34 +930,55 @@ def test_prometheus_rules_pass_promtool_and_fire_on_synthetic_series(chart: Any,
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_in_place_restart_switch_and_the_peer_network_policy(chart: Any) -> None:
-    from sidecar.operator import names
-
+def test_in_place_restart_switch(chart: Any) -> None:
     args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not any(a.startswith("--in-place") for a in args)
     objects = render(chart, MATRIX["in-place-and-peers"])
     args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--in-place-restart" in args and "--in-place-timeout-seconds=90" in args
-    [peers] = [p for p in by_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith("-peers")]
-    assert peers["metadata"]["namespace"] == "ml"
+
+
+def peer_policies(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in by_kind(objects, "NetworkPolicy") if p["metadata"]["name"] == f"{RELEASE}-peers"]
+
+
+def test_no_peer_network_policy_unless_asked(chart: Any) -> None:
+    """A policy that selects a pod isolates all of its ingress: one rendered by default, in namespaced
+    mode, cut c10d rendezvous, NCCL/gloo and scraping wherever the CNI ignored its endPort ranges."""
+    for case in ("defaults", "namespaced", "namespaced-peering", "no-networkpolicy", "monitors-on"):
+        assert not peer_policies(render(chart, MATRIX[case])), case
+
+
+def test_no_network_policy_uses_port_ranges(chart: Any) -> None:
+    """CNIs without endPort (older Cilium, Azure NPM) apply `port` alone: every rule is one exact port."""
+    for case in sorted(MATRIX):
+        for policy in by_kind(render(chart, MATRIX[case]), "NetworkPolicy"):
+            for rule in policy["spec"].get("ingress") or []:
+                assert rule["ports"], (case, policy["metadata"]["name"])  # never every port
+                for port in rule["ports"]:
+                    assert set(port) == {"port", "protocol"} and isinstance(port["port"], int), (case, port)
+
+
+def test_the_peer_network_policy_admits_the_peer_port_from_peers_only(chart: Any) -> None:
+    """Asked for (networkPolicy.peers.enabled), the policy only adds the peer port between opted-in
+    pods of the namespace: meant for namespaces whose pods a default-deny already isolates."""
+    from sidecar.operator import names  # PEER_PORT: what the injection declares (tests/k8s/test_in_place.py)
+
     opted_in = {"matchLabels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}}
-    assert peers["spec"]["podSelector"] == opted_in
-    [rule] = peers["spec"]["ingress"]  # otherPorts false: the peer port only
-    assert rule == {
-        "from": [{"podSelector": opted_in}],
-        "ports": [{"port": names.PEER_PORT, "protocol": "TCP"}],
+    expected_spec = {
+        "podSelector": opted_in,
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [{"podSelector": opted_in}], "ports": [{"port": names.PEER_PORT, "protocol": "TCP"}]}
+        ],
     }
-    # watchNamespaces by default; every other port stays open unless told otherwise
-    namespaced = [
-        p
-        for p in by_kind(render(chart, MATRIX["namespaced"]), "NetworkPolicy")
-        if "-peers" in p["metadata"]["name"]
-    ]
+    [peers] = peer_policies(render(chart, MATRIX["in-place-and-peers"]))
+    assert peers["metadata"]["namespace"] == "ml" and peers["spec"] == expected_spec
+    # the listed namespaces, else watchNamespaces; independent of the operator's own policy
+    namespaced = peer_policies(render(chart, MATRIX["namespaced-peers"]))
     assert sorted(p["metadata"]["namespace"] for p in namespaced) == ["team-a", "team-b"]
-    other = namespaced[0]["spec"]["ingress"][1]["ports"]
-    assert {"port": 9412, "endPort": 65535, "protocol": "TCP"} in other
-    assert not any(
-        p.get("port", 0) <= names.PEER_PORT <= p.get("endPort", 0) and p["protocol"] == "TCP" for p in other
+    assert all(p["spec"] == expected_spec for p in namespaced)
+    alone = render(
+        chart, {"networkPolicy": {"enabled": False, "peers": {"enabled": True, "namespaces": ["ml"]}}}
     )
-    # cluster-wide with no namespaces listed: no peer policy
-    assert [p["metadata"]["name"] for p in by_kind(render(chart), "NetworkPolicy")] == ["strata"]
+    assert [p["metadata"]["name"] for p in by_kind(alone, "NetworkPolicy")] == [f"{RELEASE}-peers"]
