@@ -130,6 +130,27 @@ def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: tab
                 return True
         return False
 
+    trainers = [str(c.get("name")) for c in pod_spec.get("containers") or []]
+    trainer = trainers[0] if len(trainers) == 1 else "<the trainer>"
+    for i, rule in enumerate(rules):
+        on = rule.get("onExitCodes")
+        if not on:
+            continue
+        operator, values = on.get("operator", "In"), on.get("values")
+        where = f"spec.podFailurePolicy.rules[{i}] (onExitCodes {operator} {values})"
+        if not on.get("containerName"):
+            # The Job controller matches every container's exit, the native sidecar's included (it
+            # is stopped by a signal after the trainer): a NotIn rule can fail the Job for it.
+            warnings.append(
+                f"{where} has no containerName: it also matches the injected sidecar "
+                f"({names.SIDECAR_CONTAINER}), whose exit says nothing about training; "
+                f"set containerName: {trainer}"
+            )
+        elif on["containerName"] not in trainers:
+            warnings.append(
+                f"{where}: containerName {on['containerName']!r} is no container of the pod template "
+                f"(containers: {', '.join(trainers)}): the rule never matches the trainer"
+            )
     if not has_rule(names.EXIT_PEER_DIED, "Ignore"):
         warnings.append(
             f"spec.podFailurePolicy has no rule onExitCodes In [{names.EXIT_PEER_DIED}] action Ignore "

@@ -9,8 +9,9 @@ from typing import Any
 from sidecar.coordinator import Failure, FailureKind, classify_exit
 from sidecar.operator import names
 
-#: Reasons the node lifecycle / taint manager gives when a pod's node went away.
-_NODE_LOST = frozenset({"NodeLost", "DeletionByTaintManager", "NodeNotReady", "TerminationByPodGC"})
+#: Reasons the node lifecycle / taint manager gives when a pod's node went away; the pod GC's
+#: DisruptionTarget reason is DeletionByPodGC (the node no longer exists).
+_NODE_LOST = frozenset({"NodeLost", "DeletionByTaintManager", "NodeNotReady", "DeletionByPodGC"})
 
 
 def _conditions(pod: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:

@@ -436,8 +436,12 @@ class Controller:
             except ApiError as exc:
                 if self.metrics is not None:
                     self.metrics.reconcile_errors.inc()
-                log.warning("%s/%s: reconcile failed: %s; retrying in 2 s", job.namespace, job.name, exc)
-                self._wake(job, self.clock() + 2.0)
+                # A 429 or 503 says when to come back (Retry-After); within reason.
+                delay = 2.0 if exc.retry_after is None else min(max(exc.retry_after, 0.5), 60.0)
+                log.warning(
+                    "%s/%s: reconcile failed: %s; retrying in %.1f s", job.namespace, job.name, exc, delay
+                )
+                self._wake(job, self.clock() + delay)
 
     async def refresh_report_ca(self, bundle: str) -> int:
         """Write the current CA bundle into every live pod that carries an older one in
@@ -870,7 +874,7 @@ class Controller:
 
     async def _stop_pods(self, job: _Job, pods: list[dict[str, Any]]) -> None:
         """Evict every pod that still runs (DisruptionTarget, which podFailurePolicy ignores); a
-        PodDisruptionBudget's 429 falls back to a delete."""
+        PodDisruptionBudget's 429 falls back to a delete, any other 429 is retried."""
         for pod in pods:
             meta = _meta(pod)
             uid = str(meta.get("uid"))
@@ -890,7 +894,9 @@ class Controller:
                 except ApiError as exc:
                     if exc.status == 404:
                         continue
-                    if exc.status != 429:
+                    if not exc.disruption_budget:
+                        # API Priority and Fairness' 429 too: the apiserver is busy, no budget
+                        # refused; the reconcile retries after its Retry-After.
                         raise
                     log.info(
                         "%s/%s: eviction of %s refused by a disruption budget; deleting it",

@@ -74,7 +74,7 @@ __all__ = [
     "warnings",
 ]
 
-SIDECAR_CONTAINER = "strata-sidecar"
+SIDECAR_CONTAINER = names.SIDECAR_CONTAINER
 #: Pod annotation naming a Secret whose keys (AWS_ACCESS_KEY_ID, ...) become the sidecar's env.
 STORAGE_SECRET_ANNOTATION = names.STORAGE_SECRET_ANNOTATION
 #: Pod annotation overriding :attr:`InjectConfig.shm_size` (the shared-memory emptyDir's sizeLimit).

@@ -20,13 +20,44 @@ __all__ = ["Api", "ApiError", "path"]
 
 
 class ApiError(Exception):
-    """A non-2xx answer: its HTTP status, the Status reason and the apiserver's message."""
+    """A non-2xx answer: its HTTP status, the Status reason and the apiserver's message, the
+    reasons of its causes (``details.causes``) and the seconds it asks to wait (Retry-After)."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        *,
+        causes: tuple[str, ...] = (),
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
+        self.causes = causes
+        self.retry_after = retry_after
+
+    @property
+    def disruption_budget(self) -> bool:
+        """A 429 from the Eviction API because a PodDisruptionBudget refuses it (cause
+        DisruptionBudget). Any other 429 (API Priority and Fairness, a plain-text body with
+        Retry-After) is a busy apiserver: retry it, do not treat it as a refusal."""
+        return self.status == 429 and (
+            "DisruptionBudget" in self.causes or "disruption budget" in self.message.lower()
+        )
+
+
+def _retry_after(header: str | None, details: Mapping[str, Any]) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds) or a Status's details.retryAfterSeconds."""
+    for value in (header, details.get("retryAfterSeconds")):
+        try:
+            if value is not None:
+                return max(0.0, float(value))
+        except (TypeError, ValueError):
+            continue  # an HTTP date or garbage: no hint
+    return None
 
 
 def path(
@@ -172,7 +203,18 @@ class Api:
             if response.status >= 300:
                 reason = decoded.get("reason", "") if isinstance(decoded, dict) else ""
                 message = decoded.get("message", text) if isinstance(decoded, dict) else text
-                raise ApiError(response.status, reason or response.reason or "", str(message)[:500])
+                details = (decoded.get("details") if isinstance(decoded, dict) else None) or {}
+                details = details if isinstance(details, dict) else {}
+                causes = tuple(
+                    str(c.get("reason", "")) for c in details.get("causes") or [] if isinstance(c, dict)
+                )
+                raise ApiError(
+                    response.status,
+                    reason or response.reason or "",
+                    str(message)[:500],
+                    causes=causes,
+                    retry_after=_retry_after(response.headers.get("Retry-After"), details),
+                )
             return decoded
 
     async def get(self, url: str) -> dict[str, Any] | None:

@@ -68,3 +68,6 @@ JOBSET_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 # The Job controller's own pod labels.
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+
+#: The injected sidecar container (a native sidecar: an init container with restartPolicy Always).
+SIDECAR_CONTAINER = "strata-sidecar"

@@ -222,6 +222,9 @@ class Emulator(kmock.KubernetesEmulator):
     tokens: dict[str, Token] = attrs.field(factory=dict, init=False)
     #: Pods (namespace, name) whose PodDisruptionBudget refuses an eviction (429), as a PDB would.
     pdb_blocked: set[tuple[str, str]] = attrs.field(factory=set, init=False)
+    #: Pods (namespace, name) -> how many more evictions API Priority and Fairness throttles: a 429
+    #: with Retry-After and a plain-text body, as the apiserver's APF filter writes it (no Status).
+    apf_throttled: dict[tuple[str, str], int] = attrs.field(factory=dict, init=False)
     #: Pods evicted through the Eviction API, in order.
     evictions: list[str] = attrs.field(factory=list, init=False)
     #: Keep every request for assertions (kmock's history). Off for benchmarks: kmock matches each
@@ -364,8 +367,19 @@ class Emulator(kmock.KubernetesEmulator):
         if obj is None:
             raise kmock.KubernetesObjectNotFoundError()
         if (request.namespace or "", request.name or "") in self.pdb_blocked:
-            raise _status(
-                429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget."
+            # The eviction registry's refusal: a Status whose cause says DisruptionBudget.
+            raise kmock.KubernetesError(
+                status=429,
+                reason="TooManyRequests",
+                message="Cannot evict pod as it would violate the pod's disruption budget.",
+                details={
+                    "causes": [
+                        {
+                            "reason": "DisruptionBudget",
+                            "message": "The disruption budget pdb needs 2 healthy pods and has 2 currently",
+                        }
+                    ]
+                },
             )
         raw: dict[str, Any] = copy.deepcopy(obj.raw)
         if not raw.get("metadata", {}).get("deletionTimestamp"):
@@ -441,6 +455,14 @@ class Emulator(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(self._review(request.data), status=201)
         async with self._lock:
             if request.method == enums.method.POST and request.subresource == "eviction":
+                key = (request.namespace or "", request.name or "")
+                if self.apf_throttled.get(key, 0) > 0:
+                    self.apf_throttled[key] -= 1
+                    return aiohttp.web.Response(
+                        status=429,
+                        text="Too many requests, please try again later.\n",
+                        headers={"Retry-After": "1"},
+                    )
                 return aiohttp.web.json_response(await self._evict(request), status=201)
             if request.action == enums.action.CREATE:
                 await self._create(request)

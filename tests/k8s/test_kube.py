@@ -31,3 +31,24 @@ async def test_api_client_names_the_status_and_refuses_calls_after_close(k8s: K8
     await api.close()
     with pytest.raises(ApiError, match="closed"):
         await api.get(path("", "v1", "pods", "default", "x"))
+
+
+async def test_api_client_tells_a_disruption_budget_429_from_priority_and_fairness(k8s: K8s) -> None:
+    pod = {"metadata": {"name": "p", "namespace": "default"}, "spec": {"containers": [{"name": "c"}]}}
+    api = Api(k8s.url)
+    try:
+        await api.create(path("", "v1", "pods", "default"), pod)
+        eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "p"}}
+        url = path("", "v1", "pods", "default", "p", "eviction")
+        k8s.api.pdb_blocked.add(("default", "p"))
+        with pytest.raises(ApiError) as budget:
+            await api.create(url, eviction)
+        k8s.api.pdb_blocked.clear()
+        k8s.api.apf_throttled[("default", "p")] = 1
+        with pytest.raises(ApiError) as busy:
+            await api.create(url, eviction)
+    finally:
+        await api.close()
+    assert budget.value.status == busy.value.status == 429
+    assert budget.value.disruption_budget and budget.value.causes == ("DisruptionBudget",)
+    assert not busy.value.disruption_budget and busy.value.retry_after == 1.0

@@ -263,6 +263,31 @@ async def test_operator_eviction_refused_by_a_disruption_budget_falls_back_to_de
         assert conditions["DisruptionTarget"]["reason"] == "DeletionByStrataGangRestart"
 
 
+async def test_operator_eviction_throttled_by_priority_and_fairness_is_retried_not_deleted(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    """API Priority and Fairness answers 429 with Retry-After and no DisruptionBudget cause: the
+    apiserver is busy, no budget refused anything. The eviction is retried, never turned into a delete."""
+    async with operator(k8s):
+        run, pods = await start_job(
+            k8s, cluster, indexed_job("apf", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        )
+        throttled = pods[1]["metadata"]["name"]
+        k8s.api.apf_throttled[("default", throttled)] = 1
+        await cluster.fail(pods[0], 1)
+        await until(lambda: running(cluster, "apf", f"{run}/1", 2), message="generation 1")
+        assert k8s.api.apf_throttled[("default", throttled)] == 0  # the 429 was met
+        assert k8s.api.evictions == [throttled]  # evicted on the retry
+        reasons = {
+            c.get("reason")
+            for _, resource, event in k8s.api._log
+            if resource.plural == "pods" and event["object"]["metadata"]["name"] == throttled
+            for c in event["object"].get("status", {}).get("conditions") or []
+            if c.get("type") == "DisruptionTarget"
+        }
+        assert reasons == {"EvictionByEvictionAPI"}  # never the PDB fallback's delete
+
+
 async def test_operator_stuck_terminating_pod_is_fenced_and_never_mixed_with_the_new_gang(
     k8s: K8s, cluster: Cluster
 ) -> None:

@@ -155,6 +155,25 @@ def test_admission_warns_backoff_limit_miscounts() -> None:
     assert any("DisruptionTarget" in w for w in no_rules.warnings)
 
 
+def test_admission_warns_exit_code_rules_not_scoped_to_the_trainer() -> None:
+    # Without containerName a rule also matches the injected native sidecar's exit.
+    unscoped = [
+        {"action": "Ignore", "onExitCodes": {"operator": "In", "values": [75]}},
+        {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0, 75]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+    ]
+    warnings = validate_workload(job(podFailurePolicy={"rules": unscoped})).warnings
+    scoped = [w for w in warnings if "containerName" in w]
+    assert len(scoped) == 2, warnings
+    assert "spec.podFailurePolicy.rules[0]" in scoped[0] and "spec.podFailurePolicy.rules[1]" in scoped[1]
+    assert all("strata-sidecar" in w and "containerName: trainer" in w for w in scoped)
+    typo = copy.deepcopy(GOOD_RULES)
+    typo[1]["onExitCodes"]["containerName"] = "trainr"
+    warnings = validate_workload(job(podFailurePolicy={"rules": typo})).warnings
+    assert any("rules[1]" in w and "'trainr'" in w for w in warnings), warnings
+    assert validate_workload(job()).warnings == []
+
+
 def test_admission_warns_large_gang_without_backoff_limit_per_index() -> None:
     verdict = validate_workload(job(parallelism=64, completions=64))
     assert any("backoffLimitPerIndex" in w for w in verdict.warnings)

@@ -89,6 +89,12 @@ def test_operator_evicted_pod_is_evicted_not_an_exit() -> None:
     "lost",
     [
         pod(conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}]),
+        # The pod GC's reason for pods of a node that no longer exists (kube-controller-manager podgc).
+        pod(
+            "Failed",
+            conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC"}],
+            containers=[terminated("trainer", 137)],
+        ),
         pod("Failed", reason="NodeLost"),
         pod(conditions=[{"type": "Ready", "status": "False", "reason": "NodeLost"}]),
     ],
