@@ -219,12 +219,31 @@ def _redundancy_warnings(
     return problems
 
 
-def validate_workload(obj: Mapping[str, Any]) -> Verdict:
+def validate_workload(obj: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> Verdict:
     """Deny malformed Strata annotations (naming each); warn about settings that would let retries
-    multiply or be miscounted. Workloads that do not opt in are always allowed, silently."""
+    multiply or be miscounted. Workloads that do not opt in are always allowed, silently.
+
+    ``old``: the object an UPDATE changes. Only what the update brings is denied: a problem the
+    object had already (created before the webhook was installed, or accepted by an older
+    release) is a warning, so the workload can still be updated (Kueue clearing ``suspend``, a
+    controller writing its status, the user fixing another field)."""
+    problems, warnings = _findings(obj)
+    if old is not None and problems:
+        before = set(_findings(old)[0])
+        warnings += [
+            f"{p} (already so before this update; fix it when you can)" for p in problems if p in before
+        ]
+        problems = [p for p in problems if p not in before]
+    if problems:
+        return Verdict(False, f"Strata: {'; '.join(problems)}", warnings)
+    return Verdict(True, "", warnings)
+
+
+def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of a workload (see :func:`validate_workload`)."""
     templates = [(where, t) for where, t in _templates(obj) if opted_in(t)]
     if not templates:
-        return Verdict()
+        return [], []
     kind = obj.get("kind")
     problems: list[str] = []
     warnings: list[str] = []
@@ -250,6 +269,4 @@ def validate_workload(obj: Mapping[str, Any]) -> Verdict:
                 f"spec.failurePolicy.restartStrategy is {strategy or 'unset (Recreate)'}; Strata needs "
                 "BlockingRecreate, so the old gang is gone before the new one starts"
             )
-    if problems:
-        return Verdict(False, f"Strata: {'; '.join(problems)}", warnings)
-    return Verdict(True, "", warnings)
+    return problems, warnings

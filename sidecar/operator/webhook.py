@@ -91,9 +91,12 @@ def mutate(
 def validate(request: Mapping[str, Any]) -> dict[str, Any]:
     """The AdmissionReview answering a Job or JobSet request (denials and warnings)."""
     obj = request.get("object")
-    if request.get("operation", "CREATE") == "DELETE" or not isinstance(obj, Mapping):
+    operation = request.get("operation", "CREATE")
+    if operation == "DELETE" or not isinstance(obj, Mapping):
         return admission.Verdict().to_admission_response(str(request["uid"]))
-    return admission.validate_workload(obj).to_admission_response(str(request["uid"]))
+    old = request.get("oldObject") if operation == "UPDATE" else None
+    verdict = admission.validate_workload(obj, old if isinstance(old, Mapping) else None)
+    return verdict.to_admission_response(str(request["uid"]))
 
 
 def _name(pod: Mapping[str, Any]) -> str:

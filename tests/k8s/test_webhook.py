@@ -273,7 +273,7 @@ class Webhook:
             return resp.status, await resp.json(content_type=None)
 
     async def review(
-        self, path: str, obj: Any, *, namespace: str = "ml", operation: str = "CREATE"
+        self, path: str, obj: Any, *, namespace: str = "ml", operation: str = "CREATE", old: Any = None
     ) -> dict[str, Any]:
         uid = str(uuid.uuid4())
         request = {
@@ -290,6 +290,8 @@ class Webhook:
                 "dryRun": False,
             },
         }
+        if old is not None:
+            request["request"]["oldObject"] = old
         status, answer = await self.post(path, request)
         assert status == 200, answer
         assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
@@ -543,6 +545,34 @@ async def test_validate_workloads_warns_and_denies(hook: Webhook) -> None:
     assert response == {"uid": response["uid"], "allowed": True}
     response = await hook.review(webhook.VALIDATE_PATH, None, operation="DELETE")
     assert response["allowed"] is True
+
+
+@pytest.mark.asyncio
+async def test_an_update_is_denied_only_for_what_it_changes(hook: Webhook) -> None:
+    """A JobSet created before the webhook (or accepted by an older release) with a problem can
+    still be updated (Kueue clearing suspend): the old problem is a warning; a new one is denied."""
+    old = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "ranker", "namespace": "ml"},
+        "spec": {
+            "suspend": True,
+            "replicatedJobs": [{"name": "workers", "template": {"spec": job()["spec"]}}],
+        },
+    }
+    resumed = json.loads(json.dumps(old))
+    resumed["spec"]["suspend"] = False
+    response = await hook.review(webhook.VALIDATE_PATH, resumed, operation="UPDATE", old=old)
+    assert response["allowed"] is True
+    assert any("BlockingRecreate" in w and "already so before this update" in w for w in response["warnings"])
+    # the same object created now is denied, and so is an update that brings a new problem
+    assert (await hook.review(webhook.VALIDATE_PATH, resumed))["allowed"] is False
+    broken = json.loads(json.dumps(resumed))
+    template = broken["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    template["metadata"]["annotations"] = {"strata.dev/keep": "many"}
+    response = await hook.review(webhook.VALIDATE_PATH, broken, operation="UPDATE", old=old)
+    assert response["allowed"] is False and "strata.dev/keep" in response["status"]["message"]
+    assert "BlockingRecreate" not in response["status"]["message"]
 
 
 @pytest.mark.asyncio
