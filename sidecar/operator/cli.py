@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("STRATA_IN_PLACE_RESTART", "").lower() in ("1", "true", "yes", "on"),
         help="answer a trainer's crash, error exit or hang by restarting the trainer containers in place "
         "(pods, sidecars and their memory stay): the webhook adds a container restart rule to the "
-        "trainers of Job pods (Kubernetes 1.34+ with the ContainerRestartRules feature gate), the "
+        "trainers of Job pods (Kubernetes 1.34+ with the ContainerRestartRules feature gate; none where "
+        "the API server is older, which would refuse the pod), the "
         "sidecars learn the new generation in the answer to their heartbeat. Falls back to new pods "
         "where it cannot (default: $STRATA_IN_PLACE_RESTART, else off)",
     )

@@ -991,8 +991,8 @@ class Controller:
             ]
             if not trainers or not all(c.get("restartPolicyRules") for c in trainers):
                 return (
-                    f"pod {name} has no container restart rule on its trainer (the ContainerRestartRules "
-                    "feature gate is off, or it was admitted without --in-place-restart)"
+                    f"pod {name} has no container restart rule on its trainer (Kubernetes before 1.34, "
+                    "the ContainerRestartRules feature gate off, or admitted without --in-place-restart)"
                 )
         return None
 

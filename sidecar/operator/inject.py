@@ -37,6 +37,8 @@ that crashed (any code) must restart in place too, or its pod fails and the gang
 memory; a launcher in the container (torchrun) exits with its own code when its workers exit 77.
 0 is success, 75 and 76 keep their podFailurePolicy meaning (Ignore, FailJob). Where the API server
 drops the fields (feature gate off) the pod runs as before and the operator falls back to new pods.
+An API server before 1.34 refuses them instead: the operator's webhook then injects with the switch
+off (:class:`~sidecar.operator.kube.ServerVersion`).
 
 World size and rank: a pod carries no field with its workload's size, so the caller passes the
 :class:`Shape` that :func:`workload_shape` reads from the Job or JobSet (the operator's watch cache,

@@ -8,15 +8,25 @@ benchmark and the metrics can say how many API calls a restart took.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import logging
+import re
 import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
 
-__all__ = ["Api", "ApiError", "path"]
+__all__ = ["RESTART_RULES_SINCE", "Api", "ApiError", "ServerVersion", "path"]
+
+log = logging.getLogger("strata.operator")
+
+#: Container restart rules (``restartPolicy``/``restartPolicyRules`` on a regular container) exist
+#: from Kubernetes 1.34; an older apiserver refuses such a pod ("may not be set for non-init
+#: containers"), and the Job controller would retry its creation forever.
+RESTART_RULES_SINCE = (1, 34)
 
 
 class ApiError(Exception):
@@ -259,3 +269,59 @@ class Api:
                 return False
             raise
         return True
+
+
+def parse_version(body: Any) -> tuple[int, int] | None:
+    """(major, minor) of a ``/version`` answer, or None; managed clusters say e.g. minor "33+"."""
+    if not isinstance(body, Mapping):
+        return None
+    major = re.match(r"\d+", str(body.get("major", "")))
+    minor = re.match(r"\d+", str(body.get("minor", "")))
+    if major and minor:
+        return int(major.group()), int(minor.group())
+    found = re.match(r"v?(\d+)\.(\d+)", str(body.get("gitVersion", "")))
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+class ServerVersion:
+    """The apiserver's version, read at start and refreshed (:meth:`run`): an upgrade of the control
+    plane changes what pods may carry. Until it is known, features it gates are off (a pod without
+    them is admitted everywhere)."""
+
+    def __init__(self, api: Api, *, in_place_restart: bool = False) -> None:
+        self.api = api
+        self.in_place_restart = in_place_restart
+        self.version: tuple[int, int] | None = None
+        self._said: bool | None = None
+
+    @property
+    def restart_rules(self) -> bool:
+        """Whether the server accepts container restart rules on regular containers (1.34+)."""
+        return self.version is not None and self.version >= RESTART_RULES_SINCE
+
+    async def refresh(self) -> None:
+        """Read ``/version``; a failed read keeps the last known version."""
+        try:
+            found = parse_version(await self.api.request("GET", "/version"))
+        except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("reading the API server's version failed: %s", exc)
+            return
+        if found is not None:
+            self.version = found
+        if self.in_place_restart and self._said != self.restart_rules:
+            self._said = self.restart_rules  # said once, and again only when an upgrade changes it
+            shown = "unknown" if self.version is None else f"{self.version[0]}.{self.version[1]}"
+            if self.restart_rules:
+                log.info("in-place restarts on: the API server (%s) accepts container restart rules", shown)
+            else:
+                log.warning(
+                    "in-place restarts need container restart rules (Kubernetes %d.%d+); the API server is "
+                    "%s: the webhook adds none and gangs restart with new pods",
+                    *RESTART_RULES_SINCE,
+                    shown,
+                )
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.refresh()

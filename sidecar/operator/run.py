@@ -25,7 +25,7 @@ from sidecar.operator import certs, names, reports, webhook
 from sidecar.operator.admission import opted_in
 from sidecar.operator.controller import Controller
 from sidecar.operator.inject import InjectConfig
-from sidecar.operator.kube import Api, ApiError, _credentials
+from sidecar.operator.kube import Api, ApiError, ServerVersion, _credentials
 from sidecar.operator.metrics import OperatorMetrics
 
 __all__ = ["Operator", "OperatorConfig", "build_registry", "serve"]
@@ -43,6 +43,8 @@ class OperatorConfig:
     #: webhook adds the container restart rule; see docs/operator.md); else new pods.
     in_place_restart: bool = False
     in_place_timeout_s: float = 60.0
+    #: How often the API server's version is read again (it gates the restart rule: 1.34+).
+    version_check_s: float = 600.0
     #: kopf peering name for more than one replica (None: standalone, one replica).
     peering: str | None = None
     #: Watch only these namespaces (the chart's namespaced mode, with Roles only); empty: all.
@@ -230,7 +232,9 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
     server: reports.ReportServer | None = None
     report_url = None
     tls = await _tls(config, api, metrics)
-    background = []
+    version = ServerVersion(api, in_place_restart=config.in_place_restart)
+    await version.refresh()  # before the webhook serves: it decides the container restart rule
+    background = [asyncio.create_task(version.run(config.version_check_s))]
     if tls is not None:
         background.append(asyncio.create_task(tls.run(config.tls_check_s)))
         background.append(
@@ -244,6 +248,7 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
             config.inject,
             report_ca=(lambda: tls.ca_pem) if tls is not None else None,
             shape_of=controller.shape_of,
+            restart_rules=lambda: version.restart_rules,
         )
         context = tls.context if tls is not None else None
         server = await reports.start_server(app, config.report_host, config.report_port, context)

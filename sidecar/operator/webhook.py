@@ -125,10 +125,13 @@ def add_routes(
     *,
     report_ca: Callable[[], str] | None = None,
     shape_of: ShapeOf | None = None,
+    restart_rules: Callable[[], bool] | None = None,
 ) -> None:
     """Serve both webhooks on ``app`` (the report endpoint's application). ``report_ca`` gives the
     CA bundle injected sidecars are told to trust, read at each request: it follows a rotation.
-    ``shape_of`` gives a pod's world size and rank from its workload (the operator's controller)."""
+    ``shape_of`` gives a pod's world size and rank from its workload (the operator's controller).
+    ``restart_rules`` says whether the API server accepts container restart rules (1.34+, read at
+    each request): where it does not, no rule is added, as one would get the pod refused."""
 
     async def mutate_pods(request: web.Request) -> web.Response:
         review = await _review(request)
@@ -137,6 +140,13 @@ def add_routes(
         current = config
         if config is not None and report_ca is not None:
             current = dataclasses.replace(config, report_ca=report_ca())
+        if (
+            current is not None
+            and current.in_place_restart
+            and restart_rules is not None
+            and not restart_rules()
+        ):
+            current = dataclasses.replace(current, in_place_restart=False)
         shape = None
         pod = review.get("object")
         if current is not None and shape_of is not None and isinstance(pod, Mapping):

@@ -3,7 +3,8 @@ the emulated API's HTTP interface like the real ones:
 
 - a Job controller for Indexed Jobs: one pod per index, a replacement only once the old pod is
   Failed or gone (``podReplacementPolicy: Failed``, which podFailurePolicy forces), each passed
-  through the admission logic (``mutate_pod``: the gang gate), as the webhook would;
+  through the admission logic (``mutate_pod``: the gang gate), as the webhook would, or through
+  ``admit`` (the operator's webhook itself);
 - kubelets: an ungated pod is scheduled and runs; a deleted pod stops after ``termination_s``
   (its containers end, it goes Failed, then it is removed) unless its node is "lost", where it
   hangs in Terminating until force-deleted.
@@ -19,7 +20,7 @@ import copy
 import datetime
 import random
 import string
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import jsonpatch
@@ -53,6 +54,9 @@ class Cluster:
         self.created: list[str] = []  # every pod name the Job controller created, in order
         self._task: asyncio.Task[None] | None = None
         self._stopping: dict[str, float] = {}  # pod -> monotonic time its kubelet saw the deletion
+        #: The mutating webhook the apiserver calls (pod -> JSON patch), e.g. the operator's over HTTP;
+        #: None: the admission logic's gang gate only.
+        self.admit: Callable[[dict[str, Any]], Awaitable[list[dict[str, Any]]]] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -197,7 +201,7 @@ class Cluster:
             "spec": template.get("spec", {}),
             "status": {"phase": "Pending"},
         }
-        patch = mutate_pod(pod)  # the mutating webhook
+        patch = mutate_pod(pod) if self.admit is None else await self.admit(pod)  # the mutating webhook
         if patch:
             pod = jsonpatch.apply_patch(pod, patch)
         status, body = await call(self.k8s, "POST", f"/api/v1/namespaces/{meta['namespace']}/pods", pod)

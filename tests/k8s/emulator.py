@@ -28,6 +28,7 @@ import attrs
 import jsonpatch
 import jsonpointer
 import kmock
+import kubernetes_validate
 from kmock._internal import apps, dicts, enums, rendering
 from typing_extensions import override
 
@@ -230,6 +231,11 @@ class Emulator(kmock.KubernetesEmulator):
     #: Keep every request for assertions (kmock's history). Off for benchmarks: kmock matches each
     #: new request against the whole history, which grows slower with every request.
     keep_requests: bool = True
+    #: The Kubernetes version /version reports ("major.minor").
+    server_version: str = "1.35"
+    #: Validate created pods strictly against ``server_version``'s schema (422 as the apiserver
+    #: refuses a field it does not know, e.g. a regular container's restartPolicy before 1.34).
+    validate_pods: bool = False
     _inflight: set[int] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -502,6 +508,14 @@ class Emulator(kmock.KubernetesEmulator):
                     break
             meta["name"] = name
         key = (request.resource, namespace, meta["name"])
+        if self.validate_pods and request.resource.plural == "pods" and not request.resource.group:
+            try:
+                kubernetes_validate.validate(
+                    {"apiVersion": "v1", "kind": "Pod", **body}, self.server_version, strict=True
+                )
+            except kubernetes_validate.ValidationError as e:
+                first = str(e).splitlines()[0]  # the rest is the whole schema
+                raise _status(422, "Invalid", f"Pod {meta['name']!r} is invalid: {first}") from e
         if self._live(key) is not None:
             raise _status(409, "AlreadyExists", f"{request.resource.plural} {meta['name']!r} already exists")
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
@@ -606,6 +620,16 @@ class Emulator(kmock.KubernetesEmulator):
         if isinstance(listing, dict) and listing.get("groupVersion", "").startswith("/"):
             listing["groupVersion"] = listing["groupVersion"][1:]
         return listing
+
+    @override
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        major, minor = self.server_version.split(".")
+        return {
+            "major": major,
+            "minor": minor,
+            "gitVersion": f"v{self.server_version}.0",
+            "platform": "linux/amd64",
+        }
 
     # -- tables -----------------------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import ssl
 import time
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 from sidecar.api import EXIT_RESTART_IN_PLACE
 from sidecar.operator import admission, names
 from sidecar.operator import inject as injection
-from sidecar.operator.kube import Api
+from sidecar.operator.kube import Api, parse_version
 from sidecar.operator.reports import CheckpointWriter
 from sidecar.reporting import Reporter
 from tests.k8s.cluster import Cluster, indexed_job
@@ -32,7 +34,7 @@ from tests.k8s.test_operator import (
     status_of,
     until,
 )
-from tests.k8s.test_webhook import CONFIG, job_pod, jobset_pod
+from tests.k8s.test_webhook import CONFIG, Webhook, job_pod, jobset_pod
 
 IN_PLACE = injection.InjectConfig(**{**CONFIG.__dict__, "in_place_restart": True})
 
@@ -57,6 +59,7 @@ def test_the_restart_rule_is_injected_only_with_the_switch_on() -> None:
     assert EXIT_RESTART_IN_PLACE not in trainer["restartPolicyRules"][0]["exitCodes"]["values"]
     for version in ("1.34", "1.35"):  # the fields exist from 1.34 (alpha, ContainerRestartRules)
         kubernetes_validate.validate(pod, version, strict=True)
+    # An older apiserver refuses the pod: the operator's webhook adds the rule only from 1.34 (below).
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(pod, "1.33", strict=True)
     assert injection.inject(pod, namespace="ml", config=IN_PLACE) == []  # idempotent
@@ -78,6 +81,63 @@ def test_the_restart_rule_skips_jobset_pods_other_containers_and_user_rules() ->
     ]
     pod, _ = patched(own, IN_PLACE)
     assert pod["spec"]["containers"][0]["restartPolicyRules"][0]["exitCodes"]["values"] == [42]
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "need container restart rules" in r.getMessage()]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_the_operators_webhook_adds_the_restart_rule_only_from_kubernetes_1_34(
+    k8s: K8s, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before 1.34 the apiserver refuses a regular container's restartPolicy, and the Job controller
+    would retry the pod forever: the webhook reads the server's version and adds no rule there,
+    says so once, and adds it after an upgrade of the control plane."""
+    caplog.set_level(logging.INFO, logger="strata.operator")
+    k8s.api.server_version, k8s.api.validate_pods = "1.33", True
+    refused, _ = patched(job_pod(), IN_PLACE)  # what the webhook added before
+    status, body = await call(k8s, "POST", "/api/v1/namespaces/ml/pods", refused)
+    assert status == 422 and "restartPolicyRules" in json.dumps(body), body
+    async with operator(k8s, in_place_restart=True, inject=IN_PLACE, version_check_s=0.1) as op:
+        hook = Webhook(op.report_url, ssl.create_default_context())
+        pod = job_pod()
+        _, patch = await hook.mutate(pod)
+        out = jsonpatch.apply_patch(pod, patch)
+        assert out["spec"]["initContainers"][0]["name"] == "strata-sidecar"  # the rest is injected
+        assert all(
+            "restartPolicy" not in c and "restartPolicyRules" not in c for c in out["spec"]["containers"]
+        )
+        kubernetes_validate.validate(out, "1.33", strict=True)
+        status, body = await call(k8s, "POST", "/api/v1/namespaces/ml/pods", out)
+        assert status in (200, 201), body
+        await _settle()  # several refreshes: said once
+        assert len(_said(caplog)) == 1 and "1.33" in _said(caplog)[0]
+        k8s.api.server_version = "1.34"  # the control plane is upgraded
+
+        async def with_rule() -> dict[str, Any] | None:
+            out = jsonpatch.apply_patch(job_pod(), (await hook.mutate(job_pod()))[1])
+            return out if "restartPolicyRules" in out["spec"]["containers"][0] else None
+
+        out = await until(with_rule, message="the rule after the upgrade")
+        assert out["spec"]["containers"][0]["restartPolicyRules"] == [injection.restart_rule()]
+        kubernetes_validate.validate(out, "1.34", strict=True)
+    assert len(_said(caplog)) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "version"),
+    [
+        ({"major": "1", "minor": "33+", "gitVersion": "v1.33.5-eks-1"}, (1, 33)),
+        ({"major": "", "minor": "", "gitVersion": "v1.34.1+k3s1"}, (1, 34)),
+        ({"message": "forbidden"}, None),
+    ],
+)
+def test_the_servers_version_is_read_as_managed_clusters_write_it(
+    body: dict[str, Any], version: tuple[int, int] | None
+) -> None:
+    assert parse_version(body) == version
 
 
 def test_redundancy_wires_the_peer_port_and_the_members_of_an_indexed_job() -> None:
@@ -271,6 +331,35 @@ async def test_without_acknowledgements_the_in_place_restart_falls_back_to_new_p
         assert status["restartMode"] == "pod" and status["restarts"] == 1
         assert set(k8s.api.evictions) == {p["metadata"]["name"] for p in pods}
         await assert_valid(k8s, "silent")
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_before_kubernetes_1_34_the_gang_of_injected_pods_restarts_with_new_pods(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    """With --in-place-restart on a 1.33 server the Job's pods are created (the webhook added no
+    rule) and a trainer crash restarts the gang with new pods, the Event naming why."""
+    k8s.api.server_version, k8s.api.validate_pods = "1.33", True
+    async with operator(k8s, in_place_restart=True, inject=IN_PLACE) as op:
+        hook = Webhook(op.report_url, ssl.create_default_context())
+
+        async def admit(pod: dict[str, Any]) -> list[dict[str, Any]]:
+            return (await hook.mutate(pod))[1]
+
+        cluster.admit = admit
+        job = indexed_job("old", 2, annotations={"strata.dev/backoff-seconds": "0"})
+        run, pods = await start_job(k8s, cluster, job)
+        assert all(p["spec"]["initContainers"][0]["name"] == "strata-sidecar" for p in pods)
+        assert all("restartPolicyRules" not in c for p in pods for c in p["spec"]["containers"])
+        await crash_in_place(k8s, pods[1])
+        await until(lambda: running(cluster, "old", f"{run}/2", 2), message="new pods")
+        status = await status_of(k8s, "old")
+        assert status["restartMode"] == "pod" and status["restarts"] == 1
+        _, events = await call(k8s, "GET", "/api/v1/namespaces/default/events")
+        fallback = [e["message"] for e in events["items"] if e["reason"] == "InPlaceRestartFallback"]
+        assert len(fallback) == 1 and "before 1.34" in fallback[0], fallback
 
 
 @pytest.mark.asyncio
