@@ -323,7 +323,11 @@ def _sidecar(
         "restartPolicy": "Always",
         "command": ["strata", "sidecar"],
         "env": env,
-        "ports": [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}]
+        # On a hostNetwork pod (RDMA, EFA) every declared port becomes a hostPort: one such pod
+        # per node, and 9464 meets OpenTelemetry's host exporter. The ports work undeclared.
+        "ports": []
+        if (pod.get("spec") or {}).get("hostNetwork")
+        else [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}]
         + ([{"name": PEER_PORT_NAME, "containerPort": PEER_PORT, "protocol": "TCP"}] if members else []),
         "startupProbe": {
             "httpGet": {"path": "/metrics", "port": port},

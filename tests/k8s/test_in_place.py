@@ -140,6 +140,21 @@ def test_the_servers_version_is_read_as_managed_clusters_write_it(
     assert parse_version(body) == version
 
 
+def test_a_host_network_pod_gets_a_sidecar_that_declares_no_ports() -> None:
+    """Declared ports of a hostNetwork pod become hostPorts (one pod per node, and 9464 is taken
+    by OpenTelemetry's host exporter): the sidecar declares none there, and listens all the same."""
+    for host_network, want in ((True, []), (False, [9464, 9411])):
+        pod = job_pod({"strata.dev/redundancy": "buddy"})
+        pod["spec"]["subdomain"] = "recsys-peers"
+        pod["spec"]["hostNetwork"] = host_network
+        out, _ = patched(pod, CONFIG, injection.Shape(world_size=4))
+        sidecar = out["spec"]["initContainers"][0]
+        assert [p["containerPort"] for p in sidecar["ports"]] == want
+        env = {e["name"]: e.get("value") for e in sidecar["env"]}
+        assert env["STRATA_METRICS_PORT"] == "9464" and env["STRATA_PEER_PORT"] == "9411"
+        kubernetes_validate.validate(out, "1.33", strict=True)
+
+
 def test_redundancy_wires_the_peer_port_and_the_members_of_an_indexed_job() -> None:
     pod = job_pod({"strata.dev/redundancy": "buddy"})
     pod["spec"]["subdomain"] = "recsys-peers"
