@@ -116,8 +116,11 @@ def test_trainers_killed_before_their_first_save_leave_nothing_behind(
     killed: list[str] = []
     for _ in range(3):  # a crash loop
         pid, names = launcher.start(server, job_name)
-        # Started: its predecessor's segments are gone (this trainer removed them, or the sidecar).
-        assert not set(killed) & segment_files(server)
+        # Its predecessor's segments go: this trainer removes them when their lock is free already,
+        # else the sidecar, a second after that trainer's connection ended (a SIGKILLed process
+        # may still hold its lock for a moment on a loaded machine).
+        before = set(killed)
+        assert settled(lambda: before & segment_files(server), set()) == set()  # noqa: B023
         if handover:
             assert set(names) <= memfds_held()  # handed over, held until a save or the trainer goes
         else:
