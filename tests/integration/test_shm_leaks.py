@@ -119,8 +119,7 @@ def test_trainers_killed_before_their_first_save_leave_nothing_behind(
         # Its predecessor's segments go: this trainer removes them when their lock is free already,
         # else the sidecar, a second after that trainer's connection ended (a SIGKILLed process
         # may still hold its lock for a moment on a loaded machine).
-        before = set(killed)
-        assert settled(lambda: before & segment_files(server), set()) == set()  # noqa: B023
+        assert settled(lambda gone=set(killed): gone & segment_files(server), set()) == set()
         if handover:
             assert set(names) <= memfds_held()  # handed over, held until a save or the trainer goes
         else:
