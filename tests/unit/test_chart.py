@@ -108,7 +108,8 @@ TLS_CLUSTER_RULES = {
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "strata"): {"get", "patch"},
 }
 #: ...and read and write the CA Secret (created by the chart), in the release namespace only.
-TLS_SECRET_RULES = {("", "secrets", "strata-tls"): {"get", "patch"}}
+#: get/patch its own Secret by name; create where it is missing (RBAC cannot limit create by name)
+TLS_SECRET_RULES = {("", "secrets", "strata-tls"): {"get", "patch"}, ("", "secrets"): {"create"}}
 #: kopf peering: watch every peering object (no field selector, so no resourceNames), patch its own
 #: (keep-alives, dead peers' entries removed); never get. Namespaced mode: in every watched namespace.
 CLUSTER_PEERING_RULES = {
