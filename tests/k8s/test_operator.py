@@ -285,7 +285,9 @@ async def test_operator_eviction_throttled_by_priority_and_fairness_is_retried_n
             for c in event["object"].get("status", {}).get("conditions") or []
             if c.get("type") == "DisruptionTarget"
         }
-        assert reasons == {"EvictionByEvictionAPI"}  # never the PDB fallback's delete
+        # Evicted, never the disruption-budget fallback's delete (a fence may still follow, on a
+        # loaded machine, if the evicted pod stays Terminating past its grace period).
+        assert "EvictionByEvictionAPI" in reasons and "DeletionByStrataGangRestart" not in reasons
 
 
 async def test_operator_stuck_terminating_pod_is_fenced_and_never_mixed_with_the_new_gang(
