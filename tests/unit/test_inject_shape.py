@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from sidecar.operator.controller import Controller, _Job
+from sidecar.operator.controller import Controller
+from sidecar.operator.gang import WatchedJob as _Job
 from sidecar.operator.inject import Shape, workload_shape
 from sidecar.operator.kube import ApiError
 from sidecar.operator.names import (
