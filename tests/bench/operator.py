@@ -20,6 +20,9 @@ terminate, ``strata.dev/backoff-seconds: "0"`` (the configured backoff is not me
   ``_delta_`` is that minus VmRSS before the operator started and the jobs were created (still
   including the emulator's objects, their version history and its event log).
 
+Further scenarios, each on a fresh emulated cluster, live in their own modules (``SCENARIOS``):
+``operator_failover`` (the operator SIGKILLed mid-restart, a new process takes over).
+
 The emulator runs with ``keep_requests=False`` (kmock's request history, which it scans on every
 request, would otherwise be measured as the operator's latency). The loop lag printed per phase
 shows how busy the one loop that the operator, the emulated API and the clients share was.
@@ -494,9 +497,22 @@ async def _scenario(opts: Options, figures: dict[str, Any], phases: Phases) -> N
         logging.getLogger("strata.operator").removeFilter(quiet)
 
 
+#: The section's further scenarios, each on a fresh emulated cluster: module -> what its phase is.
+SCENARIOS = {
+    "operator_failover": "operator killed mid-restart, a new one takes over",
+}
+
+
 def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
+    import importlib
+
     asyncio.run(_scenario(opts, figures, phases))
-    return _rows(figures)
+    rows = _rows(figures)
+    for module, what in SCENARIOS.items():
+        scenario = importlib.import_module(f"tests.bench.{module}")
+        with phases(what):
+            rows += asyncio.run(scenario.measure(opts, figures))
+    return rows
 
 
 def _latency_row(f: dict[str, Any], key: str, q: str, target_s: float | None) -> Row:
