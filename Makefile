@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench chaos fuzz proto lint e2e clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench chaos fuzz proto lint e2e e2e-matrix clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +68,14 @@ lint: setup  ## ruff, mypy, import contracts
 
 e2e:  ## on kind: images, SeaweedFS, chart, example Job, kill a pod, check the resume (skips without docker/kind/helm)
 	bash deploy/e2e/run.sh
+
+E2E_133 ?= kindest/node:v1.33.1
+E2E_134 ?= kindest/node:v1.34.0
+e2e-matrix:  ## on kind: the resume, in-place restarts on 1.33 (new pods) and 1.34 (in place), the peer NetworkPolicy
+	bash deploy/e2e/run.sh
+	E2E_SCENARIO=in-place KIND_NODE_IMAGE=$(E2E_133) bash deploy/e2e/run.sh
+	E2E_SCENARIO=in-place KIND_NODE_IMAGE=$(E2E_134) bash deploy/e2e/run.sh
+	E2E_SCENARIO=netpol KIND_NODE_IMAGE=$(E2E_134) bash deploy/e2e/run.sh
 
 clean:  ## remove the venv and local state
 	rm -rf $(VENV) .strata bench-results.json

@@ -6,6 +6,12 @@
 #
 #   KEEP_CLUSTER=1 make e2e      # leave the cluster up afterwards (kind delete cluster --name strata-e2e)
 #   KIND_NODE_IMAGE=kindest/node:v1.29.14 make e2e   # another Kubernetes version (>= 1.29)
+#   E2E_SCENARIO=in-place make e2e   # --in-place-restart: the trainer is crashed (SIGINT) instead of the
+#                                    # pod deleted; from 1.34 (ContainerRestartRules on) the gang restarts
+#                                    # in place (same pods), before 1.34 with new pods (none refused)
+#   E2E_SCENARIO=netpol make e2e     # peer redundancy (buddy) with the peer NetworkPolicy on: the gang
+#                                    # must train and resume (c10d, gloo and scraping are not cut off)
+#   make e2e-matrix                  # resume on the default image, in-place on 1.33 and 1.34, netpol
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -16,6 +22,10 @@ JOB=recsys
 NS=default
 OPERATOR_NS=strata-system
 TIMEOUT_S="${E2E_TIMEOUT_S:-900}"
+SCENARIO="${E2E_SCENARIO:-resume}"
+case "$SCENARIO" in resume | in-place | netpol) ;; *)
+  echo "E2E_SCENARIO=$SCENARIO: expected resume, in-place or netpol" >&2; exit 2 ;;
+esac
 
 # fd 3: the script's stderr, also from inside a polled check whose output until_ok discards
 exec 3>&2
@@ -72,10 +82,18 @@ until_ok() {
 }
 
 # ---- cluster and images ----------------------------------------------------------------------------
-say "creating kind cluster $CLUSTER"
+say "creating kind cluster $CLUSTER (scenario $SCENARIO)"
 kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
-kind create cluster --name "$CLUSTER" --config deploy/kind/cluster.yaml \
+KIND_CONFIG=deploy/kind/cluster.yaml
+if [ "$SCENARIO" = in-place ]; then
+  # Container restart rules are alpha in 1.34 (off by default); an older apiserver ignores the gate.
+  KIND_CONFIG="$WORK/cluster.yaml"
+  { cat deploy/kind/cluster.yaml; printf 'featureGates:\n  ContainerRestartRules: true\n'; } >"$KIND_CONFIG"
+fi
+kind create cluster --name "$CLUSTER" --config "$KIND_CONFIG" \
   ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"} --wait 120s
+MINOR="$(kubectl version -o json | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p' | tail -1)"
+echo "server version 1.$MINOR"
 
 say "building $IMAGE (deploy/Dockerfile) and $TRAINER (deploy/Dockerfile.trainer)"
 docker build -f deploy/Dockerfile -t "$IMAGE" .
@@ -100,14 +118,26 @@ kubectl -n storage rollout status deployment/seaweedfs --timeout=300s
 kubectl -n storage wait --for=condition=complete job/seaweedfs-bucket --timeout=300s
 
 say "helm install strata (charts/strata)"
+SCENARIO_VALUES=()
+case "$SCENARIO" in
+  in-place) SCENARIO_VALUES=(--set operator.inPlaceRestart=true) ;;
+  netpol) SCENARIO_VALUES=(--set networkPolicy.peers.enabled=true --set "networkPolicy.peers.namespaces={$NS}") ;;
+esac
 helm install strata charts/strata -n "$OPERATOR_NS" --create-namespace \
   --set storage.uri=s3://ckpt/jobs --set storage.endpoint=http://seaweedfs.storage:8333 \
-  --set operator.trainerContainer=trainer \
+  --set operator.trainerContainer=trainer ${SCENARIO_VALUES[@]+"${SCENARIO_VALUES[@]}"} \
   --wait --timeout 5m
 
 # ---- the job, a kill, the resume -------------------------------------------------------------------
 say "applying deploy/examples/recsys-job.yaml"
-kubectl -n "$NS" apply -f deploy/examples/recsys-job.yaml
+MANIFEST=deploy/examples/recsys-job.yaml
+if [ "$SCENARIO" = netpol ]; then
+  # buddy copies between the ranks over the peer port, which the policy opens (and nothing else)
+  MANIFEST="$WORK/recsys-job.yaml"
+  sed 's|^\(        \)strata.dev/shm-size: 512Mi$|&\n\1strata.dev/redundancy: buddy|' deploy/examples/recsys-job.yaml >"$MANIFEST"
+  grep -q 'strata.dev/redundancy: buddy' "$MANIFEST" || fail "could not add strata.dev/redundancy to the manifest"
+fi
+kubectl -n "$NS" apply -f "$MANIFEST"
 
 ready_steps() {
   kubectl -n "$NS" get checkpoints -l "strata.dev/job=$JOB" \
@@ -126,8 +156,16 @@ VICTIM="$(kubectl -n "$NS" get pods \
   -l "batch.kubernetes.io/job-name=$JOB,batch.kubernetes.io/job-completion-index=1" \
   --field-selector=status.phase=Running -o jsonpath='{.items[*].metadata.name}' | awk '{print $1}')"
 [ -n "$VICTIM" ] || fail "no running pod of index 1 (the job finished before a pod could be killed?)"
-say "killing rank 1: kubectl delete pod $VICTIM --grace-period=0 --force"
-kubectl -n "$NS" delete pod "$VICTIM" --grace-period=0 --force
+UIDS_BEFORE="$(kubectl -n "$NS" get pods -l "batch.kubernetes.io/job-name=$JOB" \
+  --field-selector=status.phase=Running -o jsonpath='{.items[*].metadata.uid}')"
+if [ "$SCENARIO" = in-place ]; then
+  # PID 1 ignores signals without a handler; Python handles SIGINT (KeyboardInterrupt): a crash.
+  say "crashing rank 1's trainer: kubectl exec $VICTIM -c trainer -- kill -INT 1"
+  kubectl -n "$NS" exec "$VICTIM" -c trainer -- python -c 'import os, signal; os.kill(1, signal.SIGINT)'
+else
+  say "killing rank 1: kubectl delete pod $VICTIM --grace-period=0 --force"
+  kubectl -n "$NS" delete pod "$VICTIM" --grace-period=0 --force
+fi
 
 restarted() {
   seen_steps >/dev/null
@@ -157,6 +195,21 @@ echo "uninterrupted run: FINAL_DIGEST $REFERENCE"
 
 RESTARTS="$(kubectl -n "$NS" get stratajob "$JOB" -o jsonpath='{.status.restarts}')"
 [ "$RESTARTS" -ge 1 ] || fail "StrataJob $JOB counts $RESTARTS restarts, expected >= 1"
+FAILED_CREATES="$(kubectl -n "$NS" get events --field-selector reason=FailedCreate -o name | wc -l)"
+[ "$FAILED_CREATES" -eq 0 ] || { kubectl -n "$NS" get events --field-selector reason=FailedCreate; fail "the apiserver refused pods"; }
+if [ "$SCENARIO" = in-place ]; then
+  MODE="$(kubectl -n "$NS" get stratajob "$JOB" -o jsonpath='{.status.restartMode}')"
+  UIDS_AFTER="$(kubectl -n "$NS" get pods -l "batch.kubernetes.io/job-name=$JOB" \
+    --field-selector=status.phase=Succeeded -o jsonpath='{.items[*].metadata.uid}')"
+  if [ "$MINOR" -ge 34 ]; then
+    [ "$MODE" = in-place ] || fail "on 1.$MINOR with ContainerRestartRules the restart was $MODE, not in-place"
+    [ "$(echo "$UIDS_AFTER" | tr ' ' '\n' | sort)" = "$(echo "$UIDS_BEFORE" | tr ' ' '\n' | sort)" ] \
+      || fail "the in-place restart replaced pods ($UIDS_BEFORE -> $UIDS_AFTER)"
+  else
+    [ "$MODE" = pod ] || fail "on 1.$MINOR the restart was $MODE, expected new pods (no restart rules before 1.34)"
+  fi
+  echo "restart mode on 1.$MINOR: $MODE"
+fi
 COMMITTED="$(seen_steps | tr '\n' ' ')"
 PODS="$(kubectl -n "$NS" get pods -l "batch.kubernetes.io/job-name=$JOB" \
   --field-selector=status.phase=Succeeded -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}')"
