@@ -37,7 +37,7 @@ demo: setup  ## SeaweedFS + sidecar + trainer; kill the trainer mid-save, resume
 	$(PY) deploy/local/demo.py
 
 test: setup setup-prometheus  ## unit + integration tests (real gRPC, real SeaweedFS, real Prometheus scrape)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 BENCH_ARGS ?=
 bench: setup  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
