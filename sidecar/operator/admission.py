@@ -316,6 +316,29 @@ def _jobset_child(obj: Mapping[str, Any]) -> bool:
     )
 
 
+#: The label that puts a workload under Kueue's quota.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def quota_warnings(obj: Mapping[str, Any]) -> list[str]:
+    """A Kueue-managed workload whose opted-in templates lack the sidecar (the workload webhook
+    puts a stand-in there at creation, unless it was unreachable): Kueue's quota undercounts."""
+    queue = ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    if not queue or _jobset_child(obj):
+        return []
+    return [
+        f"{where}: no {names.SIDECAR_CONTAINER} in the pod template of a workload in Kueue queue {queue}: "
+        "its quota does not count the sidecar the pods get (the operator's workload webhook adds one at "
+        "creation, and did not); recreate the workload, or leave room in the quota for the sidecar's requests"
+        for where, template in _templates(obj)
+        if opted_in(template)
+        and not any(
+            c.get("name") == names.SIDECAR_CONTAINER
+            for c in (template.get("spec") or {}).get("initContainers") or []
+        )
+    ]
+
+
 def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a workload (see :func:`validate_workload`)."""
     if _jobset_child(obj):

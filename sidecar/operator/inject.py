@@ -29,6 +29,10 @@ declared on the sidecar except on a hostNetwork pod (where each would become a h
 resources are the chart's, with ``strata.dev/sidecar-cpu`` and ``strata.dev/sidecar-memory`` on top;
 where the pod is Guaranteed, limits equal requests, so the sidecar keeps it Guaranteed.
 
+:func:`template_patch` (the workload webhook, at a Job's or JobSet's creation) puts a stand-in
+sidecar with those resources into the pod template, so quota that admits workloads by their
+template (Kueue) counts it; :func:`inject` completes the stand-in in each pod, keeping its resources.
+
 With ``strata.dev/redundancy`` the sidecar also gets its peer port
 (container port ``strata-peer``, on 0.0.0.0) and every member's stable DNS
 name: for an Indexed Job the template ``<job>-{index}.<subdomain>:<port>`` (the pod template's
@@ -473,6 +477,14 @@ def _volumes(config: InjectConfig, shm_size: str) -> list[dict[str, Any]]:
     return volumes
 
 
+#: Marks the stand-in sidecar :func:`template_patch` puts in a workload's pod template.
+PLACEHOLDER_ENV = "STRATA_PLACEHOLDER"
+
+
+def _is_placeholder(container: Mapping[str, Any]) -> bool:
+    return any(e.get("name") == PLACEHOLDER_ENV for e in container.get("env") or [])
+
+
 def _security_context(config: InjectConfig) -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
@@ -482,6 +494,63 @@ def _security_context(config: InjectConfig) -> dict[str, Any]:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def template_patch(
+    workload: Mapping[str, Any], *, namespace: str, config: InjectConfig
+) -> list[dict[str, Any]]:
+    """The JSON patch that puts a stand-in for the sidecar, with its resources, into each opted-in
+    pod template of a Job or JobSet at its creation, so that what admits workloads by their pod
+    template (Kueue's quota) counts the sidecar the pods get;
+    :func:`inject` completes it in each pod. [] for a JobSet's own Jobs (their template is the
+    JobSet's), templates with bad annotations (the validating webhook denies them) and templates
+    that have a ``strata-sidecar`` already."""
+    if (config.own_namespace and namespace == config.own_namespace) or admission._jobset_child(workload):
+        return []
+    spec = workload.get("spec") or {}
+    if workload.get("kind") == "Job":
+        where = [("/spec/template/spec", spec.get("template") or {})]
+    elif workload.get("kind") == "JobSet":
+        where = [
+            (
+                f"/spec/replicatedJobs/{i}/template/spec/template/spec",
+                ((rj.get("template") or {}).get("spec") or {}).get("template") or {},
+            )
+            for i, rj in enumerate(spec.get("replicatedJobs") or [])
+        ]
+    else:
+        return []
+    ops: list[dict[str, Any]] = []
+    for path, template in where:
+        raw = ((template.get("metadata") or {}).get("annotations")) or {}
+        pod_spec = template.get("spec") or {}
+        if (
+            not admission.opted_in(template)
+            or table.parse(raw).problems
+            or table.injection_problems(raw)
+            or any(c.get("name") == SIDECAR_CONTAINER for c in pod_spec.get("initContainers") or [])
+        ):
+            continue
+        stand_in = {
+            "name": SIDECAR_CONTAINER,
+            "image": config.image,
+            "imagePullPolicy": config.image_pull_policy,
+            "restartPolicy": "Always",
+            "command": ["strata", "sidecar"],
+            "env": [
+                {
+                    "name": PLACEHOLDER_ENV,
+                    "value": "the operator's webhook completes this container in each pod",
+                }
+            ],
+            "resources": _resources(config, raw, _guaranteed(template)),
+            "securityContext": _security_context(config),
+        }
+        if pod_spec.get("initContainers"):
+            ops.append({"op": "add", "path": f"{path}/initContainers/0", "value": stand_in})
+        else:
+            ops.append({"op": "add", "path": f"{path}/initContainers", "value": [stand_in]})
+    return ops
 
 
 def restart_rule() -> dict[str, Any]:
@@ -614,8 +683,16 @@ def inject(
     ops = admission.mutate_pod(pod)
     spec = _lists(pod.get("spec") or {}, "initContainers", "volumes")
     patch = _Patch()
-    have = {c.get("name") for c in spec["initContainers"] or []}
-    if SIDECAR_CONTAINER not in have:
+    have = {c.get("name"): i for i, c in enumerate(spec["initContainers"] or [])}
+    placeholder = have.get(SIDECAR_CONTAINER)
+    if placeholder is not None and _is_placeholder(spec["initContainers"][placeholder]):
+        # The workload webhook's stand-in (see template_patch): completed in place, with the
+        # resources quota admitted the workload with.
+        sidecar = _sidecar(pod, config, parsed, ports, shape, members)
+        sidecar["resources"] = spec["initContainers"][placeholder].get("resources") or {}
+        patch.ops.append({"op": "replace", "path": f"/spec/initContainers/{placeholder}", "value": sidecar})
+        spec["initContainers"][placeholder] = sidecar
+    elif placeholder is None:
         # First among the init containers: the kubelet starts them in order, so any later init
         # container (and every regular one) can use the sidecar.
         sidecar = _sidecar(pod, config, parsed, ports, shape, members)

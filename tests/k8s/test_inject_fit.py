@@ -7,6 +7,9 @@ Security "restricted"."""
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ from sidecar.operator import inject as injection
 from sidecar.operator import reports, webhook
 from sidecar.operator.annotations import quantity
 from sidecar.operator.names import JOBSET_NAME_LABEL
-from tests.k8s.test_webhook import CONFIG, Webhook, job, job_pod, tls_files
+from tests.k8s.test_webhook import CONFIG, Webhook, job, job_pod, tls_files, trainer
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -82,6 +85,17 @@ async def injected(hook: Webhook, pod: dict[str, Any]) -> dict[str, Any]:
     valid_everywhere(out)
     assert restricted_violations(out) == []
     return dict(out)
+
+
+async def mutate_workload(
+    hook: Webhook, obj: dict[str, Any], **kwargs: Any
+) -> tuple[dict[str, Any], list[Any]]:
+    """(the response of the workload webhook, its JSON patch)."""
+    response = await hook.review(webhook.MUTATE_WORKLOADS_PATH, obj, **kwargs)
+    if "patch" not in response:
+        return response, []
+    assert response["patchType"] == "JSONPatch"
+    return response, json.loads(base64.b64decode(response["patch"]))
 
 
 def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
@@ -296,6 +310,130 @@ def test_a_chart_cpu_limit_wins_and_a_cpu_request_above_it_raises_it() -> None:
     out = jsonpatch.apply_patch(pod, injection.inject(pod, namespace="ml", config=config))
     assert sidecar_of(out)["resources"]["limits"]["cpu"] == "2"
     valid_everywhere(out)
+
+
+# ---- quota -----------------------------------------------------------------------------------------------
+
+
+def effective_requests(spec: dict[str, Any]) -> dict[str, float]:
+    """What the scheduler (and Kueue) count for a pod spec: the regular containers plus the native
+    sidecars, or an init container plus the native sidecars started before it, whichever is more."""
+
+    def requests(c: dict[str, Any]) -> dict[str, float]:
+        resources = c.get("resources") or {}
+        merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        return {k: quantity(v) for k, v in merged.items() if k in ("cpu", "memory")}
+
+    def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+
+    sidecars: dict[str, float] = {}
+    peak: dict[str, float] = {}
+    for c in spec.get("initContainers") or []:
+        if c.get("restartPolicy") == "Always":
+            sidecars = add(sidecars, requests(c))
+        else:
+            here = add(sidecars, requests(c))
+            peak = {k: max(peak.get(k, 0), here.get(k, 0)) for k in {*peak, *here}}
+    total = sidecars
+    for c in spec["containers"]:
+        total = add(total, requests(c))
+    return {k: max(total.get(k, 0), peak.get(k, 0)) for k in {*total, *peak}}
+
+
+def pod_from(template: dict[str, Any]) -> dict[str, Any]:
+    """Pod 0 as the Job controller creates it from ``template``."""
+    pod = job_pod()
+    pod["metadata"]["labels"].update(template["metadata"].get("labels") or {})
+    pod["metadata"]["annotations"].update(template["metadata"].get("annotations") or {})
+    pod["spec"] = copy.deepcopy(template["spec"])
+    return pod
+
+
+@pytest.mark.asyncio
+async def test_quota_sees_the_sidecar_in_the_jobs_template(hook: Webhook) -> None:
+    for template_annotations, resources in (
+        ({}, {"limits": {"memory": "8Gi"}}),
+        ({"strata.dev/sidecar-cpu": "2"}, None),
+    ):
+        workload = job()
+        workload["spec"]["template"]["metadata"]["annotations"] = template_annotations
+        if resources is None:  # a Guaranteed trainer
+            exact = {"cpu": "8", "memory": "64Gi"}
+            workload["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+                "requests": exact,
+                "limits": exact,
+            }
+        response, patch = await mutate_workload(hook, workload)
+        assert response["allowed"] is True
+        admitted = jsonpatch.apply_patch(workload, patch)
+        valid_everywhere(admitted)
+        template = admitted["spec"]["template"]
+        assert restricted_violations({"spec": template["spec"]}) == []  # Pod Security warns on templates
+        pod = await injected(hook, pod_from(template))
+        # what Kueue counts from the template is what the pod asks for
+        assert effective_requests(template["spec"]) == effective_requests(pod["spec"])
+        assert effective_requests(template["spec"]) != effective_requests(
+            workload["spec"]["template"]["spec"]
+        )
+        assert qos_class(pod) == ("Guaranteed" if resources is None else "Burstable")
+        sidecar = sidecar_of(pod)
+        assert injection.PLACEHOLDER_ENV not in env_of(sidecar) and "STRATA_STORAGE" in env_of(sidecar)
+        assert pod["spec"]["initContainers"].index(sidecar) == 0
+        # fed back (reinvocation): nothing more to do
+        assert (await hook.mutate(pod))[1] == []
+
+
+@pytest.mark.asyncio
+async def test_quota_sees_the_sidecar_in_a_jobsets_templates_not_twice_in_its_jobs(hook: Webhook) -> None:
+    jobset = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "ranker", "namespace": "ml", "labels": {"kueue.x-k8s.io/queue-name": "team"}},
+        "spec": {
+            "failurePolicy": {"restartStrategy": "BlockingRecreate"},
+            "replicatedJobs": [
+                {
+                    "name": "driver",
+                    "template": {"spec": {"template": {"metadata": {}, "spec": {"containers": [trainer()]}}}},
+                },
+                {"name": "workers", "template": {"spec": job()["spec"]}},
+            ],
+        },
+    }
+    _, patch = await mutate_workload(hook, jobset)
+    admitted = jsonpatch.apply_patch(jobset, patch)
+    [driver, workers] = [
+        rj["template"]["spec"]["template"]["spec"] for rj in admitted["spec"]["replicatedJobs"]
+    ]
+    assert "initContainers" not in driver  # not opted in
+    assert [c["name"] for c in workers["initContainers"]] == [injection.SIDECAR_CONTAINER]
+    child = job()
+    child["metadata"]["labels"] = {JOBSET_NAME_LABEL: "ranker"}
+    child["spec"] = admitted["spec"]["replicatedJobs"][1]["template"]["spec"]
+    assert (await mutate_workload(hook, child))[1] == []
+    # a Job created again (an UPDATE), or without the injection configured: no change
+    assert (await mutate_workload(hook, job(), operation="UPDATE", old=job()))[1] == []
+    request = {"uid": "u", "operation": "CREATE", "namespace": "ml", "object": job()}
+    assert "patch" not in webhook.mutate_workload(request, None)["response"]
+
+
+@pytest.mark.asyncio
+async def test_a_kueue_workload_created_without_the_stand_in_is_warned_about(hook: Webhook) -> None:
+    """The workload webhook fails open (the operator down at creation): the Job is created as
+    written, and the validating webhook (which runs after every mutation) says quota undercounts."""
+    queued = job()
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+    response = await hook.review(webhook.VALIDATE_PATH, queued)
+    assert response["allowed"] is True
+    assert any("Kueue queue team" in w and "strata-sidecar" in w for w in response["warnings"])
+    admitted = jsonpatch.apply_patch(queued, (await mutate_workload(hook, queued))[1])
+    response = await hook.review(webhook.VALIDATE_PATH, admitted)
+    assert not any("Kueue" in w for w in response["warnings"])
+    # not queued, or an update of a workload from before the install: nothing to say
+    assert not any("Kueue" in w for w in (await hook.review(webhook.VALIDATE_PATH, job()))["warnings"])
+    response = await hook.review(webhook.VALIDATE_PATH, queued, operation="UPDATE", old=queued)
+    assert not any("Kueue" in w for w in response["warnings"])
 
 
 # ---- JobSet's own Jobs -----------------------------------------------------------------------------------
