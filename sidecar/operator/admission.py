@@ -55,6 +55,73 @@ def mutate_pod(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"op": "add", "path": "/spec/schedulingGates/-", "value": {"name": names.GANG_GATE}}]
 
 
+#: The sidecar's metrics port where ``strata.dev/metrics-port`` does not say.
+METRICS_PORT = 9464
+
+
+def sidecar_ports(env: Mapping[str, str]) -> tuple[int, int | None]:
+    """(metrics port, peer port or None without redundancy) from a pod template's parsed sidecar
+    env; call only where :func:`port_problems` found nothing."""
+    metrics = int(env.get("STRATA_METRICS_PORT", str(METRICS_PORT)), 0)
+    if env.get("STRATA_REDUNDANCY", "off") == "off":
+        return metrics, None
+    return metrics, int(env.get("STRATA_PEER_PORT", str(names.PEER_PORT)), 0)
+
+
+def port_problems(env: Mapping[str, str], pod_spec: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the sidecar's ports: each must be 1-65535, the two distinct, and none a
+    port another container of the pod declares (all share the pod's network namespace; on a
+    hostNetwork pod, the node's)."""
+    problems = []
+    chosen: list[tuple[str, int]] = []
+    metrics_raw = env.get("STRATA_METRICS_PORT")
+    peer_raw = env.get("STRATA_PEER_PORT")
+    redundancy = env.get("STRATA_REDUNDANCY", "off")
+    for key, raw, default, why in (
+        (
+            "strata.dev/metrics-port",
+            metrics_raw,
+            METRICS_PORT,
+            "the injected startup probe reads the sidecar's /metrics",
+        ),
+        (
+            "strata.dev/peer-port",
+            peer_raw,
+            names.PEER_PORT,
+            "the sidecars of the job connect to each other on it",
+        ),
+    ):
+        if key == "strata.dev/peer-port" and redundancy == "off":
+            if raw is not None:
+                problems.append(
+                    f"{key}={raw!r}: the peer port is used with strata.dev/redundancy (buddy or parity) only"
+                )
+            continue
+        port = default if raw is None else int(raw, 0)
+        if not 1 <= port <= 65535:
+            problems.append(f"{key}={raw!r}: expected a port 1-65535 ({why})")
+            continue
+        chosen.append((key if raw is not None else f"{key} (default {default})", port))
+    if len(chosen) == 2 and chosen[0][1] == chosen[1][1]:
+        problems.append(
+            f"{chosen[0][0]} and {chosen[1][0]} are both {chosen[0][1]}: the sidecar needs two ports"
+        )
+    declared = {
+        int(p["containerPort"]): str(c.get("name"))
+        for c in [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
+        if c.get("name") != names.SIDECAR_CONTAINER
+        for p in c.get("ports") or []
+        if isinstance(p, Mapping) and isinstance(p.get("containerPort"), int)
+    }
+    for key, port in chosen:
+        if port in declared:
+            problems.append(
+                f"{key} is {port}, a port container {declared[port]} declares: the sidecar shares the pod's "
+                "network namespace; choose another port with the annotation"
+            )
+    return problems
+
+
 @dataclass
 class Verdict:
     allowed: bool = True
@@ -239,8 +306,43 @@ def validate_workload(obj: Mapping[str, Any], old: Mapping[str, Any] | None = No
     return Verdict(True, "", warnings)
 
 
+def _jobset_child(obj: Mapping[str, Any]) -> bool:
+    """A Job a JobSet created (its replicated job's template): the JobSet was validated instead,
+    and denying the Job would only leave the JobSet controller retrying it."""
+    meta = obj.get("metadata") or {}
+    return obj.get("kind") == "Job" and (
+        names.JOBSET_NAME_LABEL in (meta.get("labels") or {})
+        or any(ref.get("kind") == "JobSet" for ref in meta.get("ownerReferences") or [])
+    )
+
+
+#: The label that puts a workload under Kueue's quota.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def quota_warnings(obj: Mapping[str, Any]) -> list[str]:
+    """A Kueue-managed workload whose opted-in templates lack the sidecar (the workload webhook
+    puts a stand-in there at creation, unless it was unreachable): Kueue's quota undercounts."""
+    queue = ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    if not queue or _jobset_child(obj):
+        return []
+    return [
+        f"{where}: no {names.SIDECAR_CONTAINER} in the pod template of a workload in Kueue queue {queue}: "
+        "its quota does not count the sidecar the pods get (the operator's workload webhook adds one at "
+        "creation, and did not); recreate the workload, or leave room in the quota for the sidecar's requests"
+        for where, template in _templates(obj)
+        if opted_in(template)
+        and not any(
+            c.get("name") == names.SIDECAR_CONTAINER
+            for c in (template.get("spec") or {}).get("initContainers") or []
+        )
+    ]
+
+
 def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a workload (see :func:`validate_workload`)."""
+    if _jobset_child(obj):
+        return [], []
     templates = [(where, t) for where, t in _templates(obj) if opted_in(t)]
     if not templates:
         return [], []
@@ -254,6 +356,11 @@ def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         parsed = table.parse(annotations)
         problems += [f"{where}.metadata.annotations: {p}" for p in parsed.problems]
         problems += [f"{where}.metadata.annotations: {p}" for p in table.injection_problems(annotations)]
+        if not parsed.errors:
+            problems += [
+                f"{where}.metadata.annotations: {p}"
+                for p in port_problems(parsed.sidecar_env, template.get("spec") or {})
+            ]
         warnings += _redundancy_warnings(obj, where, template, parsed.sidecar_env)
         if kind == "Job":
             warnings += _job_warnings(obj.get("spec") or {}, template, parsed.job)

@@ -31,9 +31,6 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "metrics_host": "the injected container's ports are fixed by the chart",
     "generation_file": "the operator owns the generation (a downward-API file)",
     "generation": "the operator owns the generation (a JobSet pod's, composed from its labels)",
-    "peer_port": f"the injection sets it ({names.PEER_PORT}, container port {names.PEER_PORT_NAME}, "
-    "admitted under a default-deny by the chart's optional peer NetworkPolicy) "
-    "when strata.dev/redundancy is on",
     "peer_host": "the injection sets it (0.0.0.0) when strata.dev/redundancy is on",
     "peers": "commit hints between pods are not wired by the injection (storage decides commits)",
     "peer_fetch_timeout_s": "fetches of replicas between pods' sidecars are not wired by the injection yet",
@@ -89,6 +86,22 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+#: Sidecar settings whose default and meaning as an annotation differ from the sidecar's own flag:
+#: the injection sets them for the pod layout it builds.
+_AS_ANNOTATION: dict[str, tuple[Any, str]] = {
+    "metrics_port": (
+        9464,
+        "the sidecar's Prometheus /metrics port, which its startup probe reads; 1-65535, distinct from "
+        "the pod's declared container ports",
+    ),
+    "peer_port": (
+        names.PEER_PORT,
+        f"the sidecars' peer port with strata.dev/redundancy (container port {names.PEER_PORT_NAME}); "
+        "1-65535, distinct from strata.dev/metrics-port and the pod's declared container ports",
+    ),
+}
+
+
 def _sidecar_settings() -> list[Setting]:
     out = []
     for f in dataclasses.fields(config.SidecarSettings):
@@ -96,13 +109,10 @@ def _sidecar_settings() -> list[Setting]:
             continue
         kind = type(f.default)
         parse: Callable[[str], Any] = _number(kind) if kind in (int, float) else str
+        default, what = _AS_ANNOTATION.get(f.name, (f.default, f.metadata["help"]))
         out.append(
             Setting(
-                names.ANNOTATION_PREFIX + f.name.replace("_", "-"),
-                config.env_name(f),
-                f.default,
-                f.metadata["help"],
-                parse,
+                names.ANNOTATION_PREFIX + f.name.replace("_", "-"), config.env_name(f), default, what, parse
             )
         )
     return out
@@ -305,7 +315,8 @@ def _sidecar_problems(values: Mapping[tuple[str, str], Any]) -> list[str]:
             key.removeprefix(names.ANNOTATION_PREFIX).replace("-", "_"): v for (key, _), v in chosen.items()
         }
         if fields.get("redundancy", "off") != "off":  # the injection sets what redundancy needs
-            fields.update(peer_port=names.PEER_PORT, members="checked-at-injection:1")
+            fields.setdefault("peer_port", names.PEER_PORT)
+            fields.update(members="checked-at-injection:1")
         try:
             config.SidecarSettings(storage="s3://admission/check", **fields).validate()
         except (ValueError, TypeError) as exc:
@@ -360,8 +371,10 @@ POD_ANNOTATION_DOCS: dict[str, str] = {
     "strata.dev/sidecar-memory": "the injected sidecar's memory request and limit (e.g. `4Gi`); default: "
     "the chart's `sidecar.resources`. The sidecar holds up to 0.75 of it (`strata.dev/memory-budget` "
     "unset): snapshots sent over gRPC, restore buffers, encode scratch",
-    "strata.dev/sidecar-cpu": "the injected sidecar's CPU request (e.g. `500m`, `2`); default: the chart's "
-    "`sidecar.resources`. Encoding (`strata.dev/encode-workers`) is what uses CPU",
+    "strata.dev/sidecar-cpu": "the injected sidecar's CPU request (e.g. `500m`, `2`), and its limit where "
+    "the pod is Guaranteed (every container's limits equal its requests: the sidecar's then do too, so the "
+    "pod stays Guaranteed); default: the chart's `sidecar.resources`. Encoding "
+    "(`strata.dev/encode-workers`) is what uses CPU",
     "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
     "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "
     "to the trainer: its memory limit must cover two segments per rank. With `strata.dev/redundancy` add "

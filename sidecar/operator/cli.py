@@ -180,7 +180,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"512Mi"}, "limits": {"memory": "2Gi"}}\' (default: that)',
     )
     inject.add_argument(
-        "--sidecar-user", type=int, default=65532, help="the sidecar's runAsUser (default 65532)"
+        "--sidecar-user",
+        type=_user,
+        default=65532,
+        metavar="UID|none",
+        help="the sidecar's runAsUser (default 65532); none leaves it out, for a platform that assigns "
+        "the user (OpenShift's restricted-v2 SCC); runAsNonRoot stays true",
     )
     inject.add_argument(
         "--sidecar-pull-policy",
@@ -197,6 +202,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=9090, help="port of /metrics (strata_operator_*; -1: off)"
     )
+
+
+def _user(text: str) -> int | None:
+    if text.strip().lower() in ("none", ""):
+        return None
+    try:
+        uid = int(text)
+    except ValueError:
+        uid = -1
+    if not 0 < uid < 2**31:
+        raise argparse.ArgumentTypeError(
+            f"expected a non-root user id (1 to 2147483647) or none, got {text!r}"
+        )
+    return uid
 
 
 def main(args: argparse.Namespace) -> int:

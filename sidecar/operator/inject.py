@@ -22,8 +22,19 @@ For each opted-in pod outside the operator's own namespace it adds, as one JSON 
   settings table, storage from :class:`InjectConfig`, and ``envFrom`` the Secret named by
   ``strata.dev/storage-secret``, into the sidecar only).
 
-With ``strata.dev/redundancy`` (buddy or parity) the sidecar also gets its peer port
-(:data:`names.PEER_PORT`, container port ``strata-peer``, on 0.0.0.0) and every member's stable DNS
+The sidecar's ports are the pod's ``strata.dev/metrics-port`` (default 9464) and, with
+``strata.dev/redundancy`` (buddy or parity), ``strata.dev/peer-port`` (default
+:data:`names.PEER_PORT`): checked distinct and free of the ports the pod's containers declare, and
+declared on the sidecar except on a hostNetwork pod (where each would become a hostPort). Its
+resources are the chart's, with ``strata.dev/sidecar-cpu`` and ``strata.dev/sidecar-memory`` on top;
+where the pod is Guaranteed, limits equal requests, so the sidecar keeps it Guaranteed.
+
+:func:`template_patch` (the workload webhook, at a Job's or JobSet's creation) puts a stand-in
+sidecar with those resources into the pod template, so quota that admits workloads by their
+template (Kueue) counts it; :func:`inject` completes the stand-in in each pod, keeping its resources.
+
+With ``strata.dev/redundancy`` the sidecar also gets its peer port
+(container port ``strata-peer``, on 0.0.0.0) and every member's stable DNS
 name: for an Indexed Job the template ``<job>-{index}.<subdomain>:<port>`` (the pod template's
 ``subdomain``: a Job's pods are named ``<job>-<index>`` as hostnames), for a JobSet the list of its
 pods' hostnames ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>`` in rank order. A pod
@@ -126,8 +137,9 @@ class InjectConfig:
     resources: Mapping[str, Any] = field(default_factory=_default_resources)
     #: Pods in this namespace (the operator's own) are never injected.
     own_namespace: str = ""
-    #: The sidecar's user (the image's non-root user).
-    run_as_user: int = 65532
+    #: The sidecar's runAsUser (the image's non-root user); None leaves it out, for a platform that
+    #: assigns one (OpenShift's restricted-v2 SCC refuses a fixed user outside the namespace's range).
+    run_as_user: int | None = 65532
     image_pull_policy: str = "IfNotPresent"
     #: Add the in-place container restart rule to the trainer containers of Job pods.
     in_place_restart: bool = False
@@ -232,16 +244,12 @@ def _common_env(pod: Mapping[str, Any], shape: Shape) -> list[dict[str, Any]]:
     return env
 
 
-def _check(parsed: table.Parsed, raw: Mapping[str, str]) -> int:
-    """Deny bad annotations; returns the metrics (and startup probe) port."""
+def _check(parsed: table.Parsed, raw: Mapping[str, str], pod: Mapping[str, Any]) -> tuple[int, int | None]:
+    """Deny bad annotations; returns the metrics (and startup probe) port and the peer port (None
+    without redundancy)."""
     problems = list(parsed.problems)
-    port_raw = parsed.sidecar_env.get("STRATA_METRICS_PORT", "9464")
-    port = int(port_raw, 0)
-    if not 1 <= port <= 65535:
-        problems.append(
-            f"strata.dev/metrics-port={port_raw!r}: expected a port 1-65535 (the injected startup probe "
-            "reads the sidecar's /metrics)"
-        )
+    if not parsed.errors:
+        problems += admission.port_problems(parsed.sidecar_env, pod.get("spec") or {})
     shm = parsed.sidecar_env.get("STRATA_SHM_DIR")
     if shm is not None and shm not in ("", SHM_DIR):
         problems.append(
@@ -251,21 +259,21 @@ def _check(parsed: table.Parsed, raw: Mapping[str, str]) -> int:
     problems += table.injection_problems(raw)
     if problems:
         raise Denied(f"Strata: metadata.annotations: {'; '.join(problems)}")
-    return port
+    return admission.sidecar_ports(parsed.sidecar_env)
 
 
-def _members(pod: Mapping[str, Any], shape: Shape) -> tuple[str, int] | None:
-    """STRATA_MEMBERS and STRATA_MEMBER_COUNT from the pods' stable DNS names, or None when the pod
-    has none (no subdomain) or its workload is unknown."""
+def _members(pod: Mapping[str, Any], shape: Shape, port: int) -> tuple[str, int] | None:
+    """STRATA_MEMBERS and STRATA_MEMBER_COUNT from the pods' stable DNS names and the peer
+    ``port``, or None when the pod has none (no subdomain) or its workload is unknown."""
     subdomain = (pod.get("spec") or {}).get("subdomain")
     if not subdomain:
         return None
     if shape.hosts:
-        return ",".join(f"{h}.{subdomain}:{PEER_PORT}" for h in shape.hosts), len(shape.hosts)
+        return ",".join(f"{h}.{subdomain}:{port}" for h in shape.hosts), len(shape.hosts)
     job = ((pod.get("metadata") or {}).get("labels") or {}).get(names.JOB_NAME_LABEL)
     if not job or shape.world_size is None:
         return None
-    return f"{job}-{{index}}.{subdomain}:{PEER_PORT}", shape.world_size
+    return f"{job}-{{index}}.{subdomain}:{port}", shape.world_size
 
 
 def _redundancy(parsed: table.Parsed) -> str:
@@ -276,10 +284,11 @@ def _sidecar(
     pod: Mapping[str, Any],
     config: InjectConfig,
     parsed: table.Parsed,
-    port: int,
+    ports: tuple[int, int | None],
     shape: Shape,
     members: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
+    port, peer_port = ports
     env = _common_env(pod, shape)
     env.append({"name": "STRATA_STORAGE", "value": config.storage_uri})
     if config.storage_endpoint:
@@ -300,7 +309,7 @@ def _sidecar(
         env.append({"name": "STRATA_REPORT_CA_FILE", "value": f"{PODINFO_DIR}/report-ca"})
     if members is not None:
         env += [
-            {"name": "STRATA_PEER_PORT", "value": str(PEER_PORT)},
+            {"name": "STRATA_PEER_PORT", "value": str(peer_port)},
             {"name": "STRATA_PEER_HOST", "value": "0.0.0.0"},
             {"name": "STRATA_MEMBERS", "value": members[0]},
             {"name": "STRATA_MEMBER_COUNT", "value": str(members[1])},
@@ -328,24 +337,22 @@ def _sidecar(
         "ports": []
         if (pod.get("spec") or {}).get("hostNetwork")
         else [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}]
-        + ([{"name": PEER_PORT_NAME, "containerPort": PEER_PORT, "protocol": "TCP"}] if members else []),
+        + ([{"name": PEER_PORT_NAME, "containerPort": peer_port, "protocol": "TCP"}] if members else []),
         "startupProbe": {
             "httpGet": {"path": "/metrics", "port": port},
             "periodSeconds": 1,
             "timeoutSeconds": 2,
             "failureThreshold": 120,
         },
-        "resources": _resources(config, ((pod.get("metadata") or {}).get("annotations")) or {}),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": config.run_as_user,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "resources": _resources(
+            config, ((pod.get("metadata") or {}).get("annotations")) or {}, _guaranteed(pod)
+        ),
+        "securityContext": _security_context(config),
         "volumeMounts": mounts,
     }
+    if config.run_as_user is None:
+        # The image's working directory belongs to its user (0700); an assigned one could not enter it.
+        container["workingDir"] = "/tmp"
     secret = ((pod.get("metadata") or {}).get("annotations") or {}).get(STORAGE_SECRET_ANNOTATION)
     if secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
@@ -357,17 +364,65 @@ def _is_job_owned(pod: Mapping[str, Any]) -> bool:
     return admission._job_owner(pod) is not None and names.JOBSET_NAME_LABEL not in labels
 
 
-def _resources(config: InjectConfig, raw: Mapping[str, str]) -> dict[str, Any]:
-    """The chart's sidecar resources, with this pod's annotations on top."""
+def _guaranteed(pod: Mapping[str, Any]) -> bool:
+    """Whether the kubelet would class ``pod`` (without the sidecar) Guaranteed: every container,
+    init containers and native sidecars included, has cpu and memory limits, and the requests
+    equal them (a missing request defaults to its limit). Pod-level resources (spec.resources)
+    decide the class alone where set, and the sidecar's own cannot change it: False there."""
+    spec = pod.get("spec") or {}
+    if (spec.get("resources") or {}).get("limits") or (spec.get("resources") or {}).get("requests"):
+        return False
+    containers = [
+        c
+        for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        if c.get("name") != SIDECAR_CONTAINER
+    ]
+    if not containers:
+        return False
+    for c in containers:
+        resources = c.get("resources") or {}
+        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+        for name in ("cpu", "memory"):
+            try:
+                limit = quantity(limits[name]) if name in limits else 0.0
+                request = quantity(requests[name]) if name in requests else limit
+            except ValueError:
+                return False
+            if limit <= 0 or request != limit:
+                return False
+    return True
+
+
+def _resources(config: InjectConfig, raw: Mapping[str, str], guaranteed: bool = False) -> dict[str, Any]:
+    """The chart's sidecar resources, with this pod's annotations on top. ``guaranteed`` (the
+    trainer's pod is): limits equal requests for cpu and memory, so the sidecar keeps the pod
+    Guaranteed (a Burstable pod loses the CPU manager's exclusive cores and topology alignment).
+    There the annotation's value is both; else a limit the chart sets wins over the request (the
+    memory request rises to the cap the sidecar runs under), else the limit is the request."""
     out = {k: dict(v) for k, v in config.resources.items()}
+    requests, limits = out.setdefault("requests", {}), out.setdefault("limits", {})
     memory = raw.get(names.SIDECAR_MEMORY_ANNOTATION)
     if memory:
-        out.setdefault("requests", {})["memory"] = memory
-        out.setdefault("limits", {})["memory"] = memory
+        requests["memory"] = limits["memory"] = memory
     cpu = raw.get(names.SIDECAR_CPU_ANNOTATION)
     if cpu:
-        out.setdefault("requests", {})["cpu"] = cpu
-    return out
+        requests["cpu"] = cpu
+        if "cpu" in limits and _below(limits["cpu"], cpu):
+            limits["cpu"] = cpu  # a request above its limit is an invalid pod
+        if guaranteed:
+            limits["cpu"] = cpu
+    if guaranteed:
+        fallback = _default_resources()["requests"]
+        for name in ("cpu", "memory"):
+            requests[name] = limits[name] = limits.get(name) or requests.get(name) or fallback[name]
+    return {k: v for k, v in out.items() if v}
+
+
+def _below(a: str, b: str) -> bool:
+    try:
+        return quantity(a) < quantity(b)
+    except ValueError:
+        return False
 
 
 def _shm_size(raw: Mapping[str, str], config: InjectConfig) -> str:
@@ -420,6 +475,82 @@ def _volumes(config: InjectConfig, shm_size: str) -> list[dict[str, Any]]:
         {"name": TMP_VOLUME, "emptyDir": {}},
     ]
     return volumes
+
+
+#: Marks the stand-in sidecar :func:`template_patch` puts in a workload's pod template.
+PLACEHOLDER_ENV = "STRATA_PLACEHOLDER"
+
+
+def _is_placeholder(container: Mapping[str, Any]) -> bool:
+    return any(e.get("name") == PLACEHOLDER_ENV for e in container.get("env") or [])
+
+
+def _security_context(config: InjectConfig) -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        **({} if config.run_as_user is None else {"runAsUser": config.run_as_user}),
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def template_patch(
+    workload: Mapping[str, Any], *, namespace: str, config: InjectConfig
+) -> list[dict[str, Any]]:
+    """The JSON patch that puts a stand-in for the sidecar, with its resources, into each opted-in
+    pod template of a Job or JobSet at its creation, so that what admits workloads by their pod
+    template (Kueue's quota) counts the sidecar the pods get;
+    :func:`inject` completes it in each pod. [] for a JobSet's own Jobs (their template is the
+    JobSet's), templates with bad annotations (the validating webhook denies them) and templates
+    that have a ``strata-sidecar`` already."""
+    if (config.own_namespace and namespace == config.own_namespace) or admission._jobset_child(workload):
+        return []
+    spec = workload.get("spec") or {}
+    if workload.get("kind") == "Job":
+        where = [("/spec/template/spec", spec.get("template") or {})]
+    elif workload.get("kind") == "JobSet":
+        where = [
+            (
+                f"/spec/replicatedJobs/{i}/template/spec/template/spec",
+                ((rj.get("template") or {}).get("spec") or {}).get("template") or {},
+            )
+            for i, rj in enumerate(spec.get("replicatedJobs") or [])
+        ]
+    else:
+        return []
+    ops: list[dict[str, Any]] = []
+    for path, template in where:
+        raw = ((template.get("metadata") or {}).get("annotations")) or {}
+        pod_spec = template.get("spec") or {}
+        if (
+            not admission.opted_in(template)
+            or table.parse(raw).problems
+            or table.injection_problems(raw)
+            or any(c.get("name") == SIDECAR_CONTAINER for c in pod_spec.get("initContainers") or [])
+        ):
+            continue
+        stand_in = {
+            "name": SIDECAR_CONTAINER,
+            "image": config.image,
+            "imagePullPolicy": config.image_pull_policy,
+            "restartPolicy": "Always",
+            "command": ["strata", "sidecar"],
+            "env": [
+                {
+                    "name": PLACEHOLDER_ENV,
+                    "value": "the operator's webhook completes this container in each pod",
+                }
+            ],
+            "resources": _resources(config, raw, _guaranteed(template)),
+            "securityContext": _security_context(config),
+        }
+        if pod_spec.get("initContainers"):
+            ops.append({"op": "add", "path": f"{path}/initContainers/0", "value": stand_in})
+        else:
+            ops.append({"op": "add", "path": f"{path}/initContainers", "value": [stand_in]})
+    return ops
 
 
 def restart_rule() -> dict[str, Any]:
@@ -478,7 +609,7 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
         return []
     share = 2.0 if mode == "buddy" else 2.0 / max(1, group - 1)
     held = shm * share / (2 + share)  # a volume sized by the rule, one rank per pod
-    limit = ((_resources(config, raw).get("limits") or {}).get("memory")) or ""
+    limit = ((_resources(config, raw, _guaranteed(pod)).get("limits") or {}).get("memory")) or ""
     try:
         budget = quantity(limit) * 0.75 if limit else 0.0
         if parsed.sidecar_env.get("STRATA_MEMORY_BUDGET"):
@@ -539,10 +670,10 @@ def inject(
         return []
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
     parsed = table.parse(raw)
-    port = _check(parsed, raw)
+    ports = _check(parsed, raw, pod)
     members = None
-    if _redundancy(parsed) != "off":
-        members = _members(pod, shape)
+    if ports[1] is not None:
+        members = _members(pod, shape, ports[1])
         if members is None:
             raise Denied(
                 f"Strata: strata.dev/redundancy={_redundancy(parsed)} needs the pods' stable DNS names: an "
@@ -552,11 +683,19 @@ def inject(
     ops = admission.mutate_pod(pod)
     spec = _lists(pod.get("spec") or {}, "initContainers", "volumes")
     patch = _Patch()
-    have = {c.get("name") for c in spec["initContainers"] or []}
-    if SIDECAR_CONTAINER not in have:
+    have = {c.get("name"): i for i, c in enumerate(spec["initContainers"] or [])}
+    placeholder = have.get(SIDECAR_CONTAINER)
+    if placeholder is not None and _is_placeholder(spec["initContainers"][placeholder]):
+        # The workload webhook's stand-in (see template_patch): completed in place, with the
+        # resources quota admitted the workload with.
+        sidecar = _sidecar(pod, config, parsed, ports, shape, members)
+        sidecar["resources"] = spec["initContainers"][placeholder].get("resources") or {}
+        patch.ops.append({"op": "replace", "path": f"/spec/initContainers/{placeholder}", "value": sidecar})
+        spec["initContainers"][placeholder] = sidecar
+    elif placeholder is None:
         # First among the init containers: the kubelet starts them in order, so any later init
         # container (and every regular one) can use the sidecar.
-        sidecar = _sidecar(pod, config, parsed, port, shape, members)
+        sidecar = _sidecar(pod, config, parsed, ports, shape, members)
         if spec["initContainers"]:
             patch.ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
             spec["initContainers"].insert(0, sidecar)

@@ -1,6 +1,8 @@
 """The admission webhooks, as aiohttp routes on the operator's HTTPS server (the report endpoint's):
 
     POST /mutate-pods          AdmissionReview v1: the gang gate and the injection (:mod:`inject`)
+    POST /mutate-workloads     AdmissionReview v1: the sidecar's stand-in in Job and JobSet pod
+                               templates, so quota counts it (:func:`inject.template_patch`)
     POST /validate-workloads   AdmissionReview v1: :func:`admission.validate_workload`
 
 Why aiohttp and not kopf's admission support: the operator already serves its report endpoint over
@@ -24,14 +26,25 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.operator import admission
-from sidecar.operator.inject import Denied, InjectConfig, Shape, inject, warnings
+from sidecar.operator.inject import Denied, InjectConfig, Shape, inject, template_patch, warnings
 
-__all__ = ["MUTATE_PATH", "VALIDATE_PATH", "Malformed", "add_routes", "mutate", "read_review", "validate"]
+__all__ = [
+    "MUTATE_PATH",
+    "MUTATE_WORKLOADS_PATH",
+    "VALIDATE_PATH",
+    "Malformed",
+    "add_routes",
+    "mutate",
+    "mutate_workload",
+    "read_review",
+    "validate",
+]
 
 log = logging.getLogger("strata.operator.webhook")
 
 MUTATE_PATH = "/mutate-pods"
 VALIDATE_PATH = "/validate-workloads"
+MUTATE_WORKLOADS_PATH = "/mutate-workloads"
 API_VERSION = "admission.k8s.io/v1"
 
 
@@ -88,14 +101,34 @@ def mutate(
     return review
 
 
-def validate(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The AdmissionReview answering a Job or JobSet request (denials and warnings)."""
+def mutate_workload(request: Mapping[str, Any], config: InjectConfig | None) -> dict[str, Any]:
+    """The AdmissionReview answering a Job or JobSet CREATE: the sidecar's stand-in in each opted-in
+    pod template (none without injection, or on any other operation: a template is immutable)."""
+    uid = str(request["uid"])
+    obj = request.get("object")
+    if config is None or request.get("operation", "CREATE") != "CREATE" or not isinstance(obj, Mapping):
+        return admission.mutation_response(uid, [])
+    namespace = str(request.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "")
+    return admission.mutation_response(uid, template_patch(obj, namespace=namespace, config=config))
+
+
+def validate(request: Mapping[str, Any], config: InjectConfig | None = None) -> dict[str, Any]:
+    """The AdmissionReview answering a Job or JobSet request (denials and warnings). With
+    ``config`` (the injection on) a Kueue-managed workload created without the sidecar's stand-in
+    in its templates is warned about (:func:`admission.quota_warnings`)."""
     obj = request.get("object")
     operation = request.get("operation", "CREATE")
     if operation == "DELETE" or not isinstance(obj, Mapping):
         return admission.Verdict().to_admission_response(str(request["uid"]))
     old = request.get("oldObject") if operation == "UPDATE" else None
     verdict = admission.validate_workload(obj, old if isinstance(old, Mapping) else None)
+    namespace = str(request.get("namespace") or (obj.get("metadata") or {}).get("namespace") or "")
+    if (
+        config is not None
+        and operation == "CREATE"
+        and not (config.own_namespace and namespace == config.own_namespace)
+    ):
+        verdict.warnings += admission.quota_warnings(obj)
     return verdict.to_admission_response(str(request["uid"]))
 
 
@@ -154,11 +187,18 @@ def add_routes(
             shape = await shape_of(namespace, pod)
         return web.json_response(mutate(review, current, shape))
 
+    async def mutate_workloads(request: web.Request) -> web.Response:
+        review = await _review(request)
+        if isinstance(review, web.Response):
+            return review
+        return web.json_response(mutate_workload(review, config))
+
     async def validate_workloads(request: web.Request) -> web.Response:
         review = await _review(request)
         if isinstance(review, web.Response):
             return review
-        return web.json_response(validate(review))
+        return web.json_response(validate(review, config))
 
     app.router.add_post(MUTATE_PATH, mutate_pods)
+    app.router.add_post(MUTATE_WORKLOADS_PATH, mutate_workloads)
     app.router.add_post(VALIDATE_PATH, validate_workloads)

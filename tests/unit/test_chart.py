@@ -502,7 +502,18 @@ def test_rbac_peering(chart: Any) -> None:
 
 def test_mutating_webhook(chart: Any) -> None:
     config = one(render(chart), "MutatingWebhookConfiguration")
-    [hook] = config["webhooks"]
+    hooks = {h["name"]: h for h in config["webhooks"]}
+    assert set(hooks) == {"inject.strata.dev", "inject-jobs.strata.dev", "inject-jobsets.strata.dev"}
+    for name, group in (("jobs", "batch"), ("jobsets", "jobset.x-k8s.io")):
+        # the sidecar's stand-in in workload templates (quota counts it): at creation only, never blocking
+        workload = hooks[f"inject-{name}.strata.dev"]
+        assert workload["rules"][0]["apiGroups"] == [group] and workload["rules"][0]["resources"] == [name]
+        assert workload["rules"][0]["operations"] == ["CREATE"] and workload["failurePolicy"] == "Ignore"
+        assert workload["clientConfig"]["service"]["path"] == "/mutate-workloads"
+        [condition] = workload["matchConditions"]
+        assert "template.metadata.labels['strata.dev/checkpoint'] == 'enabled'" in condition["expression"]
+        assert workload["namespaceSelector"] == hooks["inject.strata.dev"]["namespaceSelector"]
+    hook = hooks["inject.strata.dev"]
     assert hook["rules"] == [
         {
             "apiGroups": [""],
