@@ -163,6 +163,11 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
 
 
+def installed(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The release's objects without its hooks (which Helm creates only for their moment)."""
+    return [o for o in objects if "helm.sh/hook" not in (o["metadata"].get("annotations") or {})]
+
+
 def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(objects, kind)
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
@@ -400,18 +405,18 @@ def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
     objects = render(chart)
     assert not workload_roles(objects)
     assert rules_of(tls_role(objects)) == TLS_SECRET_RULES
-    role = one(objects, "ClusterRole")
+    role = one(installed(objects), "ClusterRole")
     assert rules_of(role) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
         **WORKLOAD_RULES,
     }
-    binding = one(objects, "ClusterRoleBinding")
+    binding = one(installed(objects), "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "strata", "namespace": NAMESPACE}]
     # with cert-manager the operator reads its mounted Secret: no Secret or webhook rights at all
     objects = render(chart, MATRIX["cert-manager"])
-    assert rules_of(one(objects, "ClusterRole")) == {
+    assert rules_of(one(installed(objects), "ClusterRole")) == {
         **CLUSTER_RULES,
         **WORKLOAD_RULES,
     }
@@ -435,7 +440,7 @@ def test_rbac_table_in_the_chart_readme_lists_the_same_verbs() -> None:
 def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
     objects = render(chart, MATRIX["namespaced"])
     # TokenReview, CRDs and the two webhook configurations are cluster-scoped: no Role can grant them
-    assert rules_of(one(objects, "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
+    assert rules_of(one(installed(objects), "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
     roles = workload_roles(objects)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
@@ -452,7 +457,7 @@ def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
 
 def test_rbac_peering(chart: Any) -> None:
     objects = render(chart, MATRIX["replicas-peering"])
-    assert rules_of(one(objects, "ClusterRole")) == {
+    assert rules_of(one(installed(objects), "ClusterRole")) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
         **CLUSTER_PEERING_RULES,
@@ -489,7 +494,7 @@ def test_rbac_peering(chart: Any) -> None:
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["roleRef"]["name"] == "strata-peering" and b["subjects"][0]["namespace"] == NAMESPACE
-    assert rules_of(one(objects, "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
+    assert rules_of(one(installed(objects), "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
     objects = render(chart, MATRIX["namespaced-peering"])
     peering_roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-peering"]
     assert [(r["metadata"]["namespace"], rules_of(r)) for r in peering_roles] == [
@@ -689,14 +694,53 @@ def test_network_policy(chart: Any) -> None:
     assert not by_kind(render(chart, MATRIX["no-networkpolicy"]), "NetworkPolicy")
 
 
-def test_hooks(chart: Any) -> None:
-    objects = render(chart, MATRIX["namespaced"])
+#: The pre-delete hook's own right, for its moment only: delete this release's mutating webhook
+#: configuration (get: read its timeout, to wait for admissions under way), so that no pod created
+#: after the hook is gated by a webhook whose operator is going away.
+HOOK_RULES = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "strata"): {"get", "delete"}}
+
+
+@pytest.mark.parametrize("case", ["namespaced", "defaults", "cert-manager"])
+def test_hooks(chart: Any, case: str) -> None:
+    """The pre-delete hook first deletes the mutating webhook configuration (the uninstall deletes it
+    anyway; until then it gates every new opted-in pod), then lifts the gates: its command names the
+    configuration, and a hook-only ClusterRole, created before the Job, grants exactly that delete."""
+    objects = render(chart, MATRIX[case])
     [job] = by_kind(objects, "Job")
-    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    annotations = job["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-delete"
     [container] = job["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["strata", "operator"]
-    assert container["args"] == ["--lift-gates", "--namespace=team-a", "--namespace=team-b"]
-    assert job["spec"]["template"]["spec"]["serviceAccountName"] == "strata"
+    namespaces = [f"--namespace={n}" for n in MATRIX[case].get("watchNamespaces", [])]
+    assert container["args"] == ["--lift-gates", "--webhook-configuration=strata", *namespaces]
+    [mutating] = by_kind(objects, "MutatingWebhookConfiguration")
+    assert mutating["metadata"]["name"] == "strata"
+    service_account = job["spec"]["template"]["spec"]["serviceAccountName"]
+    assert service_account == "strata"
+    [role] = [r for r in by_kind(objects, "ClusterRole") if r not in installed(objects)]
+    [binding] = [b for b in by_kind(objects, "ClusterRoleBinding") if b not in installed(objects)]
+    assert rules_of(role) == HOOK_RULES
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": service_account, "namespace": NAMESPACE}
+    ]
+    for obj in (role, binding):
+        hook = obj["metadata"]["annotations"]
+        assert hook["helm.sh/hook"] == "pre-delete"
+        assert int(hook["helm.sh/hook-weight"]) < int(annotations["helm.sh/hook-weight"])  # before the Job
+        assert set(hook["helm.sh/hook-delete-policy"].split(",")) == {
+            "before-hook-creation",
+            "hook-succeeded",
+        }
+    # the operator itself never holds that delete
+    [key] = HOOK_RULES
+    assert all(
+        "delete" not in rules_of(r).get(key, set()) for r in installed(by_kind(objects, "ClusterRole"))
+    )
     tests = [o for o in by_kind(objects, "Pod") if o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     assert len(tests) == 1
 
