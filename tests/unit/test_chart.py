@@ -54,8 +54,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     "monitors-on": ALL_ON,
     "cert-manager-and-monitors": {**ALL_ON, "tls": {"certManager": {"enabled": True}}},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"], **ALL_ON},
-    "replicas-peering": {"operator": {"replicas": 2, "peering": "strata"}},
-    "namespaced-peering": {"watchNamespaces": ["team-a"], "operator": {"replicas": 2, "peering": "strata"}},
+    "peering": {"operator": {"peering": "strata"}},
+    "namespaced-peering": {"watchNamespaces": ["team-a"], "operator": {"peering": "strata"}},
     "no-networkpolicy": {"networkPolicy": {"enabled": False}},
     "in-place-and-peers": {
         "operator": {"inPlaceRestart": True, "inPlaceTimeoutSeconds": 90},
@@ -299,7 +299,7 @@ def test_crds_are_valid(chart: Any) -> None:
         ("cert-manager-and-monitors", "v1.33.0"),
         ("namespaced", None),
         ("namespaced-peers", "v1.29.0"),
-        ("replicas-peering", None),
+        ("peering", None),
         ("restricted-metrics", None),
     ],
 )
@@ -334,6 +334,9 @@ def test_lint_strict_is_clean(case: str, kube_version: str | None) -> None:
         ({"webhook": {"timeoutSeconds": 60}}, "at '/webhook/timeoutSeconds'"),
         ({"storage": {"endpoint": "seaweedfs:8333"}}, "at '/storage/endpoint'"),
         ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0'"),
+        # one replica only: a second would take reports and acknowledgements while paused
+        ({"operator": {"replicas": 2}}, "at '/operator/replicas'"),
+        ({"operator": {"replicas": 2, "peering": "strata"}}, "at '/operator/replicas'"),
         # removed: it re-opened the other ports with endPort ranges, which CNIs without endPort cut
         (
             {"networkPolicy": {"peers": {"otherPorts": True}}},
@@ -358,8 +361,6 @@ def test_schema_rejects_at_render_and_lint_too(chart: Any) -> None:
 
 
 def test_values_the_schema_cannot_express_fail_the_render(chart: Any) -> None:
-    with pytest.raises(helm.HelmRenderError, match=r"needs operator\.peering"):
-        chart.render({"operator": {"replicas": 2}}, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(helm.HelmRenderError, match="must not contain the release namespace"):
         chart.render({"watchNamespaces": [NAMESPACE]}, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(
@@ -456,7 +457,7 @@ def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
 
 
 def test_rbac_peering(chart: Any) -> None:
-    objects = render(chart, MATRIX["replicas-peering"])
+    objects = render(chart, MATRIX["peering"])
     assert rules_of(one(installed(objects), "ClusterRole")) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
@@ -464,7 +465,7 @@ def test_rbac_peering(chart: Any) -> None:
         **WORKLOAD_RULES,
     }
     deployment = one(objects, "Deployment")
-    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     # standalone: never two acting operators, not even during an upgrade
     assert one(render(chart), "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
@@ -475,7 +476,7 @@ def test_rbac_peering(chart: Any) -> None:
     assert not by_kind(objects, "KopfPeering")
     assert not [o for o in render(chart) if (o["apiVersion"], o["kind"]) in PEERING_KINDS]
     # namespaced mode: kopf peers in every watched namespace (none in the release namespace)
-    two = {"watchNamespaces": ["team-a", "team-b"], "operator": {"replicas": 2, "peering": "p"}}
+    two = {"watchNamespaces": ["team-a", "team-b"], "operator": {"peering": "p"}}
     objects = render(chart, two)
     assert not by_kind(objects, "ClusterKopfPeering")
     peerings = by_kind(objects, "KopfPeering")
@@ -1027,3 +1028,42 @@ def test_the_peer_network_policy_admits_the_peer_port_from_peers_only(chart: Any
         chart, {"networkPolicy": {"enabled": False, "peers": {"enabled": True, "namespaces": ["ml"]}}}
     )
     assert [p["metadata"]["name"] for p in by_kind(alone, "NetworkPolicy")] == [f"{RELEASE}-peers"]
+
+
+# --- one operator replica and its upgrades --------------------------------------------------------------
+
+
+def test_more_than_one_replica_is_refused_by_the_helm_engine(chart: Any) -> None:
+    """A second replica is broken, not highly available (reports and in-place acknowledgements reach a
+    paused replica, latestStep goes stale, two Checkpoints carry latest=true): the schema refuses it,
+    peering or not, through `helm install`, `helm template` and `helm lint` alike."""
+    replicas = chart.schema["properties"]["operator"]["properties"]["replicas"]
+    assert (replicas["minimum"], replicas["maximum"]) == (1, 1)
+    assert "paused" in replicas["description"] and "restarts" in replicas["description"]
+    for values in ({"operator": {"replicas": 2}}, {"operator": {"replicas": 3, "peering": "strata"}}):
+        with pytest.raises(helm.HelmValuesError, match="at '/operator/replicas'"):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        report = helm.lint(CHART, values, strict=True)
+        assert any("/operator/replicas" in e for e in report["errors"]), report
+    assert one(render(chart, {"operator": {"replicas": 1}}), "Deployment")["spec"]["replicas"] == 1
+
+
+def test_an_upgrade_never_runs_two_acting_operators(chart: Any) -> None:
+    """Standalone, the old pod goes before the new one starts (Recreate). With peering the new pod
+    starts beside the old one (surge 1, unavailable 0: the webhooks keep a ready endpoint) and waits,
+    paused, until the old one has exited; meanwhile the Service keeps every sidecar on the pod it
+    reached before (ClientIP affinity), so reports keep going to the acting operator. No
+    PodDisruptionBudget: for one replica minAvailable 1 would block every node drain, and
+    maxUnavailable 1 would budget nothing."""
+    standalone = one(render(chart), "Deployment")["spec"]
+    assert standalone["replicas"] == 1 and standalone["strategy"] == {"type": "Recreate"}
+    peering = one(render(chart, MATRIX["peering"]), "Deployment")["spec"]
+    assert peering["replicas"] == 1
+    assert peering["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    for case in ("defaults", "peering", "namespaced-peering"):
+        assert one(render(chart, MATRIX[case]), "Service")["spec"]["sessionAffinity"] == "ClientIP"
+    for case in sorted(MATRIX):
+        assert not by_kind(render(chart, MATRIX[case]), "PodDisruptionBudget"), case

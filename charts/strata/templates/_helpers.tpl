@@ -95,9 +95,6 @@ matchExpressions:
 
 {{/* Checks values the schema cannot express. */}}
 {{- define "strata.validate" -}}
-{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.peering) }}
-{{- fail "operator.replicas > 1 needs operator.peering (a kopf peering name): only one replica may act at a time" }}
-{{- end }}
 {{- if has .Release.Namespace .Values.watchNamespaces }}
 {{- fail (printf "watchNamespaces must not contain the release namespace %q: the webhooks skip it" .Release.Namespace) }}
 {{- end }}
