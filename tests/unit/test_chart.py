@@ -1067,3 +1067,83 @@ def test_an_upgrade_never_runs_two_acting_operators(chart: Any) -> None:
         assert one(render(chart, MATRIX[case]), "Service")["spec"]["sessionAffinity"] == "ClientIP"
     for case in sorted(MATRIX):
         assert not by_kind(render(chart, MATRIX[case]), "PodDisruptionBudget"), case
+
+
+# --- GitOps: `helm template` (Argo CD), Flux ------------------------------------------------------------
+
+WEBHOOK_KINDS = ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+
+
+def test_a_render_without_a_cluster_has_no_ca_bundle_at_all(chart: Any) -> None:
+    """`helm template` (Argo CD) finds no Secret to look up: the chart cannot know the bundle and
+    renders no caBundle field at all (an empty one would be restored over the operator's by every
+    self-heal, and failurePolicy Fail would refuse opted-in pods); the operator patches it in. With
+    cert-manager its CA injector fills it (cert-manager.io/inject-ca-from)."""
+    for case in ("defaults", "namespaced", "cert-manager", "cert-manager-issuer"):
+        manifests = chart.render(MATRIX[case], name=RELEASE, namespace=NAMESPACE)
+        assert "caBundle" not in manifests["strata/templates/webhook.yaml"], case
+        objects = render(chart, MATRIX[case])
+        for kind in WEBHOOK_KINDS:
+            config = one(objects, kind)
+            for hook in config["webhooks"]:
+                assert set(hook["clientConfig"]) == {"service"}, (case, kind)
+            inject = (config["metadata"].get("annotations") or {}).get("cert-manager.io/inject-ca-from")
+            if "cert-manager" in case:
+                assert inject == f"{NAMESPACE}/strata-serving"
+            else:
+                assert inject is None
+                args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+                assert f"--webhook-configuration={config['metadata']['name']}" in args
+
+
+def _yaml_snippets(kind: str) -> list[dict[str, Any]]:
+    """The ```yaml blocks of charts/strata/README.md holding an object of ``kind``."""
+    found = []
+    for block in re.findall(r"```yaml\n(.*?)```", (CHART / "README.md").read_text(), re.S):
+        found += [d for d in yaml.safe_load_all(block) if isinstance(d, dict) and d.get("kind") == kind]
+    return found
+
+
+def _webhook_configurations(chart: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {
+        (kind, one(render(chart), kind)["metadata"]["name"]): one(render(chart), kind)
+        for kind in WEBHOOK_KINDS
+    }
+
+
+def test_the_argo_cd_snippet_leaves_both_bundles_to_the_operator(chart: Any) -> None:
+    """The Application in the chart README (copy-paste): ignoreDifferences names exactly the webhook
+    configurations the chart renders, on the field the operator writes, and sync respects it."""
+    [app] = _yaml_snippets("Application")
+    assert app["apiVersion"] == "argoproj.io/v1alpha1"
+    spec = app["spec"]
+    assert spec["source"]["path"] == "charts/strata" and spec["source"]["helm"]["releaseName"] == RELEASE
+    assert spec["destination"]["namespace"] == NAMESPACE
+    rendered = _webhook_configurations(chart)
+    ignored = {
+        (entry["kind"], entry["name"]): entry
+        for entry in spec["ignoreDifferences"]
+        if entry.get("group") == "admissionregistration.k8s.io"
+    }
+    assert set(ignored) == set(rendered)
+    for key, entry in ignored.items():
+        assert entry["jqPathExpressions"] == [".webhooks[]?.clientConfig.caBundle"]
+        assert all("clientConfig" in hook for hook in rendered[key]["webhooks"])  # the path's parent exists
+    assert "RespectIgnoreDifferences=true" in spec["syncPolicy"]["syncOptions"]
+
+
+def test_the_flux_snippet_ignores_the_bundle_of_every_webhook(chart: Any) -> None:
+    """Flux runs Helm against the cluster (the lookup works, the bundle of the last upgrade is in the
+    manifest): drift correction must leave the field to the operator, one JSON pointer per webhook."""
+    [release] = _yaml_snippets("HelmRelease")
+    assert release["apiVersion"] == "helm.toolkit.fluxcd.io/v2"
+    assert release["spec"]["releaseName"] == RELEASE
+    drift = release["spec"]["driftDetection"]
+    assert drift["mode"] == "enabled"
+    ignored = {(rule["target"]["kind"], rule["target"]["name"]): rule["paths"] for rule in drift["ignore"]}
+    rendered = _webhook_configurations(chart)
+    assert set(ignored) == set(rendered)
+    for key, config in rendered.items():
+        assert ignored[key] == [
+            f"/webhooks/{i}/clientConfig/caBundle" for i in range(len(config["webhooks"]))
+        ]
