@@ -8,6 +8,7 @@ fails this test until it is justified here and in charts/strata/README.md.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import re
@@ -64,6 +65,12 @@ MATRIX: dict[str, dict[str, Any]] = {
     "namespaced-peers": {
         "watchNamespaces": ["team-a", "team-b"],
         "networkPolicy": {"peers": {"enabled": True}},
+    },
+    # OpenShift's restricted-v2 SCC assigns the user (and fsGroup) from the namespace's range
+    "openshift": {
+        "storage": {"uri": "s3://ckpt/jobs"},
+        "operator": {"runAsUser": None},
+        "sidecar": {"runAsUser": None},
     },
     "restricted-metrics": {
         "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
@@ -300,6 +307,7 @@ def test_crds_are_valid(chart: Any) -> None:
         ("namespaced", None),
         ("namespaced-peers", "v1.29.0"),
         ("peering", None),
+        ("openshift", None),
         ("restricted-metrics", None),
     ],
 )
@@ -337,6 +345,8 @@ def test_lint_strict_is_clean(case: str, kube_version: str | None) -> None:
         # one replica only: a second would take reports and acknowledgements while paused
         ({"operator": {"replicas": 2}}, "at '/operator/replicas'"),
         ({"operator": {"replicas": 2, "peering": "strata"}}, "at '/operator/replicas'"),
+        ({"operator": {"runAsUser": 0}}, "at '/operator/runAsUser'"),
+        ({"sidecar": {"runAsUser": "nobody"}}, "at '/sidecar/runAsUser'"),
         # removed: it re-opened the other ports with endPort ranges, which CNIs without endPort cut
         (
             {"networkPolicy": {"peers": {"otherPorts": True}}},
@@ -652,6 +662,7 @@ def test_operator_deployment(chart: Any) -> None:
         '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
         "--shm-size=2Gi",
         "--sidecar-pull-policy=IfNotPresent",
+        "--sidecar-run-as-user=65532",
         f"--sidecar-report-url=https://strata.{NAMESPACE}.svc:8443",
         "--own-namespace=$(POD_NAMESPACE)",
     ]
@@ -1147,3 +1158,73 @@ def test_the_flux_snippet_ignores_the_bundle_of_every_webhook(chart: Any) -> Non
         assert ignored[key] == [
             f"/webhooks/{i}/clientConfig/caBundle" for i in range(len(config["webhooks"]))
         ]
+
+
+# --- OpenShift: runAsUser -------------------------------------------------------------------------------
+
+
+def _security(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, securityContext) of every pod and container the chart runs itself."""
+    found = []
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "Job"):
+            pod = obj["spec"]["template"]["spec"]
+        elif obj["kind"] == "Pod":
+            pod = obj["spec"]
+        else:
+            continue
+        found.append((f"{obj['kind']}/{obj['metadata']['name']}", pod["securityContext"]))
+        found += [(f"{obj['kind']}/{c['name']}", c["securityContext"]) for c in pod["containers"]]
+    return found
+
+
+def test_run_as_user_is_settable_and_omitted_for_openshift(chart: Any) -> None:
+    """OpenShift's restricted-v2 SCC refuses a fixed runAsUser (and fsGroup) outside the namespace's
+    range: null omits them, for the operator's own pods (operator.runAsUser) and the injected sidecar
+    (sidecar.runAsUser, passed to the operator), and runAsNonRoot stays."""
+    objects = render(chart, {"storage": {"uri": "s3://b/p"}})
+    for where, context in _security(objects):
+        assert context["runAsUser"] == 65532 and context["runAsGroup"] == 65532, where
+        assert context["runAsNonRoot"] is True
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--sidecar-run-as-user=65532" in args
+    objects = render(chart, MATRIX["openshift"])
+    assert len(_security(objects)) == 6  # operator, hook and test pods and their containers
+    for where, context in _security(objects):
+        assert not {"runAsUser", "runAsGroup", "fsGroup"} & set(context), where
+        assert context["runAsNonRoot"] is True
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--sidecar-run-as-user")] == ["--sidecar-run-as-user=none"]
+    custom = render(chart, {"storage": {"uri": "s3://b/p"}, "operator": {"runAsUser": 1000700000}})
+    assert {c["runAsUser"] for _, c in _security(custom)} == {1000700000}
+    pod = one(custom, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == 1000700000
+    # without injection there is no sidecar to tell about
+    args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith("--sidecar-run-as-user")]
+
+
+#: Flags the chart passes that the operator's command line has yet to accept: the sidecar's runAsUser
+#: (an integer, or `none` to omit it), which the operator gains with the OpenShift support.
+PENDING_FLAGS = {"--sidecar-run-as-user"}
+
+
+@pytest.mark.parametrize(
+    "case", ["defaults", "restricted-metrics", "openshift", "namespaced", "cert-manager"]
+)
+def test_the_operator_accepts_every_flag_the_chart_passes(chart: Any, case: str) -> None:
+    """The Deployment's and the hook's arguments parse with `strata operator`'s own parser: a renamed or
+    removed flag fails here, not in a CrashLoopBackOff."""
+    from sidecar.operator import cli
+
+    objects = render(chart, {**MATRIX[case], "storage": {"uri": "s3://b/p"}})
+    for kind in ("Deployment", "Job"):
+        [container] = one(objects, kind)["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["strata", "operator"]
+        args = [a for a in container["args"] if a.split("=", 1)[0] not in PENDING_FLAGS]
+        parser = argparse.ArgumentParser(prog="strata operator", exit_on_error=False)
+        cli.add_arguments(parser)
+        parsed, unknown = parser.parse_known_args(args)
+        assert unknown == [], (kind, unknown)
+        if kind == "Job":
+            assert parsed.lift_gates and parsed.webhook_configurations == ["strata"]
