@@ -149,7 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lift-gates",
         action="store_true",
         help="remove the strata.dev/gang scheduling gate from every pod and exit "
-        "(the chart's pre-delete hook: no pod waits for a removed operator)",
+        "(the chart's pre-delete hook: no pod waits for a removed operator); with "
+        "--webhook-configuration, first delete that MutatingWebhookConfiguration so no new pod is "
+        "gated, and wait for admissions under way",
     )
     inject = parser.add_argument_group("injection (the mutating webhook)")
     inject.add_argument("--sidecar-image", help="image of the injected sidecar (enables the injection)")
@@ -239,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
     if args.fence_margin_seconds < 0:
         raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
     if args.lift_gates:
-        return _lift_gates(args.kubeconfig, tuple(args.namespaces))
+        return _lift_gates(args.kubeconfig, tuple(args.namespaces), tuple(args.webhook_configurations))
     from sidecar.operator.certs import TlsPolicy
     from sidecar.operator.run import OperatorConfig, serve
 
@@ -323,14 +325,16 @@ def _inject_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _lift_gates(kubeconfig: str | None, namespaces: tuple[str, ...] = ()) -> int:
-    from sidecar.operator.controller import lift_gates
+def _lift_gates(
+    kubeconfig: str | None, namespaces: tuple[str, ...] = (), webhook_configurations: tuple[str, ...] = ()
+) -> int:
     from sidecar.operator.kube import Api
+    from sidecar.operator.uninstall import uninstall
 
     async def run() -> list[str]:
         api = Api.from_config(kubeconfig)
         try:
-            return await lift_gates(api, namespaces)
+            return await uninstall(api, namespaces, webhook_configurations)
         finally:
             await api.close()
 

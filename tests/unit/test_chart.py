@@ -8,6 +8,7 @@ fails this test until it is justified here and in charts/strata/README.md.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import re
@@ -54,8 +55,8 @@ MATRIX: dict[str, dict[str, Any]] = {
     "monitors-on": ALL_ON,
     "cert-manager-and-monitors": {**ALL_ON, "tls": {"certManager": {"enabled": True}}},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"], **ALL_ON},
-    "replicas-peering": {"operator": {"replicas": 2, "peering": "strata"}},
-    "namespaced-peering": {"watchNamespaces": ["team-a"], "operator": {"replicas": 2, "peering": "strata"}},
+    "peering": {"operator": {"peering": "strata"}},
+    "namespaced-peering": {"watchNamespaces": ["team-a"], "operator": {"peering": "strata"}},
     "no-networkpolicy": {"networkPolicy": {"enabled": False}},
     "in-place-and-peers": {
         "operator": {"inPlaceRestart": True, "inPlaceTimeoutSeconds": 90},
@@ -64,6 +65,12 @@ MATRIX: dict[str, dict[str, Any]] = {
     "namespaced-peers": {
         "watchNamespaces": ["team-a", "team-b"],
         "networkPolicy": {"peers": {"enabled": True}},
+    },
+    # OpenShift's restricted-v2 SCC assigns the user (and fsGroup) from the namespace's range
+    "openshift": {
+        "storage": {"uri": "s3://ckpt/jobs"},
+        "operator": {"runAsUser": None},
+        "sidecar": {"runAsUser": None},
     },
     "restricted-metrics": {
         "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
@@ -161,6 +168,11 @@ def strip(obj: dict[str, Any]) -> dict[str, Any]:
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
+
+
+def installed(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The release's objects without its hooks (which Helm creates only for their moment)."""
+    return [o for o in objects if "helm.sh/hook" not in (o["metadata"].get("annotations") or {})]
 
 
 def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -294,7 +306,8 @@ def test_crds_are_valid(chart: Any) -> None:
         ("cert-manager-and-monitors", "v1.33.0"),
         ("namespaced", None),
         ("namespaced-peers", "v1.29.0"),
-        ("replicas-peering", None),
+        ("peering", None),
+        ("openshift", None),
         ("restricted-metrics", None),
     ],
 )
@@ -329,6 +342,11 @@ def test_lint_strict_is_clean(case: str, kube_version: str | None) -> None:
         ({"webhook": {"timeoutSeconds": 60}}, "at '/webhook/timeoutSeconds'"),
         ({"storage": {"endpoint": "seaweedfs:8333"}}, "at '/storage/endpoint'"),
         ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0'"),
+        # one replica only: a second would take reports and acknowledgements while paused
+        ({"operator": {"replicas": 2}}, "at '/operator/replicas'"),
+        ({"operator": {"replicas": 2, "peering": "strata"}}, "at '/operator/replicas'"),
+        ({"operator": {"runAsUser": 0}}, "at '/operator/runAsUser'"),
+        ({"sidecar": {"runAsUser": "nobody"}}, "at '/sidecar/runAsUser'"),
         # removed: it re-opened the other ports with endPort ranges, which CNIs without endPort cut
         (
             {"networkPolicy": {"peers": {"otherPorts": True}}},
@@ -353,8 +371,6 @@ def test_schema_rejects_at_render_and_lint_too(chart: Any) -> None:
 
 
 def test_values_the_schema_cannot_express_fail_the_render(chart: Any) -> None:
-    with pytest.raises(helm.HelmRenderError, match=r"needs operator\.peering"):
-        chart.render({"operator": {"replicas": 2}}, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(helm.HelmRenderError, match="must not contain the release namespace"):
         chart.render({"watchNamespaces": [NAMESPACE]}, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(
@@ -400,18 +416,18 @@ def test_rbac_cluster_wide_is_the_least_privilege_list(chart: Any) -> None:
     objects = render(chart)
     assert not workload_roles(objects)
     assert rules_of(tls_role(objects)) == TLS_SECRET_RULES
-    role = one(objects, "ClusterRole")
+    role = one(installed(objects), "ClusterRole")
     assert rules_of(role) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
         **WORKLOAD_RULES,
     }
-    binding = one(objects, "ClusterRoleBinding")
+    binding = one(installed(objects), "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "strata", "namespace": NAMESPACE}]
     # with cert-manager the operator reads its mounted Secret: no Secret or webhook rights at all
     objects = render(chart, MATRIX["cert-manager"])
-    assert rules_of(one(objects, "ClusterRole")) == {
+    assert rules_of(one(installed(objects), "ClusterRole")) == {
         **CLUSTER_RULES,
         **WORKLOAD_RULES,
     }
@@ -435,7 +451,7 @@ def test_rbac_table_in_the_chart_readme_lists_the_same_verbs() -> None:
 def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
     objects = render(chart, MATRIX["namespaced"])
     # TokenReview, CRDs and the two webhook configurations are cluster-scoped: no Role can grant them
-    assert rules_of(one(objects, "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
+    assert rules_of(one(installed(objects), "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
     roles = workload_roles(objects)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
@@ -451,15 +467,15 @@ def test_rbac_namespaced_mode_uses_roles_per_namespace(chart: Any) -> None:
 
 
 def test_rbac_peering(chart: Any) -> None:
-    objects = render(chart, MATRIX["replicas-peering"])
-    assert rules_of(one(objects, "ClusterRole")) == {
+    objects = render(chart, MATRIX["peering"])
+    assert rules_of(one(installed(objects), "ClusterRole")) == {
         **CLUSTER_RULES,
         **TLS_CLUSTER_RULES,
         **CLUSTER_PEERING_RULES,
         **WORKLOAD_RULES,
     }
     deployment = one(objects, "Deployment")
-    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     # standalone: never two acting operators, not even during an upgrade
     assert one(render(chart), "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
@@ -470,7 +486,7 @@ def test_rbac_peering(chart: Any) -> None:
     assert not by_kind(objects, "KopfPeering")
     assert not [o for o in render(chart) if (o["apiVersion"], o["kind"]) in PEERING_KINDS]
     # namespaced mode: kopf peers in every watched namespace (none in the release namespace)
-    two = {"watchNamespaces": ["team-a", "team-b"], "operator": {"replicas": 2, "peering": "p"}}
+    two = {"watchNamespaces": ["team-a", "team-b"], "operator": {"peering": "p"}}
     objects = render(chart, two)
     assert not by_kind(objects, "ClusterKopfPeering")
     peerings = by_kind(objects, "KopfPeering")
@@ -489,7 +505,7 @@ def test_rbac_peering(chart: Any) -> None:
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["roleRef"]["name"] == "strata-peering" and b["subjects"][0]["namespace"] == NAMESPACE
-    assert rules_of(one(objects, "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
+    assert rules_of(one(installed(objects), "ClusterRole")) == {**CLUSTER_RULES, **TLS_CLUSTER_RULES}
     objects = render(chart, MATRIX["namespaced-peering"])
     peering_roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == "strata-peering"]
     assert [(r["metadata"]["namespace"], rules_of(r)) for r in peering_roles] == [
@@ -657,6 +673,7 @@ def test_operator_deployment(chart: Any) -> None:
         '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
         "--shm-size=2Gi",
         "--sidecar-pull-policy=IfNotPresent",
+        "--sidecar-run-as-user=65532",
         f"--sidecar-report-url=https://strata.{NAMESPACE}.svc:8443",
         "--own-namespace=$(POD_NAMESPACE)",
     ]
@@ -700,14 +717,53 @@ def test_network_policy(chart: Any) -> None:
     assert not by_kind(render(chart, MATRIX["no-networkpolicy"]), "NetworkPolicy")
 
 
-def test_hooks(chart: Any) -> None:
-    objects = render(chart, MATRIX["namespaced"])
+#: The pre-delete hook's own right, for its moment only: delete this release's mutating webhook
+#: configuration (get: read its timeout, to wait for admissions under way), so that no pod created
+#: after the hook is gated by a webhook whose operator is going away.
+HOOK_RULES = {("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "strata"): {"get", "delete"}}
+
+
+@pytest.mark.parametrize("case", ["namespaced", "defaults", "cert-manager"])
+def test_hooks(chart: Any, case: str) -> None:
+    """The pre-delete hook first deletes the mutating webhook configuration (the uninstall deletes it
+    anyway; until then it gates every new opted-in pod), then lifts the gates: its command names the
+    configuration, and a hook-only ClusterRole, created before the Job, grants exactly that delete."""
+    objects = render(chart, MATRIX[case])
     [job] = by_kind(objects, "Job")
-    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    annotations = job["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-delete"
     [container] = job["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["strata", "operator"]
-    assert container["args"] == ["--lift-gates", "--namespace=team-a", "--namespace=team-b"]
-    assert job["spec"]["template"]["spec"]["serviceAccountName"] == "strata"
+    namespaces = [f"--namespace={n}" for n in MATRIX[case].get("watchNamespaces", [])]
+    assert container["args"] == ["--lift-gates", "--webhook-configuration=strata", *namespaces]
+    [mutating] = by_kind(objects, "MutatingWebhookConfiguration")
+    assert mutating["metadata"]["name"] == "strata"
+    service_account = job["spec"]["template"]["spec"]["serviceAccountName"]
+    assert service_account == "strata"
+    [role] = [r for r in by_kind(objects, "ClusterRole") if r not in installed(objects)]
+    [binding] = [b for b in by_kind(objects, "ClusterRoleBinding") if b not in installed(objects)]
+    assert rules_of(role) == HOOK_RULES
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": service_account, "namespace": NAMESPACE}
+    ]
+    for obj in (role, binding):
+        hook = obj["metadata"]["annotations"]
+        assert hook["helm.sh/hook"] == "pre-delete"
+        assert int(hook["helm.sh/hook-weight"]) < int(annotations["helm.sh/hook-weight"])  # before the Job
+        assert set(hook["helm.sh/hook-delete-policy"].split(",")) == {
+            "before-hook-creation",
+            "hook-succeeded",
+        }
+    # the operator itself never holds that delete
+    [key] = HOOK_RULES
+    assert all(
+        "delete" not in rules_of(r).get(key, set()) for r in installed(by_kind(objects, "ClusterRole"))
+    )
     tests = [o for o in by_kind(objects, "Pod") if o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     assert len(tests) == 1
 
@@ -994,3 +1050,192 @@ def test_the_peer_network_policy_admits_the_peer_port_from_peers_only(chart: Any
         chart, {"networkPolicy": {"enabled": False, "peers": {"enabled": True, "namespaces": ["ml"]}}}
     )
     assert [p["metadata"]["name"] for p in by_kind(alone, "NetworkPolicy")] == [f"{RELEASE}-peers"]
+
+
+# --- one operator replica and its upgrades --------------------------------------------------------------
+
+
+def test_more_than_one_replica_is_refused_by_the_helm_engine(chart: Any) -> None:
+    """A second replica is broken, not highly available (reports and in-place acknowledgements reach a
+    paused replica, latestStep goes stale, two Checkpoints carry latest=true): the schema refuses it,
+    peering or not, through `helm install`, `helm template` and `helm lint` alike."""
+    replicas = chart.schema["properties"]["operator"]["properties"]["replicas"]
+    assert (replicas["minimum"], replicas["maximum"]) == (1, 1)
+    assert "paused" in replicas["description"] and "restarts" in replicas["description"]
+    for values in ({"operator": {"replicas": 2}}, {"operator": {"replicas": 3, "peering": "strata"}}):
+        with pytest.raises(helm.HelmValuesError, match="at '/operator/replicas'"):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+        report = helm.lint(CHART, values, strict=True)
+        assert any("/operator/replicas" in e for e in report["errors"]), report
+    assert one(render(chart, {"operator": {"replicas": 1}}), "Deployment")["spec"]["replicas"] == 1
+
+
+def test_an_upgrade_never_runs_two_acting_operators(chart: Any) -> None:
+    """Standalone, the old pod goes before the new one starts (Recreate). With peering the new pod
+    starts beside the old one (surge 1, unavailable 0: the webhooks keep a ready endpoint) and waits,
+    paused, until the old one has exited; meanwhile the Service keeps every sidecar on the pod it
+    reached before (ClientIP affinity), so reports keep going to the acting operator. No
+    PodDisruptionBudget: for one replica minAvailable 1 would block every node drain, and
+    maxUnavailable 1 would budget nothing."""
+    standalone = one(render(chart), "Deployment")["spec"]
+    assert standalone["replicas"] == 1 and standalone["strategy"] == {"type": "Recreate"}
+    peering = one(render(chart, MATRIX["peering"]), "Deployment")["spec"]
+    assert peering["replicas"] == 1
+    assert peering["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    for case in ("defaults", "peering", "namespaced-peering"):
+        assert one(render(chart, MATRIX[case]), "Service")["spec"]["sessionAffinity"] == "ClientIP"
+    for case in sorted(MATRIX):
+        assert not by_kind(render(chart, MATRIX[case]), "PodDisruptionBudget"), case
+
+
+# --- GitOps: `helm template` (Argo CD), Flux ------------------------------------------------------------
+
+WEBHOOK_KINDS = ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+
+
+def test_a_render_without_a_cluster_has_no_ca_bundle_at_all(chart: Any) -> None:
+    """`helm template` (Argo CD) finds no Secret to look up: the chart cannot know the bundle and
+    renders no caBundle field at all (an empty one would be restored over the operator's by every
+    self-heal, and failurePolicy Fail would refuse opted-in pods); the operator patches it in. With
+    cert-manager its CA injector fills it (cert-manager.io/inject-ca-from)."""
+    for case in ("defaults", "namespaced", "cert-manager", "cert-manager-issuer"):
+        manifests = chart.render(MATRIX[case], name=RELEASE, namespace=NAMESPACE)
+        assert "caBundle" not in manifests["strata/templates/webhook.yaml"], case
+        objects = render(chart, MATRIX[case])
+        for kind in WEBHOOK_KINDS:
+            config = one(objects, kind)
+            for hook in config["webhooks"]:
+                assert set(hook["clientConfig"]) == {"service"}, (case, kind)
+            inject = (config["metadata"].get("annotations") or {}).get("cert-manager.io/inject-ca-from")
+            if "cert-manager" in case:
+                assert inject == f"{NAMESPACE}/strata-serving"
+            else:
+                assert inject is None
+                args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+                assert f"--webhook-configuration={config['metadata']['name']}" in args
+
+
+def _yaml_snippets(kind: str) -> list[dict[str, Any]]:
+    """The ```yaml blocks of charts/strata/README.md holding an object of ``kind``."""
+    found = []
+    for block in re.findall(r"```yaml\n(.*?)```", (CHART / "README.md").read_text(), re.S):
+        found += [d for d in yaml.safe_load_all(block) if isinstance(d, dict) and d.get("kind") == kind]
+    return found
+
+
+def _webhook_configurations(chart: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {
+        (kind, one(render(chart), kind)["metadata"]["name"]): one(render(chart), kind)
+        for kind in WEBHOOK_KINDS
+    }
+
+
+def test_the_argo_cd_snippet_leaves_both_bundles_to_the_operator(chart: Any) -> None:
+    """The Application in the chart README (copy-paste): ignoreDifferences names exactly the webhook
+    configurations the chart renders, on the field the operator writes, and sync respects it."""
+    [app] = _yaml_snippets("Application")
+    assert app["apiVersion"] == "argoproj.io/v1alpha1"
+    spec = app["spec"]
+    assert spec["source"]["path"] == "charts/strata" and spec["source"]["helm"]["releaseName"] == RELEASE
+    assert spec["destination"]["namespace"] == NAMESPACE
+    rendered = _webhook_configurations(chart)
+    ignored = {
+        (entry["kind"], entry["name"]): entry
+        for entry in spec["ignoreDifferences"]
+        if entry.get("group") == "admissionregistration.k8s.io"
+    }
+    assert set(ignored) == set(rendered)
+    for key, entry in ignored.items():
+        assert entry["jqPathExpressions"] == [".webhooks[]?.clientConfig.caBundle"]
+        assert all("clientConfig" in hook for hook in rendered[key]["webhooks"])  # the path's parent exists
+    assert "RespectIgnoreDifferences=true" in spec["syncPolicy"]["syncOptions"]
+
+
+def test_the_flux_snippet_ignores_the_bundle_of_every_webhook(chart: Any) -> None:
+    """Flux runs Helm against the cluster (the lookup works, the bundle of the last upgrade is in the
+    manifest): drift correction must leave the field to the operator, one JSON pointer per webhook."""
+    [release] = _yaml_snippets("HelmRelease")
+    assert release["apiVersion"] == "helm.toolkit.fluxcd.io/v2"
+    assert release["spec"]["releaseName"] == RELEASE
+    drift = release["spec"]["driftDetection"]
+    assert drift["mode"] == "enabled"
+    ignored = {(rule["target"]["kind"], rule["target"]["name"]): rule["paths"] for rule in drift["ignore"]}
+    rendered = _webhook_configurations(chart)
+    assert set(ignored) == set(rendered)
+    for key, config in rendered.items():
+        assert ignored[key] == [
+            f"/webhooks/{i}/clientConfig/caBundle" for i in range(len(config["webhooks"]))
+        ]
+
+
+# --- OpenShift: runAsUser -------------------------------------------------------------------------------
+
+
+def _security(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, securityContext) of every pod and container the chart runs itself."""
+    found = []
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "Job"):
+            pod = obj["spec"]["template"]["spec"]
+        elif obj["kind"] == "Pod":
+            pod = obj["spec"]
+        else:
+            continue
+        found.append((f"{obj['kind']}/{obj['metadata']['name']}", pod["securityContext"]))
+        found += [(f"{obj['kind']}/{c['name']}", c["securityContext"]) for c in pod["containers"]]
+    return found
+
+
+def test_run_as_user_is_settable_and_omitted_for_openshift(chart: Any) -> None:
+    """OpenShift's restricted-v2 SCC refuses a fixed runAsUser (and fsGroup) outside the namespace's
+    range: null omits them, for the operator's own pods (operator.runAsUser) and the injected sidecar
+    (sidecar.runAsUser, passed to the operator), and runAsNonRoot stays."""
+    objects = render(chart, {"storage": {"uri": "s3://b/p"}})
+    for where, context in _security(objects):
+        assert context["runAsUser"] == 65532 and context["runAsGroup"] == 65532, where
+        assert context["runAsNonRoot"] is True
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--sidecar-run-as-user=65532" in args
+    objects = render(chart, MATRIX["openshift"])
+    assert len(_security(objects)) == 6  # operator, hook and test pods and their containers
+    for where, context in _security(objects):
+        assert not {"runAsUser", "runAsGroup", "fsGroup"} & set(context), where
+        assert context["runAsNonRoot"] is True
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--sidecar-run-as-user")] == ["--sidecar-run-as-user=none"]
+    custom = render(chart, {"storage": {"uri": "s3://b/p"}, "operator": {"runAsUser": 1000700000}})
+    assert {c["runAsUser"] for _, c in _security(custom)} == {1000700000}
+    pod = one(custom, "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == 1000700000
+    # without injection there is no sidecar to tell about
+    args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith("--sidecar-run-as-user")]
+
+
+#: Flags the chart passes that the operator's command line has yet to accept: the sidecar's runAsUser
+#: (an integer, or `none` to omit it), which the operator gains with the OpenShift support.
+PENDING_FLAGS = {"--sidecar-run-as-user"}
+
+
+@pytest.mark.parametrize(
+    "case", ["defaults", "restricted-metrics", "openshift", "namespaced", "cert-manager"]
+)
+def test_the_operator_accepts_every_flag_the_chart_passes(chart: Any, case: str) -> None:
+    """The Deployment's and the hook's arguments parse with `strata operator`'s own parser: a renamed or
+    removed flag fails here, not in a CrashLoopBackOff."""
+    from sidecar.operator import cli
+
+    objects = render(chart, {**MATRIX[case], "storage": {"uri": "s3://b/p"}})
+    for kind in ("Deployment", "Job"):
+        [container] = one(objects, kind)["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["strata", "operator"]
+        args = [a for a in container["args"] if a.split("=", 1)[0] not in PENDING_FLAGS]
+        parser = argparse.ArgumentParser(prog="strata operator", exit_on_error=False)
+        cli.add_arguments(parser)
+        parsed, unknown = parser.parse_known_args(args)
+        assert unknown == [], (kind, unknown)
+        if kind == "Job":
+            assert parsed.lift_gates and parsed.webhook_configurations == ["strata"]

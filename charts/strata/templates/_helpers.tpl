@@ -54,13 +54,16 @@ app.kubernetes.io/part-of: strata
 {{- printf "%s-serving" (include "strata.fullname" .) }}
 {{- end }}
 
-{{/* The hardened securityContext of every container the chart runs. */}}
+{{/* The hardened securityContext of every container the chart runs. operator.runAsUser null: no user,
+group or fsGroup (OpenShift's restricted-v2 SCC assigns them from the namespace's range). */}}
 {{- define "strata.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
 runAsNonRoot: true
-runAsUser: 65532
-runAsGroup: 65532
+{{- with .Values.operator.runAsUser }}
+runAsUser: {{ int . }}
+runAsGroup: {{ int . }}
+{{- end }}
 capabilities:
   drop: [ALL]
 seccompProfile:
@@ -69,9 +72,11 @@ seccompProfile:
 
 {{- define "strata.podSecurityContext" -}}
 runAsNonRoot: true
-runAsUser: 65532
-runAsGroup: 65532
-fsGroup: 65532
+{{- with .Values.operator.runAsUser }}
+runAsUser: {{ int . }}
+runAsGroup: {{ int . }}
+fsGroup: {{ int . }}
+{{- end }}
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
@@ -95,9 +100,6 @@ matchExpressions:
 
 {{/* Checks values the schema cannot express. */}}
 {{- define "strata.validate" -}}
-{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.peering) }}
-{{- fail "operator.replicas > 1 needs operator.peering (a kopf peering name): only one replica may act at a time" }}
-{{- end }}
 {{- if has .Release.Namespace .Values.watchNamespaces }}
 {{- fail (printf "watchNamespaces must not contain the release namespace %q: the webhooks skip it" .Release.Namespace) }}
 {{- end }}
