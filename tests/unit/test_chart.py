@@ -673,7 +673,7 @@ def test_operator_deployment(chart: Any) -> None:
         '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
         "--shm-size=2Gi",
         "--sidecar-pull-policy=IfNotPresent",
-        "--sidecar-run-as-user=65532",
+        "--sidecar-user=65532",
         f"--sidecar-report-url=https://strata.{NAMESPACE}.svc:8443",
         "--own-namespace=$(POD_NAMESPACE)",
     ]
@@ -1198,26 +1198,21 @@ def test_run_as_user_is_settable_and_omitted_for_openshift(chart: Any) -> None:
         assert context["runAsUser"] == 65532 and context["runAsGroup"] == 65532, where
         assert context["runAsNonRoot"] is True
     args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--sidecar-run-as-user=65532" in args
+    assert "--sidecar-user=65532" in args
     objects = render(chart, MATRIX["openshift"])
     assert len(_security(objects)) == 6  # operator, hook and test pods and their containers
     for where, context in _security(objects):
         assert not {"runAsUser", "runAsGroup", "fsGroup"} & set(context), where
         assert context["runAsNonRoot"] is True
     args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith("--sidecar-run-as-user")] == ["--sidecar-run-as-user=none"]
+    assert [a for a in args if a.startswith("--sidecar-user")] == ["--sidecar-user=none"]
     custom = render(chart, {"storage": {"uri": "s3://b/p"}, "operator": {"runAsUser": 1000700000}})
     assert {c["runAsUser"] for _, c in _security(custom)} == {1000700000}
     pod = one(custom, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["fsGroup"] == 1000700000
     # without injection there is no sidecar to tell about
     args = one(render(chart), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert not [a for a in args if a.startswith("--sidecar-run-as-user")]
-
-
-#: Flags the chart passes that the operator's command line has yet to accept: the sidecar's runAsUser
-#: (an integer, or `none` to omit it), which the operator gains with the OpenShift support.
-PENDING_FLAGS = {"--sidecar-run-as-user"}
+    assert not [a for a in args if a.startswith("--sidecar-user")]
 
 
 @pytest.mark.parametrize(
@@ -1232,7 +1227,7 @@ def test_the_operator_accepts_every_flag_the_chart_passes(chart: Any, case: str)
     for kind in ("Deployment", "Job"):
         [container] = one(objects, kind)["spec"]["template"]["spec"]["containers"]
         assert container["command"] == ["strata", "operator"]
-        args = [a for a in container["args"] if a.split("=", 1)[0] not in PENDING_FLAGS]
+        args = container["args"]
         parser = argparse.ArgumentParser(prog="strata operator", exit_on_error=False)
         cli.add_arguments(parser)
         parsed, unknown = parser.parse_known_args(args)
