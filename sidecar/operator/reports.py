@@ -416,6 +416,13 @@ class _Job:
     steps: set[int]
     latest: int | None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    loaded_at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+#: How long the writer trusts what it knows of a job's Checkpoints before one LIST reloads (and
+#: repairs) it: another writer may have acted meanwhile (an operator upgrade's overlap, a drained
+#: pod still finishing a write), which could leave a second Checkpoint labelled latest.
+RELOAD_S = 600.0
 
 
 class CheckpointWriter:
@@ -437,8 +444,10 @@ class CheckpointWriter:
         metrics: OperatorMetrics | None = None,
         on_commit: OnCommit | None = None,
         current_generation: Callable[[str, str], str | None] | None = None,
+        reload_s: float = RELOAD_S,
     ) -> None:
         self.api = api
+        self.reload_s = reload_s
         self.attempt_of = attempt_of
         self.on_heartbeat = on_heartbeat
         self.on_commit = on_commit
@@ -545,11 +554,13 @@ class CheckpointWriter:
 
     async def _job(self, namespace: str, job: str) -> _Job:
         key = (namespace, job)
-        if key in self._jobs:
-            return self._jobs[key]
+        known = self._jobs.get(key)
+        if known is not None and time.monotonic() - known.loaded_at < self.reload_s:
+            return known
         async with self._loading.setdefault(key, asyncio.Lock()):
-            if key in self._jobs:
-                return self._jobs[key]
+            known = self._jobs.get(key)
+            if known is not None and time.monotonic() - known.loaded_at < self.reload_s:
+                return known
             listing = await self.api.request(
                 "GET", _checkpoints(namespace), params={"labelSelector": f"{JOB_LABEL}={job}"}
             )

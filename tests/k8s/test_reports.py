@@ -565,6 +565,24 @@ async def test_latest_label_moves(k8s: K8s, op: Operator, token: str) -> None:
         await stop_operator(fresh)
 
 
+async def test_two_writers_in_turn_leave_one_latest_once_the_stale_one_reloads(
+    k8s: K8s, op: Operator, token: str
+) -> None:
+    """Two operator processes overlapping (an upgrade, a drained pod finishing its writes): the one
+    whose knowledge is stale would leave a second Checkpoint labelled latest; it reloads what it
+    knows after ``reload_s``, which repairs the labels before its next commit."""
+    assert (await op.post(token, [report(1000)]))[1]["accepted"] == 1
+    other = await start_operator(k8s)
+    try:
+        assert (await other.post(token, [report(1200)]))[1]["accepted"] == 1
+    finally:
+        await stop_operator(other)
+    assert await op.latest() == ["recsys-000000001200"]
+    op.writer.reload_s = 0.0  # what RELOAD_S does in time
+    assert (await op.post(token, [report(1400)]))[1]["accepted"] == 1
+    assert await op.latest() == ["recsys-000000001400"]
+
+
 async def test_retention_delete_removes_checkpoint(op: Operator, token: str) -> None:
     assert (await op.post(token, [report(1000), report(1200)]))[1]["accepted"] == 2
     # Another attempt's retention never deletes this attempt's Checkpoint.
