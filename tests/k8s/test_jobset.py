@@ -1,4 +1,4 @@
-"""JobSets end to end: the real operator (kopf watching the
+"""JobSets (and Kubeflow Trainer v2 TrainJobs) end to end: the real operator (kopf watching the
 emulated API), a JobSet controller (tests/k8s/jobset_sim.py) restarting the gang itself under
 BlockingRecreate, and the kubelets of tests/k8s/cluster.py.
 
@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+import yaml
 
-from sidecar.operator import names
+from sidecar.operator import names, webhook
 from tests.k8s.cluster import Cluster, create
 from tests.k8s.conftest import K8s, call
 from tests.k8s.jobset_sim import JobSetController
@@ -232,3 +234,190 @@ async def test_a_pod_of_the_current_attempt_is_never_fenced(k8s: K8s) -> None:
         status, body = await call(k8s, "GET", "/api/v1/namespaces/default/pods/kept-workers-0-0-x")
         assert status == 200 and body["metadata"].get("deletionTimestamp"), body
         assert "PodFenced" not in await reasons(k8s, "kept")
+
+
+# ---- Kubeflow Trainer v2 -------------------------------------------------------------------------------
+
+#: kubeflow/trainer manifests/base/runtimes/torch_distributed.yaml (the default torch runtime).
+TORCH_DISTRIBUTED = {
+    "apiVersion": "trainer.kubeflow.org/v1alpha1",
+    "kind": "ClusterTrainingRuntime",
+    "metadata": {"name": "torch-distributed", "labels": {"trainer.kubeflow.org/framework": "torch"}},
+    "spec": {
+        "mlPolicy": {"numNodes": 1, "torch": {}},
+        "template": {
+            "spec": {
+                "replicatedJobs": [
+                    {
+                        "name": "node",
+                        "template": {
+                            "metadata": {
+                                "labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+                            },
+                            "spec": {
+                                "template": {
+                                    "spec": {
+                                        "containers": [
+                                            {
+                                                "name": "node",
+                                                "image": "pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime",
+                                            }
+                                        ]
+                                    }
+                                }
+                            },
+                        },
+                    }
+                ]
+            }
+        },
+    },
+}
+
+
+#: The TrainJob's uid (it is not an object of the emulated API; its JobSet names it as its owner).
+TRAINJOB_UID = "6c1f0e52-1d3c-4a43-9a55-0c0ffee00001"
+
+
+def trainjob(name: str, runtime: str, nodes: int, *, opt_in_patch: bool = False) -> dict[str, Any]:
+    """A TrainJob; ``opt_in_patch``: it opts its pods in itself, through runtimePatches."""
+    body: dict[str, Any] = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"runtimeRef": {"name": runtime}, "trainer": {"numNodes": nodes, "command": ["torchrun"]}},
+    }
+    if opt_in_patch:
+        labels = {names.OPT_IN_LABEL: names.OPT_IN_VALUE}
+        pod = {"template": {"metadata": {"labels": labels}}}
+        body["spec"]["runtimePatches"] = [
+            {
+                "manager": "example.com/user",
+                "trainingRuntimeSpec": {
+                    "template": {"spec": {"replicatedJobs": [{"name": "node", "template": {"spec": pod}}]}}
+                },
+            }
+        ]
+    return body
+
+
+def trainer_jobset(job: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
+    """The JobSet the Kubeflow Trainer controller builds for ``job`` (pkg/runtime/framework/plugins
+    /jobset: the runtime's JobSet template, numNodes as the trainer Job's parallelism and completions,
+    the runtimePatches' pod labels, the TrainJob as its controller), as JobSet's defaulting webhook
+    leaves it (completionMode Indexed, restartPolicy OnFailure where unset)."""
+    spec = copy.deepcopy(runtime["spec"]["template"]["spec"])
+    patches = {
+        r["name"]: r["template"]["spec"]["template"]["metadata"]["labels"]
+        for patch in job["spec"].get("runtimePatches") or []
+        for r in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    }
+    for rjob in spec["replicatedJobs"]:
+        job_spec = rjob["template"]["spec"]
+        if (
+            rjob["template"]["metadata"]["labels"].get("trainer.kubeflow.org/trainjob-ancestor-step")
+            == "trainer"
+        ):
+            rjob["replicas"] = 1
+            job_spec["parallelism"] = job_spec["completions"] = job["spec"]["trainer"]["numNodes"]
+        job_spec.setdefault("completionMode", "Indexed")
+        pod = job_spec["template"]
+        pod.setdefault("metadata", {}).setdefault("labels", {}).update(patches.get(rjob["name"], {}))
+        pod["spec"].setdefault("restartPolicy", "OnFailure")
+    meta = job["metadata"]
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta.get("namespace", "default"),
+            "ownerReferences": [
+                {
+                    "apiVersion": "trainer.kubeflow.org/v1alpha1",
+                    "kind": "TrainJob",
+                    "name": meta["name"],
+                    "uid": meta.get("uid", TRAINJOB_UID),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": spec,
+    }
+
+
+def review(obj: dict[str, Any]) -> dict[str, Any]:
+    """The validating webhook's answer to creating ``obj``."""
+    request = {"uid": "u-1", "operation": "CREATE", "object": obj}
+    response: dict[str, Any] = webhook.validate(request)["response"]
+    return response
+
+
+def docs_snippet() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The runtime and the TrainJob docs/operator.md gives to copy."""
+    for block in re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), flags=re.S):
+        docs = [d for d in yaml.safe_load_all(block) if d]
+        kinds = {d["kind"]: d for d in docs}
+        if {"ClusterTrainingRuntime", "TrainJob"} <= set(kinds):
+            return kinds["ClusterTrainingRuntime"], kinds["TrainJob"]
+    raise AssertionError("docs/operator.md has no runtime and TrainJob to copy")
+
+
+def test_a_trainjob_on_the_default_runtime_is_refused_naming_the_trainjob_and_the_runtime_field() -> None:
+    """The default runtimes set no failurePolicy: their JobSets never restart a gang. The denial
+    reaches the user only as the trainer's Event on the TrainJob (cut at 950 characters): it names
+    the TrainJob and the runtime's field first."""
+    job = trainjob("llm", "torch-distributed", 2, opt_in_patch=True)
+    response = review(trainer_jobset(job, TORCH_DISTRIBUTED))
+    assert response["allowed"] is False
+    message = response["status"]["message"]
+    head = message[:950]
+    assert head.startswith("Strata: TrainJob llm: set spec.template.spec.failurePolicy: "), message
+    assert "restartStrategy: BlockingRecreate" in head and "spec.runtimeRef" in head
+    assert "runtimePatches cannot set it" in head and "never restarts" in head
+    # the child Jobs would retry pods alone (JobSet's OnFailure default, backoffLimit 6): warned
+    warnings = response.get("warnings") or []
+    assert any("restartPolicy is OnFailure" in w for w in warnings), warnings
+    assert any("backoffLimit is 6 (the default)" in w for w in warnings), warnings
+
+
+def test_an_opted_in_runtime_without_blocking_recreate_is_refused_and_the_docs_runtime_passes() -> None:
+    runtime = copy.deepcopy(TORCH_DISTRIBUTED)
+    template = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    template["metadata"] = {"labels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}}
+    response = review(runtime)
+    assert response["allowed"] is False
+    assert "spec.template.spec.failurePolicy is unset" in response["status"]["message"]
+    runtime["spec"]["template"]["spec"]["failurePolicy"] = {"restartStrategy": "Recreate", "maxRestarts": 3}
+    response = review(runtime)
+    assert response["allowed"] is False
+    assert "spec.template.spec.failurePolicy.restartStrategy is Recreate" in response["status"]["message"]
+    for kind in ("ClusterTrainingRuntime", "TrainingRuntime"):
+        documented, job = docs_snippet()
+        documented["kind"] = kind
+        response = review(documented)
+        assert response["allowed"] is True and not response.get("warnings"), response
+    # and the JobSet the trainer builds from it, for the documented TrainJob
+    response = review(trainer_jobset(job, documented))
+    assert response["allowed"] is True and not response.get("warnings"), response
+
+
+@pytest.mark.asyncio
+async def test_a_trainjob_on_the_documented_runtime_restarts_and_succeeds(
+    k8s: K8s, jobsets: JobSetController
+) -> None:
+    runtime, job = docs_snippet()
+    body = trainer_jobset(job, runtime)
+    world = job["spec"]["trainer"]["numNodes"]
+    async with operator(k8s):
+        uid, pods = await start(k8s, jobsets, body, world)
+        await jobsets.cluster.fail(pods[1], 1)
+        pods = await until(lambda: gang(jobsets, "llm", 1, world), 10, "attempt 1 running")
+        status = await until(lambda: _status_is(k8s, "llm", generation=f"{uid}/1", phase="Running"), 10)
+        assert status["restarts"] == 1 and status["restartLimit"] == 3
+        for pod in pods:
+            await jobsets.cluster.succeed(pod)
+        status = await until(lambda: _status_is(k8s, "llm", phase="Succeeded"), 10, "Succeeded")
+        assert condition(status, "Succeeded")["reason"] == "JobSetCompleted"
+        assert {"JobSetRestarted", "JobSetCompleted"} <= set(await reasons(k8s, "llm"))
+        await assert_valid(k8s, "llm")
