@@ -145,19 +145,38 @@ def mutation_response(uid: str, patch: list[dict[str, Any]]) -> dict[str, Any]:
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
-def _templates(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """(where, pod template) of a Job, or of each replicated Job of a JobSet."""
+#: Kubeflow Trainer v2: a TrainJob's JobSet is built from the runtime it names (its
+#: ``spec.runtimeRef``), whose JobSet template sits at ``spec.template.spec``.
+TRAINER_API_GROUP = "trainer.kubeflow.org"
+RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
+
+
+def _jobset_spec(obj: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """(field path, JobSet spec) of a JobSet, or of the JobSet template of a Kubeflow Trainer
+    runtime; None for other kinds."""
     kind = obj.get("kind")
     spec = obj.get("spec") or {}
-    if kind == "Job":
-        return [("spec.template", spec.get("template") or {})]
     if kind == "JobSet":
-        out = []
-        for i, rjob in enumerate(spec.get("replicatedJobs") or []):
-            template = ((rjob.get("template") or {}).get("spec") or {}).get("template") or {}
-            out.append((f"spec.replicatedJobs[{i}] ({rjob.get('name', '?')})", template))
-        return out
-    return []
+        return "spec", spec
+    if kind in RUNTIME_KINDS:
+        return "spec.template.spec", (spec.get("template") or {}).get("spec") or {}
+    return None
+
+
+def _templates(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(where, pod template) of a Job, or of each replicated Job of a JobSet (or of a runtime's
+    JobSet template)."""
+    if obj.get("kind") == "Job":
+        return [("spec.template", (obj.get("spec") or {}).get("template") or {})]
+    found = _jobset_spec(obj)
+    if found is None:
+        return []
+    prefix, spec = found
+    out = []
+    for i, rjob in enumerate(spec.get("replicatedJobs") or []):
+        template = ((rjob.get("template") or {}).get("spec") or {}).get("template") or {}
+        out.append((f"{prefix}.replicatedJobs[{i}] ({rjob.get('name', '?')})", template))
+    return out
 
 
 def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: table.JobSettings) -> list[str]:
@@ -262,12 +281,13 @@ def _redundancy_warnings(
     mode = env.get("STRATA_REDUNDANCY", "off")
     if mode == "off":
         return []
-    if obj.get("kind") == "JobSet":
-        network = (obj.get("spec") or {}).get("network") or {}
-        if network.get("enableDNSHostnames") is False:
+    jobset = _jobset_spec(obj)
+    if jobset is not None:
+        prefix, spec = jobset
+        if (spec.get("network") or {}).get("enableDNSHostnames") is False:
             return [
                 f"{where}: strata.dev/redundancy={mode} needs the pods' DNS names, but "
-                "spec.network.enableDNSHostnames is false; the injected sidecars are refused"
+                f"{prefix}.network.enableDNSHostnames is false; the injected sidecars are refused"
             ]
         return []
     spec = obj.get("spec") or {}
@@ -364,16 +384,86 @@ def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         warnings += _redundancy_warnings(obj, where, template, parsed.sidecar_env)
         if kind == "Job":
             warnings += _job_warnings(obj.get("spec") or {}, template, parsed.job)
-        elif "strata.dev/max-restarts" in ((template.get("metadata") or {}).get("annotations") or {}):
+            continue
+        if "strata.dev/max-restarts" in ((template.get("metadata") or {}).get("annotations") or {}):
             warnings.append(
                 f"{where}: strata.dev/max-restarts has no effect on a JobSet; JobSet restarts the gang "
                 "itself (spec.failurePolicy.maxRestarts) and Strata adds no second retry layer"
             )
-    if kind == "JobSet":
-        strategy = ((obj.get("spec") or {}).get("failurePolicy") or {}).get("restartStrategy")
-        if strategy != "BlockingRecreate":
-            problems.append(
-                f"spec.failurePolicy.restartStrategy is {strategy or 'unset (Recreate)'}; Strata needs "
-                "BlockingRecreate, so the old gang is gone before the new one starts"
-            )
+    jobset = _jobset_spec(obj)
+    if jobset is not None:
+        warnings += _child_job_warnings(*jobset)
+        problem = _restart_problem(obj, *jobset)
+        if problem:
+            problems.insert(0, problem)  # first: a TrainJob's Event shows only the start of it
     return problems, warnings
+
+
+def _child_job_warnings(prefix: str, spec: Mapping[str, Any]) -> list[str]:
+    """A JobSet's child Job retries a failed pod on its own (the kubelet, with OnFailure, JobSet's
+    default; the Job controller, up to backoffLimit) into a gang that has moved on, before JobSet
+    restarts the whole gang; with Never and backoffLimit 0 a failed pod fails its Job at once."""
+    warnings = []
+    for i, rjob in enumerate(spec.get("replicatedJobs") or []):
+        job_spec = (rjob.get("template") or {}).get("spec") or {}
+        template = job_spec.get("template") or {}
+        if not opted_in(template):
+            continue
+        where = f"{prefix}.replicatedJobs[{i}] ({rjob.get('name', '?')}).template.spec"
+        restart_policy = (template.get("spec") or {}).get("restartPolicy") or "OnFailure (JobSet's default)"
+        if restart_policy != "Never":
+            warnings.append(
+                f"{where}.template.spec.restartPolicy is {restart_policy}: the kubelet restarts one "
+                "rank's trainer alone, into a gang that has moved on; set restartPolicy: Never"
+            )
+        limit = job_spec.get("backoffLimit", 6)
+        if limit != 0:
+            warnings.append(
+                f"{where}.backoffLimit is {limit}{'' if 'backoffLimit' in job_spec else ' (the default)'}: "
+                "the Job controller replaces a failed pod alone, into a gang that has moved on, before "
+                "JobSet restarts the whole gang; set backoffLimit: 0"
+            )
+    return warnings
+
+
+def _trainjob_owner(obj: Mapping[str, Any]) -> str | None:
+    """The name of the Kubeflow Trainer TrainJob that controls this JobSet, if one does."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        api_version = str(ref.get("apiVersion", ""))
+        if ref.get("kind") == "TrainJob" and api_version.startswith(f"{TRAINER_API_GROUP}/"):
+            return str(ref.get("name", "?"))
+    return None
+
+
+def _restart_problem(obj: Mapping[str, Any], prefix: str, spec: Mapping[str, Any]) -> str | None:
+    """Why a JobSet (or a runtime's JobSet template) cannot carry Strata's gang, or None.
+
+    Strata needs ``BlockingRecreate``: with ``Recreate`` (the default) JobSet starts the new gang
+    while the old one still terminates, two generations side by side; with ``InPlaceRestart`` the
+    pods, and so the generation, stay; without a failure policy the first failed Job fails the
+    JobSet and the gang never restarts (Strata adds no retry layer to a JobSet)."""
+    policy = spec.get("failurePolicy")
+    strategy = (policy or {}).get("restartStrategy")
+    if strategy == "BlockingRecreate":
+        return None
+    fix = f"{prefix}.failurePolicy: {{restartStrategy: BlockingRecreate, maxRestarts: <N>}}"
+    if policy is None:
+        why = (
+            f"{prefix}.failurePolicy is unset: the first failed Job fails the JobSet and its gang never "
+            "restarts from a checkpoint (Strata adds no retry layer to a JobSet)"
+        )
+    else:
+        why = (
+            f"{prefix}.failurePolicy.restartStrategy is {strategy or 'unset (Recreate)'}; Strata needs "
+            "BlockingRecreate, so the old gang is gone before the new one starts"
+        )
+    owner = _trainjob_owner(obj) if obj.get("kind") == "JobSet" else None
+    if owner is not None:
+        # The trainer shows this denial only as an Event on the TrainJob, cut at 950 characters:
+        # what to change comes first, and where (the runtime: runtimePatches cannot set it).
+        return (
+            f"TrainJob {owner}: set spec.template.{fix} in the ClusterTrainingRuntime or "
+            f"TrainingRuntime its spec.runtimeRef names (a TrainJob's runtimePatches cannot set it); "
+            f"the JobSet it builds is refused: {why}"
+        )
+    return f"{why}; set {fix}"

@@ -43,7 +43,9 @@ class StrataJobStatus(ControllerBase):
         parsed = self._parse_settings(job)
         fresh = parsed.run == "fresh"
         if found is None:
-            body = objects.stratajob_body(job.namespace, job.name, workload, max_restarts=parsed.max_restarts)
+            body = objects.stratajob_body(
+                job.namespace, job.name, workload, max_restarts=self._restart_limit(job)
+            )
             try:
                 found = await self.api.create(path(*STRATAJOBS, job.namespace), body)
             except ApiError as exc:
@@ -90,7 +92,7 @@ class StrataJobStatus(ControllerBase):
             "generation": None,
             "generationStartedAt": None,
             "restarts": 0,
-            "restartLimit": job.settings.max_restarts,
+            "restartLimit": self._restart_limit(job),
             "pendingRestart": None,
             "attempt": None,
             "restoreStep": None,
@@ -98,6 +100,10 @@ class StrataJobStatus(ControllerBase):
         }
         status["resumeFromApplied"] = None  # a new run applies the Job's resume-from once
         return status
+
+    def _restart_limit(self, job: WatchedJob) -> int:
+        """The StrataJob's ``restartLimit``: Strata's setting (a JobSet's is its own)."""
+        return job.settings.max_restarts
 
     def _parse_settings(self, job: WatchedJob) -> table.JobSettings:
         assert job.workload is not None
@@ -122,8 +128,8 @@ class StrataJobStatus(ControllerBase):
         before = job.problems
         self._parse_settings(job)
         assert job.status is not None
-        if job.status.get("restartLimit") != job.settings.max_restarts:
-            await self._patch_status(job, {"restartLimit": job.settings.max_restarts})
+        if job.status.get("restartLimit") != self._restart_limit(job):
+            await self._patch_status(job, {"restartLimit": self._restart_limit(job)})
         checked = any(c.get("type") == "SettingsValid" for c in job.status.get("conditions") or [])
         if job.problems == before and checked:
             return

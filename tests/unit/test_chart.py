@@ -559,11 +559,18 @@ def test_mutating_webhook(chart: Any) -> None:
 def test_validating_webhook(chart: Any) -> None:
     config = one(render(chart), "ValidatingWebhookConfiguration")
     hooks = {h["name"]: h for h in config["webhooks"]}
-    assert set(hooks) == {"validate-jobs.strata.dev", "validate-jobsets.strata.dev"}
+    assert set(hooks) == {
+        "validate-jobs.strata.dev",
+        "validate-jobsets.strata.dev",
+        "validate-trainingruntimes.strata.dev",
+    }
     assert hooks["validate-jobs.strata.dev"]["rules"][0]["apiGroups"] == ["batch"]
     assert hooks["validate-jobs.strata.dev"]["rules"][0]["resources"] == ["jobs"]
     assert hooks["validate-jobsets.strata.dev"]["rules"][0]["apiGroups"] == ["jobset.x-k8s.io"]
     assert hooks["validate-jobsets.strata.dev"]["rules"][0]["resources"] == ["jobsets"]
+    runtimes = hooks["validate-trainingruntimes.strata.dev"]["rules"][0]
+    assert runtimes["apiGroups"] == ["trainer.kubeflow.org"] and runtimes["scope"] == "*"
+    assert runtimes["resources"] == ["trainingruntimes", "clustertrainingruntimes"]
     for hook in hooks.values():
         assert hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
         assert hook["failurePolicy"] == "Ignore"
