@@ -87,8 +87,8 @@ WORKLOAD_RULES = {
     # watch opted-in workloads, never change them
     ("batch", "jobs"): {"get", "list", "watch"},
     ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch"},
-    # one StrataJob per workload
-    ("strata.dev", "stratajobs"): {"get", "create", "patch"},
+    # one StrataJob per workload; list and delete: the retention sweep
+    ("strata.dev", "stratajobs"): {"get", "list", "create", "patch", "delete"},
     ("strata.dev", "stratajobs/status"): {"patch"},
     # Checkpoint objects from commit and retention reports
     ("strata.dev", "checkpoints"): {"get", "list", "create", "patch", "delete"},
