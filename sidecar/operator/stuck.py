@@ -63,6 +63,10 @@ _JOB_BACKOFF_S = 10.0
 _JOB_BACKOFF_MAX_S = 360.0
 #: What a condition message keeps (the CRD allows 32768; Events keep 1024).
 _MESSAGE_MAX = 4096
+#: Pods listed in status.stuckPods, and pods per cause with an Event of their own (the rest of a
+#: large gang is named in one Event per cause and check).
+_LISTED_MAX = 50
+_EVENTS_PER_CAUSE = 10
 
 
 def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -134,10 +138,8 @@ def gang_incomplete(job: WatchedJob, pods: Iterable[Mapping[str, Any]]) -> tuple
     oldest = min(
         waiting, key=lambda p: (str(meta_of(p).get("creationTimestamp") or ""), meta_of(p).get("name"))
     )
-    failed = set(
-        ((job.workload or {}).get("status") or {}).get("failedIndexes", "").replace("-", ",").split(",")
-    )
-    given_up = [i for i in missing if str(i) in failed]
+    failed = _index_set(str(((job.workload or {}).get("status") or {}).get("failedIndexes") or ""))
+    given_up = [i for i in missing if i in failed]
     why = (
         f"the Job controller gave up on index(es) {_indexes(given_up)} (backoffLimitPerIndex)"
         if given_up
@@ -148,6 +150,16 @@ def gang_incomplete(job: WatchedJob, pods: Iterable[Mapping[str, Any]]) -> tuple
         f"{len(waiting)} pod(s) wait gated for index(es) {_indexes(missing)} of {job.world}, "
         f"which have no pod: {why}",
     )
+
+
+def _index_set(text: str) -> set[int]:
+    """The Job status's index list ("1,3-5") as a set; what does not parse is left out."""
+    found: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        if low.isdigit() and (not high or high.isdigit()):
+            found.update(range(int(low), int(high or low) + 1))
+    return found
 
 
 def _indexes(values: list[int]) -> str:
@@ -267,8 +279,9 @@ class StuckGangs(StrataJobStatus):
             c.get("type") == "Stuck" and c.get("status") == "True" for c in job.status.get("conditions") or []
         )
         state.active = dict(active)
-        if active and (set(active) != listed or not was_stuck):
-            ordered = sorted(active.items(), key=lambda kv: (CAUSES.index(kv[0][1]), kv[0][0]))
+        ordered = sorted(active.items(), key=lambda kv: (CAUSES.index(kv[0][1]), kv[0][0]))
+        shown = ordered[:_LISTED_MAX]  # a whole gang of thousands stuck: the status stays small
+        if shown and ({key for key, _ in shown} != listed or not was_stuck):
             entries = [
                 {
                     "pod": pod,
@@ -276,16 +289,17 @@ class StuckGangs(StrataJobStatus):
                     "message": message[:1024],
                     "since": _timestamp(state.seen[(pod, cause)]),
                 }
-                for (pod, cause), message in ordered
+                for (pod, cause), message in shown
             ]
-            text = "; ".join(f"pod {pod} {cause}: {message}" for (pod, cause), message in ordered)
+            more = f" (and {len(ordered) - len(shown)} more pods)" if len(ordered) > len(shown) else ""
+            text = "; ".join(f"pod {pod} {cause}: {message}" for (pod, cause), message in shown)
             await self._patch_status(
                 job,
                 {"stuckPods": entries},
-                condition=("Stuck", "True", ordered[0][0][1], text[:_MESSAGE_MAX]),
+                condition=("Stuck", "True", ordered[0][0][1], text[: _MESSAGE_MAX - len(more)] + more),
             )
         elif not active and (listed or was_stuck):
-            causes = sorted({cause for _, cause in listed})
+            causes = ", ".join(sorted({cause for _, cause in listed})) or "stuck"
             await self._patch_status(
                 job,
                 {"stuckPods": None},
@@ -293,21 +307,37 @@ class StuckGangs(StrataJobStatus):
                     "Stuck",
                     "False",
                     "Resolved",
-                    f"no pod shows a stuck cause any more (was: {', '.join(causes) or 'stuck'})",
+                    f"no pod shows a stuck cause any more (was: {causes})",
                 ),
             )
-            await self._event(
-                job, "Unstuck", f"no pod is stuck any more (was: {', '.join(causes) or 'stuck'})"
-            )
-        for (pod, cause), message in active.items():
+            await self._event(job, "Unstuck", f"no pod is stuck any more (was: {causes})")
+        # One Event per pod and cause; past a few per cause, one Event names the rest together.
+        told = {cause: sum(1 for _, c in state.announced if c == cause) for cause in CAUSES}
+        rest: dict[str, list[str]] = {}
+        for (pod, cause), message in ordered:
             if (pod, cause) in state.announced:
                 continue
             state.announced.add((pod, cause))
+            if told[cause] >= _EVENTS_PER_CAUSE:
+                rest.setdefault(cause, []).append(pod)
+                continue
+            told[cause] += 1
             grace = self._grace(job, cause)
             await self._event(
                 job,
                 cause,
                 f"pod {pod} is stuck ({cause} for over {grace:g} s): {message}",
+                warning=True,
+                on_workload=True,
+            )
+        for cause, pods in rest.items():
+            listing = ", ".join(pods[:_EVENTS_PER_CAUSE]) + (
+                f" and {len(pods) - _EVENTS_PER_CAUSE} more" if len(pods) > _EVENTS_PER_CAUSE else ""
+            )
+            await self._event(
+                job,
+                cause,
+                f"{len(pods)} more pods are stuck ({cause}): {listing}",
                 warning=True,
                 on_workload=True,
             )

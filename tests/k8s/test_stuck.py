@@ -205,3 +205,58 @@ async def test_gang_that_cannot_be_completed_is_stuck_until_its_last_pod_exists(
         assert generation.endswith("/0")
         await until(lambda: running(cluster, "partial", generation, 3), message="the whole gang running")
         assert gauge(op, "strata_operator_stuck_gangs", "GangIncomplete") == 0
+
+
+async def test_a_large_stuck_gang_gets_a_bounded_number_of_events(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    world = 13
+    async with operator(k8s, stuck_grace_s=GRACE_S) as op:
+        cluster.held |= {("wide", i) for i in range(world)}
+        await create(k8s, JOBS, indexed_job("wide", world))
+        pods = [await released_held(cluster, "wide", i) for i in range(world)]
+        for pod in pods:
+            await cluster.image_pull_backoff(pod)
+
+        async def all_listed() -> bool:
+            return len((await status_of(k8s, "wide")).get("stuckPods") or []) == world
+
+        await until(all_listed, timeout=10, message="every pod listed as stuck")
+        assert gauge(op, "strata_operator_stuck_pods", "ImagePullBackOff") == world
+        assert gauge(op, "strata_operator_stuck_gangs", "ImagePullBackOff") == 1
+        await asyncio.sleep(0.3)
+        events = [
+            e
+            for e in await stuck_events(k8s, "wide", "ImagePullBackOff")
+            if e["involvedObject"]["kind"] == "Job"
+        ]
+        own = [e for e in events if e["message"].startswith("pod ")]
+        grouped = [e for e in events if "more pods are stuck" in e["message"]]
+        # ten with an Event of their own; the rest named together, per check that found them
+        assert len(own) == 10 and 1 <= len(grouped) <= world - 10 and len(events) == len(own) + len(grouped)
+        for name in (p["metadata"]["name"] for p in pods):
+            assert sum(name in e["message"] for e in events) == 1, f"{name} not named exactly once"
+
+
+async def test_a_restarted_operator_keeps_the_stuck_condition_without_new_events(
+    k8s: K8s,
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    cluster.held.add(("kept", 0))
+    async with operator(k8s, stuck_grace_s=GRACE_S):
+        await create(k8s, JOBS, indexed_job("kept", 1))
+        pod = await released_held(cluster, "kept", 0)
+        await cluster.unschedulable(pod)
+
+        async def stuck() -> dict[str, Any] | None:
+            condition = stuck_condition(await status_of(k8s, "kept"))
+            return condition if condition is not None and condition["status"] == "True" else None
+
+        before = await until(stuck, timeout=10, message="condition Stuck")
+    async with operator(k8s, stuck_grace_s=GRACE_S) as op:
+        await until(lambda: ("default", "kept") in op.controller.jobs, message="the job watched again")
+        await asyncio.sleep(GRACE_S * 2)
+        assert stuck_condition(await status_of(k8s, "kept")) == before  # no flap, same transition time
+        assert gauge(op, "strata_operator_stuck_gangs", "Unschedulable") == 1
+        assert len(await stuck_events(k8s, "kept", "Unschedulable")) == 2  # the first operator's only
