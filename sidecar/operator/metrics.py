@@ -158,6 +158,8 @@ class OperatorMetrics(Served):
             self.report_rejections.labels(reason=reason)  # export zeros from the start
         for reason in ("RestartLimitReached", "NotRestartable"):
             self.jobs_failed.labels(reason=reason)
+        for kind in ("StrataJob", "Checkpoint"):
+            self.retention_deletions.labels(kind=kind)
 
     def track_tls(self, source: _Expiring) -> None:
         """Export when ``source``'s served certificate expires (read at every scrape)."""

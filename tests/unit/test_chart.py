@@ -710,6 +710,7 @@ def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
     assert "strata_storage_errors_total" in exprs["StrataStorageErrors"]
     assert "strata_quantization_relative_error" in exprs["StrataQuantizationErrorHigh"]
     assert "strata_operator_jobs_failed_total" in exprs["StrataRestartsExhausted"]
+    assert "strata_operator_stuck_gangs" in exprs["StrataGangStuck"]
     assert (
         "strata_operator_tls_certificate_expiry_timestamp_seconds"
         in exprs["StrataOperatorCertificateExpiring"]
@@ -725,6 +726,7 @@ def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
         "strata_operator_report_rejections_total",
         "strata_operator_jobs_failed_total",
         "strata_operator_tls_certificate_expiry_timestamp_seconds",
+        "strata_operator_stuck_gangs",
     ):
         assert f'"{name}"' in sources, name
 
