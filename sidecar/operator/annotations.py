@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -102,6 +103,46 @@ _AS_ANNOTATION: dict[str, tuple[Any, str]] = {
 }
 
 
+def _boolean(raw: str) -> bool:
+    if raw not in ("true", "false"):
+        raise ValueError('expected "true" or "false"')
+    return raw == "true"
+
+
+_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)([dhms]))+")
+_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+
+
+def parse_retention(raw: str) -> float | None:
+    """Seconds of a retention (``168h``, ``90m``, ``1h30m``, ``7d``, ``3600``), None for ``never``;
+    ValueError naming what is accepted."""
+    text = str(raw).strip()
+    if text == "never":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        if not _DURATION.fullmatch(text):
+            raise ValueError(
+                "expected a duration such as 168h, 30m, 1h30m, 7d or seconds (0: at once), or never"
+            ) from None
+        seconds = sum(float(n) * _UNITS[unit] for n, unit in _PART.findall(text))
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError("expected a duration >= 0 (0: at once), or never")
+    return seconds
+
+
+def format_retention(seconds: float | None) -> str:
+    """The canonical text of a retention, which :func:`parse_retention` reads back."""
+    if seconds is None:
+        return "never"
+    for unit in ("d", "h", "m"):
+        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
+            return f"{int(seconds // _UNITS[unit])}{unit}"
+    return f"{seconds:g}s"
+
+
 def _sidecar_settings() -> list[Setting]:
     out = []
     for f in dataclasses.fields(config.SidecarSettings):
@@ -153,6 +194,22 @@ JOB_SETTINGS: list[Setting] = [
         "resume",
         "a Job resubmitted under a used name resumes its checkpoints (resume) or starts over (fresh)",
         _choice("resume", "fresh"),
+    ),
+    Setting(
+        "strata.dev/retention",
+        "",
+        "168h",
+        "how long the StrataJob and the Checkpoint objects stay after the workload is deleted "
+        "(168h, 30m, 7d, 0: at once, never: kept); a resubmission within it resumes",
+        parse_retention,
+    ),
+    Setting(
+        "strata.dev/owned-by-workload",
+        "",
+        "false",
+        "true: the StrataJob and the Checkpoint objects are owned by the workload (ownerReferences), "
+        "so the garbage collector deletes them with it",
+        _boolean,
     ),
 ]
 
@@ -251,6 +308,9 @@ class JobSettings:
     resume_from: int | None = None
     resume_from_set: bool = False
     run: str = "resume"
+    #: Seconds the StrataJob and Checkpoints stay after the workload is deleted (None: kept).
+    retention: float | None = 7 * 86400.0
+    owned_by_workload: bool = False
 
 
 @dataclass

@@ -59,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="force-delete a pod still Terminating this long past its grace period (default: 30)",
     )
     parser.add_argument(
+        "--stuck-grace-seconds",
+        type=float,
+        default=30.0,
+        help="report a pod as stuck (ImagePullBackOff, CreateContainerConfigError, Unschedulable, a "
+        "crash-looping sidecar, a gang the Job controller cannot complete) once it has shown that this "
+        "long: StrataJob condition Stuck, an Event, strata_operator_stuck_* (default: 30; negative: off)",
+    )
+    parser.add_argument(
         "--in-place-restart",
         action=argparse.BooleanOptionalAction,
         default=os.environ.get("STRATA_IN_PLACE_RESTART", "").lower() in ("1", "true", "yes", "on"),
@@ -251,6 +259,7 @@ def main(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         trainer_container=args.trainer_container,
         fence_margin_s=args.fence_margin_seconds,
+        stuck_grace_s=args.stuck_grace_seconds,
         in_place_restart=args.in_place_restart,
         in_place_timeout_s=args.in_place_timeout_seconds,
         peering=args.peering,

@@ -20,8 +20,9 @@ the restart attempt, classifies failures and records them, and adds no retry lay
 This module holds the inputs (watch events, heartbeats), the loop and the decisions; each part of
 a restart lives in a module named for it, a mixin of :class:`Controller`: ``stratajob`` (status,
 settings, Events), ``stopping`` (evict, delete, fence), ``release`` (lift the gang gate),
-``in_place`` (in-place restarts), ``jobset`` (JobSet mirroring); ``gang`` holds what is known of a
-workload and its pods, and ``gates`` the uninstall hook's gate lifting.
+``in_place`` (in-place restarts), ``jobset`` (JobSet mirroring), ``stuck`` (stuck pods and
+gangs shown), ``retention`` (StrataJobs and Checkpoints after the workload is gone); ``gang``
+holds what is known of a workload and its pods, and ``gates`` the uninstall hook's gate lifting.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from sidecar.operator.in_place import InPlaceRestart
 from sidecar.operator.inject import Shape, workload_shape
 from sidecar.operator.jobset import JobSetMirror
 from sidecar.operator.kube import ApiError, path
+from sidecar.operator.retention import Lifecycle
+from sidecar.operator.stuck import StuckGangs
 
 __all__ = ["Controller", "lift_gates"]
 
@@ -63,7 +66,7 @@ log = logging.getLogger("strata.operator")
 HEARTBEAT_WRITE_S = 60.0
 
 
-class Controller(InPlaceRestart, JobSetMirror):
+class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
     """The restart protocol over an :class:`Api`. Feed it watch events (``on_job``, ``on_pod``) and
     heartbeats (``on_heartbeat``); it writes StrataJob status, pods, evictions and Events.
 
@@ -88,6 +91,7 @@ class Controller(InPlaceRestart, JobSetMirror):
             # The StrataJob and the Checkpoints stay: a Job resubmitted under this name finds them.
             # Its pods stay in the index until they are gone: a resubmission waits for them.
             async with job.lock:
+                await self._workload_deleted(job)
                 if job.timer is not None:
                     job.timer.cancel()
                 job.workload = job.status = job.stratajob = None
@@ -309,6 +313,8 @@ class Controller(InPlaceRestart, JobSetMirror):
             await self._load(job)
         assert job.status is not None
         await self._check_settings(job)
+        await self._check_lifecycle(job)
+        await self._check_stuck(job)
         if job.kind == "JobSet":
             await self._reflect_jobset(job)
             return

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.metrics import Served
@@ -55,6 +55,33 @@ class _ApiCalls(Collector):
         )
         family.add_metric([], float(sum(api.calls for api in self.apis)))
         yield family
+
+
+class _StuckSource(Protocol):
+    def stuck_counts(self) -> Iterable[tuple[str, int, int]]: ...
+
+
+class _Stuck(Collector):
+    """``strata_operator_stuck_gangs{cause}`` and ``strata_operator_stuck_pods{cause}``, read from
+    the controller at scrape time (so a deleted workload never leaves a stale count)."""
+
+    def __init__(self, source: _StuckSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gangs = GaugeMetricFamily(
+            "strata_operator_stuck_gangs",
+            "Watched workloads with a pod stuck past the grace (StrataJob condition Stuck), by cause.",
+            labels=["cause"],
+        )
+        pods = GaugeMetricFamily(
+            "strata_operator_stuck_pods", "Pods stuck past the grace, by cause.", labels=["cause"]
+        )
+        for cause, gang_count, pod_count in self.source.stuck_counts():
+            gangs.add_metric([cause], float(gang_count))
+            pods.add_metric([cause], float(pod_count))
+        yield gangs
+        yield pods
 
 
 class OperatorMetrics(Served):
@@ -117,12 +144,22 @@ class OperatorMetrics(Served):
             "When the certificate the webhooks and the report endpoint serve expires (Unix time).",
             registry=r,
         )
+        self.retention_deletions = Counter(
+            "strata_operator_retention_deletions_total",
+            "Objects deleted because their workload's retention (strata.dev/retention) passed, by kind "
+            "(StrataJob, Checkpoint).",
+            ["kind"],
+            registry=r,
+        )
+        self._stuck: _Stuck | None = None
         self._api_calls = _ApiCalls()
         r.register(self._api_calls)
         for reason in REJECTION_REASONS:
             self.report_rejections.labels(reason=reason)  # export zeros from the start
         for reason in ("RestartLimitReached", "NotRestartable"):
             self.jobs_failed.labels(reason=reason)
+        for kind in ("StrataJob", "Checkpoint"):
+            self.retention_deletions.labels(kind=kind)
 
     def track_tls(self, source: _Expiring) -> None:
         """Export when ``source``'s served certificate expires (read at every scrape)."""
@@ -131,6 +168,13 @@ class OperatorMetrics(Served):
     def tls_changed(self, changes: Iterable[_Change]) -> None:
         for change in changes:
             self.tls_changes.labels(kind=change.kind).inc()
+
+    def track_stuck(self, source: _StuckSource) -> None:
+        """Export the stuck gauges from ``source`` (the controller); the newest source wins."""
+        if self._stuck is None:
+            self._stuck = _Stuck(source)
+            self.registry.register(self._stuck)
+        self._stuck.source = source
 
     def track_api(self, api: _Counted) -> None:
         """Count ``api.calls`` (an :class:`~sidecar.operator.kube.Api`) in

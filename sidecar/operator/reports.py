@@ -432,7 +432,8 @@ class CheckpointWriter:
     is not older than the stored one), then write its status through the status subresource, keep
     ``strata.dev/latest`` on the job's newest step, and post a ``Committed`` Event. Commits of a
     superseded attempt (older than the newest known attempt, for a step past that attempt's restore
-    step) are rejected and change nothing. Checkpoints are not owned by the Job: they outlive it.
+    step) are rejected and change nothing. Checkpoints are not owned by the Job (they outlive it) unless
+    ``owner_references`` names an owner (``strata.dev/owned-by-workload``).
     """
 
     def __init__(
@@ -445,9 +446,12 @@ class CheckpointWriter:
         on_commit: OnCommit | None = None,
         current_generation: Callable[[str, str], str | None] | None = None,
         reload_s: float = RELOAD_S,
+        owner_references: Callable[[str, str], list[dict[str, Any]] | None] | None = None,
     ) -> None:
         self.api = api
         self.reload_s = reload_s
+        #: (namespace, job) -> the ownerReferences its Checkpoints get (strata.dev/owned-by-workload).
+        self.owner_references = owner_references
         self.attempt_of = attempt_of
         self.on_heartbeat = on_heartbeat
         self.on_commit = on_commit
@@ -722,6 +726,9 @@ class CheckpointWriter:
             newest = state.latest is None or step >= state.latest
             labels = {**meta["labels"], LATEST_LABEL: "true" if newest else "false"}
             meta["labels"] = labels
+            owners = self.owner_references(namespace, job) if self.owner_references is not None else None
+            if owners:
+                meta["ownerReferences"] = owners
             # A real apiserver drops status on create (the status subresource is on): it is written
             # below; generation 1 is what a fresh object gets.
             body["status"] = objects.checkpoint_status(spec, observed_generation=1)
@@ -775,6 +782,7 @@ class CheckpointWriter:
                 "metadata": {
                     "labels": meta["labels"],
                     "resourceVersion": stored_meta.get("resourceVersion"),
+                    **({"ownerReferences": meta["ownerReferences"]} if meta.get("ownerReferences") else {}),
                 },
                 "spec": spec,
             }

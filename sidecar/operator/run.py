@@ -43,6 +43,11 @@ class OperatorConfig:
     #: webhook adds the container restart rule; see docs/operator.md); else new pods.
     in_place_restart: bool = False
     in_place_timeout_s: float = 60.0
+    #: How long a stuck cause (ImagePullBackOff, Unschedulable, ...) must show before the StrataJob's
+    #: Stuck condition, an Event and the metrics report it (< 0: off); see sidecar/operator/stuck.py.
+    stuck_grace_s: float = 30.0
+    #: How often every StrataJob is checked for an expired retention (strata.dev/retention).
+    retention_sweep_s: float = 3600.0
     #: How often the API server's version is read again (it gates the restart rule: 1.34+).
     version_check_s: float = 600.0
     #: kopf peering name for more than one replica (None: standalone, one replica).
@@ -220,6 +225,8 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         fence_margin_s=config.fence_margin_s,
         in_place_restart=config.in_place_restart,
         in_place_timeout_s=config.in_place_timeout_s,
+        stuck_grace_s=config.stuck_grace_s,
+        retention_sweep_s=config.retention_sweep_s,
     )
     writer = reports.CheckpointWriter(
         api,
@@ -228,7 +235,9 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         on_commit=controller.on_commit,
         current_generation=controller.current_generation,
         metrics=metrics,
+        owner_references=controller.owner_references,
     )
+    controller.on_expired = writer.forget
     server: reports.ReportServer | None = None
     report_url = None
     tls = await _tls(config, api, metrics)
@@ -280,6 +289,8 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             task.result()  # raises why kopf could not start
+        # Once kopf watches: the sweep skips the workloads it already knows.
+        background.append(asyncio.create_task(controller.run_retention(config.namespaces)))
         log.info("operator ready: reports at %s, metrics on port %s", report_url, metrics_port)
         yield Operator(controller, writer, metrics, api, report_url, metrics_port, tls)
     finally:

@@ -57,6 +57,11 @@ class Cluster:
         #: The mutating webhook the apiserver calls (pod -> JSON patch), e.g. the operator's over HTTP;
         #: None: the admission logic's gang gate only.
         self.admit: Callable[[dict[str, Any]], Awaitable[list[dict[str, Any]]]] | None = None
+        #: (job, index) whose released pods no kubelet starts: a test puts them into a stuck state
+        #: (``image_pull_backoff``, ``unschedulable``, ...) and lets them go with ``start``.
+        self.held: set[tuple[str, int]] = set()
+        #: (job, index) whose pod the Job controller cannot create (FailedCreate, e.g. a quota).
+        self.refused: set[tuple[str, int]] = set()
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -172,6 +177,8 @@ class Cluster:
 
     async def _create_pod(self, job: dict[str, Any], index: int) -> None:
         meta = job["metadata"]
+        if (meta["name"], index) in self.refused:
+            return
         template = copy.deepcopy(job["spec"]["template"])
         suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
         pod: dict[str, Any] = {
@@ -229,6 +236,8 @@ class Cluster:
         if spec.get("schedulingGates") or status.get("phase") != "Pending":
             return
         index = int(meta.get("labels", {}).get(names.JOB_INDEX_LABEL, "0"))
+        if (meta.get("labels", {}).get(names.JOB_NAME_LABEL), index) in self.held:
+            return
         await call(self.k8s, "PATCH", url, {"spec": {"nodeName": f"node-{index % self.nodes}"}})
         containers = [
             {"name": c["name"], "ready": True, "restartCount": 0, "state": {"running": {"startedAt": _now()}}}
@@ -294,6 +303,94 @@ class Cluster:
                 }
             },
         )
+
+    # -- stuck pods: what a kubelet or the scheduler shows for a pod that does not get going -------
+
+    async def _pending(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        await call(
+            self.k8s,
+            "PATCH",
+            f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+            {"status": {"phase": "Pending", **status}},
+        )
+
+    def _waiting(
+        self, pod: dict[str, Any], container: str, reason: str, message: str, **extra: Any
+    ) -> dict[str, Any]:
+        """Pod status with ``container`` waiting for ``reason`` (init container when it is the injected
+        sidecar) and the other containers waiting to be created."""
+
+        def entry(name: str) -> dict[str, Any]:
+            waiting = (
+                {"reason": reason, "message": message} if name == container else {"reason": "PodInitializing"}
+            )
+            return {
+                "name": name,
+                "ready": False,
+                "restartCount": 0,
+                "state": {"waiting": waiting},
+                **(extra if name == container else {}),
+            }
+
+        regular = [c["name"] for c in pod.get("spec", {}).get("containers") or []]
+        init = [names.SIDECAR_CONTAINER] if container == names.SIDECAR_CONTAINER else []
+        return {
+            "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}],
+            "initContainerStatuses": [entry(n) for n in init],
+            "containerStatuses": [entry(n) for n in regular if n != container or not init],
+        }
+
+    async def image_pull_backoff(self, pod: dict[str, Any], container: str = "trainer") -> None:
+        """The kubelet cannot pull ``container``'s image."""
+        image = next(
+            (c.get("image") for c in pod.get("spec", {}).get("containers") or [] if c["name"] == container),
+            "registry.example.com/missing:1",
+        )
+        await self._pending(
+            pod, self._waiting(pod, container, "ImagePullBackOff", f'Back-off pulling image "{image}"')
+        )
+
+    async def create_container_config_error(
+        self, pod: dict[str, Any], secret: str = "strata-storage", container: str = names.SIDECAR_CONTAINER
+    ) -> None:
+        """The kubelet cannot create ``container``: the Secret its env comes from is missing."""
+        await self._pending(
+            pod, self._waiting(pod, container, "CreateContainerConfigError", f'secret "{secret}" not found')
+        )
+
+    async def sidecar_crash_loop(self, pod: dict[str, Any], restarts: int = 3) -> None:
+        """The injected sidecar keeps exiting: the kubelet backs off restarting it (the trainer never
+        starts: a native sidecar must be started first)."""
+        name = pod["metadata"]["name"]
+        status = self._waiting(
+            pod,
+            names.SIDECAR_CONTAINER,
+            "CrashLoopBackOff",
+            f"back-off 40s restarting failed container={names.SIDECAR_CONTAINER} pod={name}",
+            restartCount=restarts,
+            lastState={"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": _now()}},
+        )
+        await self._pending(pod, status)
+
+    async def unschedulable(
+        self, pod: dict[str, Any], message: str = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    ) -> None:
+        """The scheduler finds no node for the pod."""
+        condition = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": message,
+            "lastTransitionTime": _now(),
+        }
+        await self._pending(pod, {"conditions": [condition]})
+
+    async def start(self, pod: dict[str, Any]) -> None:
+        """What held the pod back is fixed: its kubelet starts it (the next step runs it)."""
+        labels = pod["metadata"].get("labels", {})
+        self.held.discard((labels.get(names.JOB_NAME_LABEL), int(labels.get(names.JOB_INDEX_LABEL, "0"))))
+        await self._pending(pod, {"conditions": [], "initContainerStatuses": [], "containerStatuses": []})
 
     async def lose_node(self, node: str) -> None:
         """The node stops answering: its pods get the taint manager's DisruptionTarget and are deleted,

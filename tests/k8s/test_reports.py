@@ -718,6 +718,7 @@ async def test_metrics_use_their_own_registry_and_prometheus_names() -> None:
         "strata_operator_jobs_failed",
         "strata_operator_tls_changes",
         "strata_operator_tls_certificate_expiry_timestamp_seconds",
+        "strata_operator_retention_deletions",
     }
     with pytest.raises(ValueError, match="reason"):
         first.reject("bored")

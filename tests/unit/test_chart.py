@@ -94,8 +94,8 @@ WORKLOAD_RULES = {
     # watch opted-in workloads, never change them
     ("batch", "jobs"): {"get", "list", "watch"},
     ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch"},
-    # one StrataJob per workload
-    ("strata.dev", "stratajobs"): {"get", "create", "patch"},
+    # one StrataJob per workload; list and delete: the retention sweep
+    ("strata.dev", "stratajobs"): {"get", "list", "create", "patch", "delete"},
     ("strata.dev", "stratajobs/status"): {"patch"},
     # Checkpoint objects from commit and retention reports
     ("strata.dev", "checkpoints"): {"get", "list", "create", "patch", "delete"},
@@ -784,6 +784,7 @@ def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
     assert "strata_storage_errors_total" in exprs["StrataStorageErrors"]
     assert "strata_quantization_relative_error" in exprs["StrataQuantizationErrorHigh"]
     assert "strata_operator_jobs_failed_total" in exprs["StrataRestartsExhausted"]
+    assert "strata_operator_stuck_gangs" in exprs["StrataGangStuck"]
     assert (
         "strata_operator_tls_certificate_expiry_timestamp_seconds"
         in exprs["StrataOperatorCertificateExpiring"]
@@ -799,6 +800,7 @@ def test_prometheus_rule_names_real_metrics(chart: Any) -> None:
         "strata_operator_report_rejections_total",
         "strata_operator_jobs_failed_total",
         "strata_operator_tls_certificate_expiry_timestamp_seconds",
+        "strata_operator_stuck_gangs",
     ):
         assert f'"{name}"' in sources, name
 
