@@ -21,7 +21,8 @@ terminate, ``strata.dev/backoff-seconds: "0"`` (the configured backoff is not me
   including the emulator's objects, their version history and its event log).
 
 Further scenarios, each on a fresh emulated cluster, live in their own modules (``SCENARIOS``):
-``operator_failover`` (the operator SIGKILLed mid-restart, a new process takes over).
+``operator_failover`` (the operator SIGKILLed mid-restart, a new process takes over),
+``operator_stuck`` (each stuck cause until the StrataJob's Stuck condition).
 
 The emulator runs with ``keep_requests=False`` (kmock's request history, which it scans on every
 request, would otherwise be measured as the operator's latency). The loop lag printed per phase
@@ -500,6 +501,7 @@ async def _scenario(opts: Options, figures: dict[str, Any], phases: Phases) -> N
 #: The section's further scenarios, each on a fresh emulated cluster: module -> what its phase is.
 SCENARIOS = {
     "operator_failover": "operator killed mid-restart, a new one takes over",
+    "operator_stuck": "stuck pods and gangs, each cause -> the Stuck condition",
 }
 
 
