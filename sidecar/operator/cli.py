@@ -80,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pod-resync-seconds",
         type=float,
         default=60.0,
+        metavar="SECONDS",
         help="check the operator's view of the opted-in pods against one LIST of them (per watched "
         "namespace, else cluster-wide) this often, and soon after a watch that expired lists again: "
         "a pod deleted while the watch was down sends no DELETED event, and a gang restart would "

@@ -70,7 +70,7 @@ HEARTBEAT_WRITE_S = 60.0
 #: A failed reconcile is tried again after RETRY_BASE_S, doubling each time up to RETRY_MAX_S,
 #: each delay jittered down to half (jobs that failed together do not retry together); a Retry-After
 #: is honoured up to RETRY_AFTER_MAX_S.
-RETRY_BASE_S = 0.5
+RETRY_BASE_S = 0.2
 RETRY_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 60.0
 

@@ -39,7 +39,7 @@ CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 #: After kopf lists the pods again (its watch expired), the pod index is checked this much later
 #: (one LIST for the burst of listed pods).
-RELIST_SETTLE_S = 1.0
+RELIST_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)

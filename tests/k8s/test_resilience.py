@@ -8,16 +8,18 @@ the API as in tests/k8s/test_operator.py.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from sidecar.operator import names
 from tests.k8s.cluster import Cluster, indexed_job
 from tests.k8s.conftest import K8s, call
 from tests.k8s.emulator import PODS
+from tests.k8s.test_crds import install_crds
 from tests.k8s.test_operator import (
-    cluster,  # noqa: F401  (fixture)
     operator,
     running,
     start_job,
@@ -35,6 +37,14 @@ POD = r"/pods/[^/]+$"
 FAST = {"strata.dev/backoff-seconds": "0.2"}
 
 
+@pytest_asyncio.fixture
+async def cluster(k8s: K8s) -> AsyncIterator[Cluster]:
+    """Pods end half a second after their deletion (their grace period stays 2 s)."""
+    await install_crds(k8s)
+    async with Cluster(k8s, termination_s=0.5).running() as running_cluster:
+        yield running_cluster
+
+
 def index(pod: dict[str, Any]) -> str:
     return str(pod["metadata"]["labels"][names.JOB_INDEX_LABEL])
 
@@ -49,7 +59,7 @@ def faults(k8s: K8s, what: str) -> list[tuple[float, str, str, str]]:
 
 async def test_gang_restart_completes_when_an_evicted_pod_vanishes_while_the_watch_is_expired(
     k8s: K8s,
-    cluster: Cluster,  # noqa: F811
+    cluster: Cluster,
 ) -> None:
     """The evicted pod ends while the watch is down: no DELETED event, the index holds it
     Terminating. The fence finds it gone (404) and the restart goes on; no periodic list helps."""
@@ -76,7 +86,7 @@ async def test_gang_restart_completes_when_an_evicted_pod_vanishes_while_the_wat
 
 async def test_a_pod_deleted_while_the_watch_is_expired_is_found_by_the_pod_list(
     k8s: K8s,
-    cluster: Cluster,  # noqa: F811
+    cluster: Cluster,
 ) -> None:
     """A running pod force-deleted while the watch is down: kopf lists again (410), which shows its
     gated replacement but sends no DELETED for it; the list that follows the relisting finds it
@@ -101,7 +111,7 @@ async def test_a_pod_deleted_while_the_watch_is_expired_is_found_by_the_pod_list
 
 async def test_gang_restart_completes_through_connection_resets(
     k8s: K8s,
-    cluster: Cluster,  # noqa: F811
+    cluster: Cluster,
 ) -> None:
     """An apiserver restarting: the watch streams break, an eviction is lost before it applies and
     one after (its answer only), the release's first patch is lost. The restart completes."""
@@ -120,12 +130,12 @@ async def test_gang_restart_completes_through_connection_resets(
 
 async def test_a_timer_driven_release_that_meets_a_connection_reset_is_tried_again(
     k8s: K8s,
-    cluster: Cluster,  # noqa: F811
+    cluster: Cluster,
 ) -> None:
     """The release waits for the backoff's notBefore (a timer, no event to come); its first patch
     meets a reset: the timer is armed again and the release completes."""
     async with operator(k8s, pod_resync_s=0):
-        job = indexed_job("timer", 2, annotations={"strata.dev/backoff-seconds": "3.5"})
+        job = indexed_job("timer", 2, annotations={"strata.dev/backoff-seconds": "2"})
         run, pods = await start_job(k8s, cluster, job)
         old = {p["metadata"]["name"] for p in pods}
         await cluster.fail(pods[0])
@@ -146,7 +156,7 @@ async def test_a_timer_driven_release_that_meets_a_connection_reset_is_tried_aga
 
 async def test_a_429_with_retry_after_is_honoured(
     k8s: K8s,
-    cluster: Cluster,  # noqa: F811
+    cluster: Cluster,
 ) -> None:
     """API Priority and Fairness throttles the evictions (429, Retry-After: 1): the job's next try
     waits for it, even when watch events (a replacement pod, a touched pod) come meanwhile."""
