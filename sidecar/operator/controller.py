@@ -172,6 +172,7 @@ class Controller(InPlaceRestart, JobSetMirror):
         items = [p for p in (listing or {}).get("items") or [] if isinstance(p, dict)]
         present = {(str(meta_of(p).get("namespace")), str(meta_of(p).get("name"))) for p in items}
         changed: dict[tuple[str, str], WatchedJob] = {}
+        corrected = 0
         for job in list(self.jobs.values()):
             if namespace is not None and job.namespace != namespace:
                 continue
@@ -184,6 +185,7 @@ class Controller(InPlaceRestart, JobSetMirror):
                     continue
                 self._gone(job, name)
                 changed[job.key] = job
+                corrected += 1
         for pod in items:
             meta = meta_of(pod)
             labels = meta.get("labels") or {}
@@ -201,17 +203,19 @@ class Controller(InPlaceRestart, JobSetMirror):
             job = self._job(*key)
             job.pods[str(meta.get("name"))] = pod
             changed[key] = job
+            corrected += 1
         # A deletion seen before the list was asked for cannot be in it: no need to remember it.
         self.tombstones = {uid: at for uid, at in self.tombstones.items() if at >= started}
         if changed:
             log.info(
-                "the pod list corrected the pod index of %d job(s): %s",
+                "the pod list corrected %d pod(s) of the index, of %d job(s): %s",
+                corrected,
                 len(changed),
                 ", ".join(f"{ns}/{name}" for ns, name in sorted(changed)[:5]),
             )
         for job in changed.values():
             await self.reconcile(job)
-        return len(changed)
+        return corrected
 
     async def shape_of(self, namespace: str, pod: Mapping[str, Any]) -> Shape:
         """A pod's world size and rank from its Job or JobSet, for the injection: from the watch
@@ -338,11 +342,10 @@ class Controller(InPlaceRestart, JobSetMirror):
             delay = max(delay, min(hint, RETRY_AFTER_MAX_S) * self.rng.uniform(1.0, 1.2))
         job.hold_until = self.clock() + delay
         where = f"{job.namespace}/{job.name}"
-        if transient(exc):
-            what = repr(exc) if isinstance(exc, aiohttp.ClientError | OSError | TimeoutError) else str(exc)
+        if isinstance(exc, ApiError) or transient(exc):
+            # repr: a reset (ServerDisconnectedError) or a timeout has no message of its own
+            what = str(exc) if isinstance(exc, ApiError) else repr(exc)
             log.warning("%s: reconcile failed (%s); retrying in %.1f s", where, what, delay)
-        elif isinstance(exc, ApiError):
-            log.warning("%s: reconcile failed: %s; retrying in %.1f s", where, exc, delay)
         else:
             log.error("%s: reconcile failed unexpectedly; retrying in %.1f s", where, delay, exc_info=exc)
         self._wake(job, job.hold_until)

@@ -104,7 +104,7 @@ async def test_the_pod_list_drops_pods_it_lacks_keeps_newer_ones_and_adds_unknow
     job = controller._job("default", "train")
     job.pods = {"gone": gone, "newer": newer, "kept": kept}
     controller.tombstones["uid-deleted"] = float("inf")  # its deletion seen after the list was asked
-    assert await controller.resync_pods() == 1
+    assert await controller.resync_pods() == 2  # one gone, one added
     assert set(job.pods) == {"newer", "kept", "unknown"}  # "deleted" is not brought back
     assert api.requests == [
         ("GET", "/api/v1/pods", {"labelSelector": f"{names.OPT_IN_LABEL}={names.OPT_IN_VALUE}"})
