@@ -785,11 +785,12 @@ class Emulator(kmock.KubernetesEmulator):
         assert request.resource is not None
         await self._outage_over(request.resource)
         since = request.params.get("resourceVersion")
+        bus = self._buses[request.resource]
         async with self._lock:
-            if since and since.isdigit() and 0 < int(since) < self._compacted:
-                yield _expired(int(since), self._compacted)
-                return
-            if since and since.isdigit() and int(since) > 0:
+            expired = bool(since and since.isdigit() and 0 < int(since) < self._compacted)
+            if expired:
+                events = [_expired(int(str(since)), self._compacted)]
+            elif since and since.isdigit() and int(since) > 0:
                 events = [
                     event
                     for rv, resource, event in self._log
@@ -800,19 +801,30 @@ class Emulator(kmock.KubernetesEmulator):
                 events = [
                     {"type": "ADDED", "object": copy.deepcopy(obj.raw)} for obj in self._selected(request)
                 ]
-        for event in events:
-            yield event
-        async for event in self._buses[request.resource]:  # pragma: no branch
-            if event == _EXPIRE:
-                yield _expired(int(since or 0), self._compacted)
-                return
-            if event == _RESET:
-                raw = request._raw_request
-                if raw is not None and raw.transport is not None:
-                    raw.transport.abort()
-                return
-            if self._matches(request, event.get("object", {})):
+            # Writes publish under the lock: what comes after this snapshot is on the bus after the
+            # mark, so a watch that resumes (after a reset) misses nothing.
+            marker = await bus.mark()
+        if expired:  # the resourceVersion was compacted away: one ERROR event, and the end
+            await bus.unmark(marker)
+            yield events[0]
+            return
+        try:
+            for event in events:
                 yield event
+            async for event in bus.stream(since=marker):  # pragma: no branch
+                if event == _EXPIRE:
+                    yield _expired(int(since or 0), self._compacted)
+                    return
+                if event == _RESET:
+                    raw = request._raw_request
+                    if raw is not None and raw.transport is not None:
+                        raw.transport.abort()
+                    return
+                if self._matches(request, event.get("object", {})):
+                    yield event
+        finally:
+            with contextlib.suppress(Exception):
+                await bus.unmark(marker)
 
     @override
     async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
