@@ -210,6 +210,8 @@ async def _resync_pods(controller: Controller, namespaces: tuple[str, ...], inte
                 await controller.resync_pods(namespace)
             except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
                 log.warning("listing the opted-in pods failed (retried in %.0f s): %r", interval_s, exc)
+            except Exception:  # a bug must not end the checks for good
+                log.exception("checking the pod index failed (retried in %.0f s)", interval_s)
 
 
 def _identity() -> str:
