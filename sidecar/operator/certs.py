@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+import aiohttp
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -396,8 +397,8 @@ class SecretTls:
             await asyncio.sleep(interval_s)
             try:
                 await self.reconcile()
-            except (ApiError, OSError) as exc:
-                log.warning("TLS reconcile failed (retried in %.0f s): %s", interval_s, exc)
+            except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("TLS reconcile failed (retried in %.0f s): %r", interval_s, exc)
 
     def _adopt(self, state: TlsState) -> None:
         if self.state is None or self.state.serving != state.serving:

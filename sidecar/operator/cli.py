@@ -85,6 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "within this many seconds (default: 60, six heartbeats)",
     )
     parser.add_argument(
+        "--pod-resync-seconds",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="check the operator's view of the opted-in pods against one LIST of them (per watched "
+        "namespace, else cluster-wide) this often, and soon after a watch that expired lists again: "
+        "a pod deleted while the watch was down sends no DELETED event, and a gang restart would "
+        "wait for it (0: off, the watch only; default: 60)",
+    )
+    parser.add_argument(
         "--namespace",
         dest="namespaces",
         action="append",
@@ -248,6 +258,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--in-place-timeout-seconds must be > 0, got {args.in_place_timeout_seconds:g}")
     if args.fence_margin_seconds < 0:
         raise ValueError(f"--fence-margin-seconds must be >= 0, got {args.fence_margin_seconds}")
+    if args.pod_resync_seconds < 0:
+        raise ValueError(f"--pod-resync-seconds must be >= 0 (0: off), got {args.pod_resync_seconds:g}")
     if args.lift_gates:
         return _lift_gates(args.kubeconfig, tuple(args.namespaces), tuple(args.webhook_configurations))
     from sidecar.operator.certs import TlsPolicy
@@ -262,6 +274,7 @@ def main(args: argparse.Namespace) -> int:
         stuck_grace_s=args.stuck_grace_seconds,
         in_place_restart=args.in_place_restart,
         in_place_timeout_s=args.in_place_timeout_seconds,
+        pod_resync_s=args.pod_resync_seconds,
         peering=args.peering,
         namespaces=tuple(args.namespaces),
         report_host=args.report_host,

@@ -11,8 +11,12 @@ One owner for each thing:
 
 Decisions live in the StrataJob's status (restarts used, the pending restart and when it may
 release, the one-shot rollback applied), so a restarted operator carries on where it stopped.
-The pod index comes from the watch: no list calls, no polling; a gang restart costs one eviction
-and one release patch per pod, plus a few status writes and Events.
+The pod index comes from the watch, checked against one LIST of the opted-in pods per period (and
+soon after kopf lists again: a watch that expired never brings the DELETED events of its gap); a
+pod that answers 404 is gone. No other polling: a gang restart costs one eviction and one release
+patch per pod, plus a few status writes and Events. A reconcile that fails (a connection reset,
+a timeout, 429, 5xx, or anything unexpected) is tried again after a capped exponential backoff
+with jitter, never before a Retry-After: no job is left waiting for an event that never comes.
 
 JobSets restart their gangs themselves (``BlockingRecreate``): for them this controller reflects
 the restart attempt, classifies failures and records them, and adds no retry layer.
@@ -34,6 +38,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
+
 from sidecar.coordinator import PERMANENT, Failure, FailureKind, RestartPolicy, RestartTracker
 from sidecar.operator import names
 from sidecar.operator.admission import opted_in
@@ -54,7 +60,7 @@ from sidecar.operator.gates import lift_gates
 from sidecar.operator.in_place import InPlaceRestart
 from sidecar.operator.inject import Shape, workload_shape
 from sidecar.operator.jobset import JobSetMirror
-from sidecar.operator.kube import ApiError, path
+from sidecar.operator.kube import ApiError, path, transient
 from sidecar.operator.retention import Lifecycle
 from sidecar.operator.stuck import StuckGangs
 
@@ -64,6 +70,12 @@ log = logging.getLogger("strata.operator")
 
 #: lastHeartbeat is written at most this often (each heartbeat would be a write otherwise).
 HEARTBEAT_WRITE_S = 60.0
+#: A failed reconcile is tried again after RETRY_BASE_S, doubling each time up to RETRY_MAX_S,
+#: each delay jittered down to half (jobs that failed together do not retry together); a Retry-After
+#: is honoured up to RETRY_AFTER_MAX_S.
+RETRY_BASE_S = 0.2
+RETRY_MAX_S = 30.0
+RETRY_AFTER_MAX_S = 60.0
 
 
 class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
@@ -117,22 +129,97 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
         job = self._job(*key)
         name = str(meta["name"])
         if event_type == "DELETED":
-            last = job.pods.pop(name, None) or dict(body)
+            self._gone(job, name, body)
             if job.workload is None:
-                self._tidy(job)
                 return
-            generation = (meta_of(last).get("annotations") or {}).get(names.GENERATION_ANNOTATION)
-            if (
-                job.status is not None
-                and generation is not None
-                and generation == job.status.get("generation")
-                and not is_gated(last)
-                and not is_terminal(last)
-            ):
-                job.vanished[name] = last  # gone before any failure showed: a failure still
         else:
+            if event_type is None:
+                self.relisted.set()  # listed: after a watch expired, deletions of its gap are unseen
             job.pods[name] = dict(body)
         await self.reconcile(job)
+
+    def _gone(self, job: WatchedJob, name: str, body: Mapping[str, Any] | None = None) -> None:
+        """Pod ``name`` no longer exists: its DELETED event, a 404 on a call about it, or absent from
+        a list. Dropped from the index; one of the running gang is a failure still (vanished)."""
+        last = job.pods.pop(name, None) or dict(body or {})
+        uid = meta_of(last).get("uid")
+        if uid:
+            now = time.monotonic()
+            if len(self.tombstones) > 4096:  # without a periodic list to prune them
+                self.tombstones = {u: t for u, t in self.tombstones.items() if t > now - 600}
+            self.tombstones[str(uid)] = now
+        if job.workload is None:
+            self._tidy(job)
+            return
+        generation = (meta_of(last).get("annotations") or {}).get(names.GENERATION_ANNOTATION)
+        if (
+            job.status is not None
+            and generation is not None
+            and generation == job.status.get("generation")
+            and not is_gated(last)
+            and not is_terminal(last)
+        ):
+            job.vanished[name] = last  # gone before any failure showed: a failure still
+
+    async def resync_pods(self, namespace: str | None = None) -> int:
+        """Check the pod index against one LIST of the opted-in pods (of ``namespace``, else of all):
+        a pod it holds that the list lacks, and no newer than the list, is gone (as if its DELETED
+        event came: a watch that expired and listed again never sends those); a listed pod it lacks
+        or holds older is taken. The jobs that changed reconcile. Returns the pods corrected."""
+        started = time.monotonic()
+        listing = await self.api.request(
+            "GET",
+            path("", "v1", "pods", namespace),
+            params={"labelSelector": f"{names.OPT_IN_LABEL}={names.OPT_IN_VALUE}"},
+        )
+        listed_at = _version(meta_of(listing or {}).get("resourceVersion"))
+        items = [p for p in (listing or {}).get("items") or [] if isinstance(p, dict)]
+        present = {(str(meta_of(p).get("namespace")), str(meta_of(p).get("name"))) for p in items}
+        changed: dict[tuple[str, str], WatchedJob] = {}
+        corrected = 0
+        for job in list(self.jobs.values()):
+            if namespace is not None and job.namespace != namespace:
+                continue
+            for name, pod in list(job.pods.items()):
+                version = _version(meta_of(pod).get("resourceVersion"))
+                # Versions newer than the list (or not comparable) are the watch's to settle.
+                if (job.namespace, name) in present or version is None or listed_at is None:
+                    continue
+                if version > listed_at:
+                    continue
+                self._gone(job, name)
+                changed[job.key] = job
+                corrected += 1
+        for pod in items:
+            meta = meta_of(pod)
+            labels = meta.get("labels") or {}
+            owner = labels.get(names.JOBSET_NAME_LABEL) or labels.get(names.JOB_NAME_LABEL)
+            if not owner or str(meta.get("uid")) in self.tombstones:
+                continue  # a bare pod, or one whose deletion this process saw after the list
+            key = (str(meta.get("namespace", "default")), str(owner))
+            known = self.jobs.get(key)
+            stored = known.pods.get(str(meta.get("name"))) if known is not None else None
+            newer = (_version(meta.get("resourceVersion")) or 0) > (
+                _version(meta_of(stored or {}).get("resourceVersion")) or 0
+            )
+            if stored is not None and not newer:
+                continue
+            job = self._job(*key)
+            job.pods[str(meta.get("name"))] = pod
+            changed[key] = job
+            corrected += 1
+        # A deletion seen before the list was asked for cannot be in it: no need to remember it.
+        self.tombstones = {uid: at for uid, at in self.tombstones.items() if at >= started}
+        if changed:
+            log.info(
+                "the pod list corrected %d pod(s) of the index, of %d job(s): %s",
+                corrected,
+                len(changed),
+                ", ".join(f"{ns}/{name}" for ns, name in sorted(changed)[:5]),
+            )
+        for job in changed.values():
+            await self.reconcile(job)
+        return corrected
 
     async def shape_of(self, namespace: str, pod: Mapping[str, Any]) -> Shape:
         """A pod's world size and rank from its Job or JobSet, for the injection: from the watch
@@ -153,7 +240,7 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
             )
             try:
                 workload = await asyncio.wait_for(self.api.get(url), timeout=2.0)
-            except (TimeoutError, ApiError, OSError) as exc:
+            except (TimeoutError, ApiError, OSError, aiohttp.ClientError) as exc:
                 log.warning(
                     "%s/%s: world size unknown at admission (%s); template's applies", namespace, owner, exc
                 )
@@ -228,20 +315,44 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
     # -- the loop -----------------------------------------------------------------------------------
 
     async def reconcile(self, job: WatchedJob) -> None:
+        """Bring the job's restart forward from what is known now. Never raises: whatever fails is
+        tried again later (``_retry_later``), so no job waits for an event that never comes."""
         if self._closed:
             return
         async with job.lock:
+            if self._closed:
+                return
+            if self.clock() < job.hold_until:
+                self._wake(job, job.hold_until)  # backing off: events meanwhile only fed the index
+                return
             try:
                 await self._reconcile(job)
-            except ApiError as exc:
-                if self.metrics is not None:
-                    self.metrics.reconcile_errors.inc()
-                # A 429 or 503 says when to come back (Retry-After); within reason.
-                delay = 2.0 if exc.retry_after is None else min(max(exc.retry_after, 0.5), 60.0)
-                log.warning(
-                    "%s/%s: reconcile failed: %s; retrying in %.1f s", job.namespace, job.name, exc, delay
-                )
-                self._wake(job, self.clock() + delay)
+            except Exception as exc:  # every failure is retried: never a job left dead
+                self._retry_later(job, exc)
+            else:
+                job.retries = 0
+
+    def _retry_later(self, job: WatchedJob, exc: Exception) -> None:
+        """Reconcile ``job`` again after a capped exponential backoff with jitter, no earlier than
+        the Retry-After the apiserver asked for (429 from API Priority and Fairness, 503)."""
+        if self._closed:
+            return
+        if self.metrics is not None:
+            self.metrics.reconcile_errors.inc()
+        job.retries += 1
+        delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** min(job.retries - 1, 16)) * self.rng.uniform(0.5, 1.0)
+        hint = exc.retry_after if isinstance(exc, ApiError) else None
+        if hint is not None:
+            delay = max(delay, min(hint, RETRY_AFTER_MAX_S) * self.rng.uniform(1.0, 1.2))
+        job.hold_until = self.clock() + delay
+        where = f"{job.namespace}/{job.name}"
+        if isinstance(exc, ApiError) or transient(exc):
+            # repr: a reset (ServerDisconnectedError) or a timeout has no message of its own
+            what = str(exc) if isinstance(exc, ApiError) else repr(exc)
+            log.warning("%s: reconcile failed (%s); retrying in %.1f s", where, what, delay)
+        else:
+            log.error("%s: reconcile failed unexpectedly; retrying in %.1f s", where, delay, exc_info=exc)
+        self._wake(job, job.hold_until)
 
     async def refresh_report_ca(self, bundle: str) -> int:
         """Write the current CA bundle into every live pod that carries an older one in
@@ -585,6 +696,12 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
         return None
 
     # -- JobSet -------------------------------------------------------------------------------------
+
+
+def _version(value: Any) -> int | None:
+    """A resourceVersion as a number (etcd's revision), None where it is not one."""
+    text = str(value or "")
+    return int(text) if text.isdigit() else None
 
 
 def world_size_failure(

@@ -158,6 +158,10 @@ class WatchedJob:
     fenced: set[str] = dataclasses.field(default_factory=set)
     #: In-place restart: rank -> the generation its sidecar acknowledged (heartbeats).
     acks: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: Reconciles that failed in a row, and the wall time before which none is tried again (the
+    #: backoff, or the Retry-After of a 429): events meanwhile only update the pod index.
+    retries: int = 0
+    hold_until: float = 0.0
 
     @property
     def key(self) -> tuple[str, str]:
@@ -216,6 +220,11 @@ class ControllerBase:
         self._tasks: set[asyncio.Future[None]] = set()
         #: When each pending decision was made (monotonic), for the decision-latency benchmark.
         self.decisions: list[tuple[str, float]] = []
+        #: Set when pods arrive listed (kopf lists again after its watch expired, and DELETED events
+        #: of that gap never come): the pod index is checked against a list soon.
+        self.relisted = asyncio.Event()
+        #: Pods seen deleted (uid -> monotonic time): a list taken before must not bring them back.
+        self.tombstones: dict[str, float] = {}
 
     def _own_pods(self, job: WatchedJob) -> list[dict[str, Any]]:
         """Pods this Job controls (not those of an earlier Job of the same name)."""
@@ -227,4 +236,9 @@ class ControllerBase:
 
     async def _restart(self, job: WatchedJob, pods: list[dict[str, Any]], pending: Mapping[str, Any]) -> None:
         """Drive a decided gang restart (the controller's loop)."""
+        raise NotImplementedError
+
+    def _gone(self, job: WatchedJob, name: str, body: Mapping[str, Any] | None = None) -> None:
+        """Pod ``name`` no longer exists (its DELETED event, a 404, or absent from a list): drop it
+        from the index (the controller's inputs)."""
         raise NotImplementedError

@@ -19,7 +19,6 @@ from sidecar.operator.gang import (
     now_text,
     parse_time,
 )
-from sidecar.operator.kube import path
 from sidecar.operator.release import GangRelease
 
 __all__ = ["InPlaceRestart"]
@@ -130,8 +129,9 @@ class InPlaceRestart(GangRelease):
             meta = meta_of(pod)
             # The generation file follows (a sidecar restarted later reads it); the one-shot restore
             # request of the previous release is spent.
-            updated = await self.api.merge_patch(
-                path("", "v1", "pods", job.namespace, str(meta["name"])),
+            updated = await self._patch_pod(
+                job,
+                pod,
                 {
                     "metadata": {
                         "annotations": {
@@ -141,6 +141,8 @@ class InPlaceRestart(GangRelease):
                     }
                 },
             )
+            if updated is None:
+                return  # gone: the gang is short of a pod, which the next reconcile finds
             if isinstance(updated, dict) and str(meta["name"]) in job.pods:
                 job.pods[str(meta["name"])] = updated
         job.progress_at = self.clock()

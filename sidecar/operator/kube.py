@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["RESTART_RULES_SINCE", "Api", "ApiError", "ServerVersion", "path"]
+__all__ = ["RESTART_RULES_SINCE", "Api", "ApiError", "ServerVersion", "path", "transient"]
 
 log = logging.getLogger("strata.operator")
 
@@ -27,6 +27,11 @@ log = logging.getLogger("strata.operator")
 #: from Kubernetes 1.34; an older apiserver refuses such a pod ("may not be set for non-init
 #: containers"), and the Job controller would retry its creation forever.
 RESTART_RULES_SINCE = (1, 34)
+
+#: Every request's limits: the whole request, the connection (TCP and TLS), and each read (a
+#: connection the apiserver stopped answering, half-open after its restart, fails within it).
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=30, connect=10, sock_read=20)
+USER_AGENT = "strata-operator"
 
 
 class ApiError(Exception):
@@ -57,6 +62,15 @@ class ApiError(Exception):
         return self.status == 429 and (
             "DisruptionBudget" in self.causes or "disruption budget" in self.message.lower()
         )
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a busy or restarting apiserver causes, worth a retry: a broken or
+    refused connection, a timeout, 429 (API Priority and Fairness), 5xx, and 409 (a write that
+    raced another)."""
+    if isinstance(exc, ApiError):
+        return exc.status in (409, 429) or exc.status >= 500
+    return isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError))
 
 
 def _retry_after(header: str | None, details: Mapping[str, Any]) -> float | None:
@@ -192,11 +206,11 @@ class Api:
             raise ApiError(503, "ClientClosed", "the API client was closed (the operator is stopping)")
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=self._ssl)
+                timeout=REQUEST_TIMEOUT, connector=aiohttp.TCPConnector(ssl=self._ssl)
             )
         if self._refresh is not None and (token := self._refresh()):
             self._headers["Authorization"] = token  # projected tokens rotate (about hourly)
-        headers = {**self._headers, "Accept": "application/json"}
+        headers = {**self._headers, "Accept": "application/json", "User-Agent": USER_AGENT}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
@@ -304,7 +318,7 @@ class ServerVersion:
         try:
             found = parse_version(await self.api.request("GET", "/version"))
         except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("reading the API server's version failed: %s", exc)
+            log.warning("reading the API server's version failed: %r", exc)
             return
         if found is not None:
             self.version = found

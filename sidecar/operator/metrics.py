@@ -116,7 +116,8 @@ class OperatorMetrics(Served):
         )
         self.reconcile_errors = Counter(
             "strata_operator_reconcile_errors_total",
-            "Reconciliations (or report writes) that failed on an API error and will be retried.",
+            "Reconciliations (or report writes) that failed (an API error, a connection reset, a timeout, "
+            "anything unexpected) and will be retried.",
             registry=r,
         )
         self.watched_jobs = Gauge(

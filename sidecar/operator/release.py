@@ -16,7 +16,7 @@ from sidecar.operator.gang import (
     now_text,
     owner_uid,
 )
-from sidecar.operator.kube import path
+from sidecar.operator.kube import ApiError, path
 from sidecar.operator.stopping import GangStopping
 
 __all__ = ["GangRelease"]
@@ -56,10 +56,13 @@ class GangRelease(GangStopping):
             ]
             annotations: dict[str, Any] = {names.GENERATION_ANNOTATION: generation}
             annotations[names.RESTORE_REQUEST_ANNOTATION] = request
-            updated = await self.api.merge_patch(
-                path("", "v1", "pods", job.namespace, str(meta["name"])),
+            updated = await self._patch_pod(
+                job,
+                pod,
                 {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
             )
+            if updated is None:
+                return  # gone: the release completes once its replacement is here (idempotent)
             job.released_uids.add(str(meta.get("uid")))
             if isinstance(updated, dict) and str(meta["name"]) in job.pods:
                 job.pods[str(meta["name"])] = updated  # the watch brings the same; do not wait for it
@@ -126,10 +129,13 @@ class GangRelease(GangStopping):
                 names.GENERATION_ANNOTATION: generation,
                 names.RESTORE_REQUEST_ANNOTATION: names.STOP_REQUEST,
             }
-            updated = await self.api.merge_patch(
-                path("", "v1", "pods", job.namespace, str(meta["name"])),
+            updated = await self._patch_pod(
+                job,
+                pod,
                 {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
             )
+            if updated is None:
+                return
             job.released_uids.add(str(meta.get("uid")))
             if isinstance(updated, dict) and str(meta["name"]) in job.pods:
                 job.pods[str(meta["name"])] = updated
@@ -140,6 +146,21 @@ class GangRelease(GangStopping):
             f"their trainers exit {names.EXIT_LIMIT_SPENT}, which the Job's podFailurePolicy turns into "
             "FailJob",
         )
+
+    async def _patch_pod(
+        self, job: WatchedJob, pod: dict[str, Any], patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Merge-patch a pod of the gang; None where it is gone (404: as if its DELETED event came,
+        which a watch that expired never sends), and the job reconciles again at once."""
+        name = str(meta_of(pod)["name"])
+        try:
+            return await self.api.merge_patch(path("", "v1", "pods", job.namespace, name), patch)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        self._gone(job, name, pod)
+        self._wake(job, self.clock())
+        return None
 
     def _fails_on_limit_spent(self, job: WatchedJob) -> bool:
         """The Job's podFailurePolicy fails it when a trainer exits EXIT_LIMIT_SPENT."""

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import kopf
 from kopf._core.engines.peering import Identity  # a NewType of str: kopf exports no alias
 
@@ -31,6 +32,14 @@ from sidecar.operator.metrics import OperatorMetrics
 __all__ = ["Operator", "OperatorConfig", "build_registry", "serve"]
 
 log = logging.getLogger("strata.operator")
+
+#: kopf's watches: how long the apiserver keeps one open; kopf's other requests: their limits.
+WATCH_SERVER_TIMEOUT_S = 300
+CONNECT_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 60.0
+#: After kopf lists the pods again (its watch expired), the pod index is checked this much later
+#: (one LIST for the burst of listed pods).
+RELIST_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,9 @@ class OperatorConfig:
     retention_sweep_s: float = 3600.0
     #: How often the API server's version is read again (it gates the restart rule: 1.34+).
     version_check_s: float = 600.0
+    #: How often the pod index is checked against one LIST of the opted-in pods (per watched
+    #: namespace, else cluster-wide), and soon after kopf lists again; 0: never.
+    pod_resync_s: float = 60.0
     #: kopf peering name for more than one replica (None: standalone, one replica).
     peering: str | None = None
     #: Watch only these namespaces (the chart's namespaced mode, with Roles only); empty: all.
@@ -131,7 +143,14 @@ def _settings(config: OperatorConfig) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.posting.level = logging.WARNING  # kopf's own Events: only its problems
     settings.posting.reporting_component = "strata-operator"
-    settings.watching.server_timeout = 300
+    # The apiserver ends each watch after server_timeout; the client gives up shortly after, and
+    # kopf's inactivity timeout (70 s without an event; the apiserver sends a bookmark every minute)
+    # notices a connection that went half-open (an apiserver restarted) sooner.
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_SERVER_TIMEOUT_S + 30
+    settings.watching.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.connect_timeout = CONNECT_TIMEOUT_S
+    settings.networking.request_timeout = REQUEST_TIMEOUT_S
     settings.queueing.exit_timeout = 1.0
     settings.queueing.idle_timeout = 1.0
     settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
@@ -178,8 +197,26 @@ async def _refresh_pods_ca(
         await asyncio.sleep(interval_s)
         try:
             await controller.refresh_report_ca(tls.ca_pem)
-        except (ApiError, OSError) as exc:
-            log.warning("report CA refresh failed (retried in %.0f s): %s", interval_s, exc)
+        except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("report CA refresh failed (retried in %.0f s): %r", interval_s, exc)
+
+
+async def _resync_pods(controller: Controller, namespaces: tuple[str, ...], interval_s: float) -> None:
+    """Check the pod index against a LIST of the opted-in pods every ``interval_s``, and shortly
+    after kopf listed them again (a watch that expired, 410: the deletions of its gap send no
+    DELETED event). One LIST per watched namespace, else one cluster-wide, whatever the job count."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(controller.relisted.wait(), interval_s)
+            await asyncio.sleep(RELIST_SETTLE_S)  # the rest of the listing arrives first
+        controller.relisted.clear()
+        for namespace in namespaces or (None,):
+            try:
+                await controller.resync_pods(namespace)
+            except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("listing the opted-in pods failed (retried in %.0f s): %r", interval_s, exc)
+            except Exception:  # a bug must not end the checks for good
+                log.exception("checking the pod index failed (retried in %.0f s)", interval_s)
 
 
 def _identity() -> str:
@@ -244,6 +281,10 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
     version = ServerVersion(api, in_place_restart=config.in_place_restart)
     await version.refresh()  # before the webhook serves: it decides the container restart rule
     background = [asyncio.create_task(version.run(config.version_check_s))]
+    if config.pod_resync_s > 0:
+        background.append(
+            asyncio.create_task(_resync_pods(controller, config.namespaces, config.pod_resync_s))
+        )
     if tls is not None:
         background.append(asyncio.create_task(tls.run(config.tls_check_s)))
         background.append(

@@ -1,5 +1,6 @@
 """Stopping the old gang: evict what runs, delete what a disruption budget protects (marked
-DisruptionTarget), fence what hangs in Terminating past its grace period."""
+DisruptionTarget), fence what hangs in Terminating past its grace period. A pod that answers 404 to
+any of these is gone, as if its DELETED event had come (a watch that expired never sends it)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class GangStopping(StrataJobStatus):
                     await self.api.create(path("", "v1", "pods", job.namespace, name, "eviction"), eviction)
                 except ApiError as exc:
                     if exc.status == 404:
+                        self._gone(job, name, pod)
                         continue
                     if not exc.disruption_budget:
                         # API Priority and Fairness' 429 too: the apiserver is busy, no budget
@@ -86,9 +88,11 @@ class GangStopping(StrataJobStatus):
             await self.api.strategic_patch(url + "/status", {"status": {"conditions": conditions}})
         except ApiError as exc:
             if exc.status == 404:
+                self._gone(job, str(meta["name"]), pod)
                 return
             raise
-        await self.api.delete(url)
+        if not await self.api.delete(url):
+            self._gone(job, str(meta["name"]), pod)
 
     async def _wait_gone(self, job: WatchedJob, pods: list[dict[str, Any]]) -> bool:
         """True once every pod in ``pods`` is terminal or gone. A pod still Terminating
@@ -96,12 +100,13 @@ class GangStopping(StrataJobStatus):
         storage fences its attempt off, so nothing it still writes can commit, and without this its
         index never gets a replacement (podReplacementPolicy: Failed)."""
         now = self.clock()
-        waiting = False
+        left = 0
         for pod in pods:
-            if is_terminal(pod):
-                continue
-            waiting = True
             meta = meta_of(pod)
+            name = str(meta["name"])
+            if is_terminal(pod) or name not in job.pods:
+                continue  # ended, or gone from the index meanwhile (a 404 said so)
+            left += 1
             # The apiserver sets deletionTimestamp to the end of the grace period.
             deadline = parse_time(meta.get("deletionTimestamp"))
             if deadline is None:
@@ -109,7 +114,6 @@ class GangStopping(StrataJobStatus):
             if now < deadline + self.fence_margin_s:
                 self._wake(job, deadline + self.fence_margin_s)
                 continue
-            name = str(meta["name"])
             url = path("", "v1", "pods", job.namespace, name)
             # As the pod GC does for pods of a lost node: terminal phase and DisruptionTarget first
             # (the Job controller counts a pod only once it is terminal, and the rule ignores it),
@@ -135,7 +139,13 @@ class GangStopping(StrataJobStatus):
             except ApiError as exc:
                 if exc.status != 404:
                     raise
-            await self.api.delete(url, {"gracePeriodSeconds": 0})
+                # Gone: its DELETED event never came (the watch expired meanwhile).
+                self._gone(job, name, pod)
+                left -= 1
+                continue
+            if not await self.api.delete(url, {"gracePeriodSeconds": 0}):
+                self._gone(job, name, pod)  # already gone once terminal: fenced all the same
+                left -= 1
             if name not in job.fenced:
                 job.fenced.add(name)
                 await self._event(
@@ -146,4 +156,4 @@ class GangStopping(StrataJobStatus):
                     "storage",
                     warning=True,
                 )
-        return not waiting
+        return left == 0

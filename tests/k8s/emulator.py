@@ -10,11 +10,21 @@ stale `resourceVersion` with 422 / 409 and a Status body; filters list/watch/col
 `Accept: ...;as=Table` with a meta.k8s.io/v1 Table (a CRD's additionalPrinterColumns when the CRD
 was created through the API, else Name + Age); and registers CRDs created through the API for
 discovery, so `kubectl get <plural>` finds them.
+
+Faults a real apiserver shows, as small knobs (see "faults" below): watches that expire (an ERROR
+event with a 410 Expired Status, the event log compacted so that a re-watch from an older
+resourceVersion gets 410 too) and an outage of a resource's lists and watches meanwhile
+(``watch_outage``: what happens then reaches no client as an event); connections reset (open
+watch streams, and the next requests that match); and the next requests that match answered with a
+status such as 429 with Retry-After or a 5xx. Every injected fault is recorded in ``faults``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
+import dataclasses
 import datetime
 import random
 import re
@@ -77,6 +87,10 @@ def _age(timestamp: str | None) -> str:
     if seconds < 2 * 86400:
         return f"{seconds // 3600}h"
     return f"{seconds // 86400}d"
+
+
+def _compile(pattern: str | None) -> re.Pattern[str] | None:
+    return None if pattern is None else re.compile(pattern)
 
 
 def _status(code: int, reason: str, message: str) -> kmock.KubernetesError:
@@ -210,6 +224,46 @@ class Token:
         }
 
 
+#: What ends a watch stream (an item on the resource's event bus that is no watch event).
+_EXPIRE, _RESET = "strata-emulator:expire", "strata-emulator:reset"
+
+
+@dataclasses.dataclass
+class _Rule:
+    """The next ``left`` requests that match get ``status`` (a number) or a reset (None)."""
+
+    left: int
+    status: int | None
+    method: str | None
+    path: re.Pattern[str] | None
+    agent: str | None
+    retry_after: float | None = None
+    applied: bool = False  # a reset after the request took effect (only its answer is lost)
+
+    def matches(self, request: rendering.Request) -> bool:
+        return (
+            (self.method is None or str(request.method.value).upper() == self.method.upper())
+            and (self.path is None or self.path.search(request.url.path) is not None)
+            and (self.agent is None or self.agent in request.headers.get("User-Agent", ""))
+        )
+
+
+def _expired(since: int, compacted: int) -> dict[str, Any]:
+    """The watch event a real apiserver sends when the resourceVersion asked for is compacted."""
+    return {
+        "type": "ERROR",
+        "object": {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "message": f"too old resource version: {since} ({compacted})",
+            "reason": "Expired",
+            "code": 410,
+        },
+    }
+
+
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with resourceVersions, generateName, selectors, PUT, collection
@@ -237,6 +291,14 @@ class Emulator(kmock.KubernetesEmulator):
     #: refuses a field it does not know, e.g. a regular container's restartPolicy before 1.34).
     validate_pods: bool = False
     _inflight: set[int] = attrs.field(factory=set, init=False)
+    #: Watches from a resourceVersion below this get 410 Expired (the log up to it is compacted).
+    _compacted: int = attrs.field(default=0, init=False)
+    #: Resources whose lists and watches wait (an outage, see ``watch_outage``): resource -> its end.
+    _outages: dict[kmock.resource, asyncio.Event] = attrs.field(factory=dict, init=False)
+    _rules: list[_Rule] = attrs.field(factory=list, init=False)
+    #: Every fault injected: (time.monotonic(), what, method, path), what being "expired", "reset"
+    #: or the status answered (e.g. "429").
+    faults: list[tuple[float, str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -439,6 +501,117 @@ class Emulator(kmock.KubernetesEmulator):
             "status": status,
         }
 
+    # -- faults -----------------------------------------------------------------------------------------
+
+    def _compact(self) -> None:
+        """Compact the event log: a watch from any resourceVersion handed out so far gets 410 (a
+        new one, with nothing after it, lets a list's resourceVersion be watched from)."""
+        self._rv += 1
+        self._compacted = self._rv
+        self._log.clear()
+
+    def _fault(self, what: str, method: str = "", path: str = "") -> None:
+        self.faults.append((time.monotonic(), what, method, path))
+
+    async def expire_watches(self, resource: kmock.resource = PODS) -> None:
+        """End every open watch of ``resource`` with an ERROR event carrying a 410 Expired Status (as
+        the apiserver does once a watch's resourceVersion is compacted away) and compact the event
+        log: a re-watch from an older resourceVersion gets 410 too, so clients list again."""
+        self._compact()
+        self._fault("expired", "WATCH", resource.plural or "")
+        await self._buses[resource].put(_EXPIRE)
+
+    @contextlib.asynccontextmanager
+    async def watch_outage(self, resource: kmock.resource = PODS) -> AsyncIterator[None]:
+        """Open watches of ``resource`` expire (``expire_watches``), and its lists and watches wait
+        until the block ends: what happens to such objects meanwhile (a pod deleted) reaches no
+        client as an event; a client sees it only in the state a later list shows."""
+        ended = self._outages.setdefault(resource, asyncio.Event())
+        ended.clear()
+        await self.expire_watches(resource)
+        try:
+            yield
+        finally:
+            self._compact()  # nothing of the outage is replayed to a re-watch
+            del self._outages[resource]
+            ended.set()
+
+    async def reset_watches(self, resource: kmock.resource | None = None) -> None:
+        """Reset the connections of open watch streams (of ``resource``, else of all): clients see
+        the stream break and watch again from the last resourceVersion they saw."""
+        self._fault("reset", "WATCH", "" if resource is None else resource.plural or "")
+        for bus in [self._buses[resource]] if resource is not None else list(self._buses.values()):
+            await bus.put(_RESET)
+
+    def reset_next(
+        self,
+        n: int = 1,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        agent: str | None = None,
+        applied: bool = False,
+    ) -> None:
+        """Reset the connection of each of the next ``n`` requests that match: ``method`` (e.g.
+        "PATCH"), ``path`` (a regular expression searched in the URL path), ``agent`` (a part of the
+        User-Agent). ``applied``: the request takes effect first and only its answer is lost (the
+        client cannot tell which happened)."""
+        self._rules.append(_Rule(n, None, method, _compile(path), agent, applied=applied))
+
+    def fail_next(
+        self,
+        n: int,
+        status: int,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        agent: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        """Answer each of the next ``n`` requests that match (as in ``reset_next``) with ``status``
+        (429 TooManyRequests, a 5xx) and a Status body, with a Retry-After header when given (the
+        apiserver's APF and its 503s send one); the request takes no effect."""
+        self._rules.append(_Rule(n, status, method, _compile(path), agent, retry_after=retry_after))
+
+    def _rule_for(self, request: rendering.Request) -> _Rule | None:
+        for rule in self._rules:
+            if rule.left > 0 and rule.matches(request):
+                rule.left -= 1
+                return rule
+        self._rules[:] = [r for r in self._rules if r.left > 0]
+        return None
+
+    def _refused(self, rule: _Rule, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        assert rule.status is not None
+        method, path = str(request.method.value).upper(), request.url.path
+        self._fault(str(rule.status), method, path)
+        reason = {429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}.get(
+            rule.status, "InternalError"
+        )
+        details: dict[str, Any] = {}
+        headers = {}
+        if rule.retry_after is not None:
+            details["retryAfterSeconds"] = int(rule.retry_after)
+            headers["Retry-After"] = f"{rule.retry_after:g}"
+        body = {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "message": f"the server answers {rule.status} (injected)",
+            "reason": reason,
+            "details": details,
+            "code": rule.status,
+        }
+        return aiohttp.web.json_response(body, status=rule.status, headers=headers)
+
+    def _reset(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        self._fault("reset", str(request.method.value).upper(), request.url.path)
+        raw = request._raw_request
+        if raw is not None and raw.transport is not None:
+            raw.transport.abort()  # the client reads a broken connection, no answer
+        return aiohttp.web.Response(status=500)  # never reaches the client
+
     # -- writes -----------------------------------------------------------------------------------------
 
     @override
@@ -454,6 +627,17 @@ class Emulator(kmock.KubernetesEmulator):
             self._requests[:] = [r for r in self._requests if id(r) in self._inflight]
 
     async def _handle_one(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        rule = self._rule_for(request) if self._rules else None
+        if rule is not None and rule.status is not None:
+            return self._refused(rule, request)
+        if rule is not None and not rule.applied:
+            return self._reset(request)
+        response = await self._serve_one(request)
+        if rule is not None:
+            return self._reset(request)
+        return response
+
+    async def _serve_one(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await apps.RawHandler._handle(self, request)
 
@@ -565,6 +749,7 @@ class Emulator(kmock.KubernetesEmulator):
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         if request.resource not in self._get_resources():
             raise kmock.KubernetesResourceNotFoundError()
+        await self._outage_over(request.resource)
         async with self._lock:
             items = [copy.deepcopy(obj.raw) for obj in self._selected(request)]
         if self._wants_table(request):
@@ -590,13 +775,22 @@ class Emulator(kmock.KubernetesEmulator):
             return self._table(request, [raw])
         return raw
 
+    async def _outage_over(self, resource: kmock.resource | None) -> None:
+        while resource is not None and (ended := self._outages.get(resource)) is not None:
+            await ended.wait()
+
     @override
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
         yield b""  # send the headers now
         assert request.resource is not None
+        await self._outage_over(request.resource)
         since = request.params.get("resourceVersion")
+        bus = self._buses[request.resource]
         async with self._lock:
-            if since and since.isdigit() and int(since) > 0:
+            expired = bool(since and since.isdigit() and 0 < int(since) < self._compacted)
+            if expired:
+                events = [_expired(int(str(since)), self._compacted)]
+            elif since and since.isdigit() and int(since) > 0:
                 events = [
                     event
                     for rv, resource, event in self._log
@@ -607,11 +801,30 @@ class Emulator(kmock.KubernetesEmulator):
                 events = [
                     {"type": "ADDED", "object": copy.deepcopy(obj.raw)} for obj in self._selected(request)
                 ]
-        for event in events:
-            yield event
-        async for event in self._buses[request.resource]:  # pragma: no branch
-            if self._matches(request, event.get("object", {})):
+            # Writes publish under the lock: what comes after this snapshot is on the bus after the
+            # mark, so a watch that resumes (after a reset) misses nothing.
+            marker = await bus.mark()
+        if expired:  # the resourceVersion was compacted away: one ERROR event, and the end
+            await bus.unmark(marker)
+            yield events[0]
+            return
+        try:
+            for event in events:
                 yield event
+            async for event in bus.stream(since=marker):  # pragma: no branch
+                if event == _EXPIRE:
+                    yield _expired(int(since or 0), self._compacted)
+                    return
+                if event == _RESET:
+                    raw = request._raw_request
+                    if raw is not None and raw.transport is not None:
+                        raw.transport.abort()
+                    return
+                if self._matches(request, event.get("object", {})):
+                    yield event
+        finally:
+            with contextlib.suppress(Exception):
+                await bus.unmark(marker)
 
     @override
     async def _serve_version(self, request: rendering.Request) -> rendering.Payload:

@@ -353,3 +353,95 @@ async def test_real_kopf_operator_patches_an_object(k8s: K8s, tmp_path: Path) ->
         await asyncio.to_thread(runner.__exit__, None, None, None)
     assert seen == 5, runner.output
     assert runner.exception is None and runner.exit_code == 0, runner.output
+
+
+# ---- faults -----------------------------------------------------------------------------------------
+
+
+async def _next_event(response: aiohttp.ClientResponse) -> dict[str, Any] | None:
+    """The next watch event, or None where the stream ended."""
+    line = await asyncio.wait_for(response.content.readline(), 5)
+    return json.loads(line) if line.strip() else None
+
+
+async def test_expired_watch_ends_with_410_and_a_rewatch_from_before_gets_410(k8s: K8s) -> None:
+    from tests.k8s.emulator import PODS as POD_RESOURCE
+
+    status, first = await call(k8s, "POST", PODS, pod("a"))
+    assert status in (200, 201)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(k8s.url + PODS, params={"watch": "true"}) as response:
+            assert (await _next_event(response) or {}).get("type") == "ADDED"
+            await k8s.api.expire_watches(POD_RESOURCE)
+            ended = await _next_event(response)
+            assert ended is not None and ended["type"] == "ERROR"
+            assert ended["object"]["code"] == 410 and ended["object"]["reason"] == "Expired"
+            assert await _next_event(response) is None  # and the stream ends
+        old = first["metadata"]["resourceVersion"]
+        async with session.get(k8s.url + PODS, params={"watch": "true", "resourceVersion": old}) as response:
+            again = await _next_event(response)
+            assert again is not None and again["object"]["code"] == 410
+            assert "too old resource version" in again["object"]["message"]
+        # A list and a watch from its resourceVersion work again.
+        status, listing = await call(k8s, "GET", PODS)
+        since = listing["metadata"]["resourceVersion"]
+        params = {"watch": "true", "resourceVersion": since}
+        async with session.get(k8s.url + PODS, params=params) as response:
+            await call(k8s, "POST", PODS, pod("b"))
+            added = await _next_event(response) or {}
+            assert added["type"] == "ADDED" and added["object"]["metadata"]["name"] == "b"
+    assert [f[1] for f in k8s.api.faults] == ["expired"]
+
+
+async def test_watch_outage_holds_lists_and_hides_what_happens_meanwhile(k8s: K8s) -> None:
+    from tests.k8s.emulator import PODS as POD_RESOURCE
+
+    await call(k8s, "POST", PODS, pod("a"))
+    async with k8s.api.watch_outage(POD_RESOURCE):
+        listing = asyncio.ensure_future(call(k8s, "GET", PODS))
+        await asyncio.sleep(0.2)
+        assert not listing.done()  # waits for the outage to end
+        status, _ = await call(k8s, "DELETE", PODS + "/a")
+        assert status == 200
+    status, body = await asyncio.wait_for(listing, 5)
+    assert status == 200 and names(body) == set()
+
+
+async def test_reset_next_breaks_matching_requests_before_or_after_they_apply(k8s: K8s) -> None:
+    k8s.api.reset_next(1, method="POST", path=r"/pods$")
+    with pytest.raises(aiohttp.ClientError):
+        await call(k8s, "POST", PODS, pod("lost"))
+    k8s.api.reset_next(1, method="POST", path=r"/pods$", applied=True)
+    with pytest.raises(aiohttp.ClientError):
+        await call(k8s, "POST", PODS, pod("kept"))
+    status, listing = await call(k8s, "GET", PODS)  # another method: not reset
+    assert status == 200 and names(listing) == {"kept"}
+    status, _ = await call(k8s, "POST", PODS, pod("next"))  # the rules are spent
+    assert status in (200, 201)
+    assert [(f[1], f[2]) for f in k8s.api.faults] == [("reset", "POST"), ("reset", "POST")]
+
+
+async def test_reset_watches_breaks_open_streams(k8s: K8s) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(k8s.url + PODS, params={"watch": "true"}) as response,
+    ):
+        await asyncio.sleep(0.1)
+        await k8s.api.reset_watches()
+        with pytest.raises(aiohttp.ClientError):
+            await asyncio.wait_for(response.content.read(), 5)
+
+
+async def test_fail_next_answers_429_with_retry_after_then_serves(k8s: K8s) -> None:
+    k8s.api.fail_next(2, 429, method="GET", path=r"/pods$", retry_after=3)
+    k8s.api.fail_next(1, 503, method="POST")
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.get(k8s.url + PODS) as response:
+                body = await response.json()
+                assert response.status == 429 and response.headers["Retry-After"] == "3"
+                assert body["kind"] == "Status" and body["details"]["retryAfterSeconds"] == 3
+    assert (await call(k8s, "GET", PODS))[0] == 200
+    assert (await call(k8s, "POST", PODS, pod("a")))[0] == 503
+    assert (await call(k8s, "GET", PODS + "/a"))[0] == 404  # refused: it took no effect
+    assert [f[1] for f in k8s.api.faults] == ["429", "429", "503"]
