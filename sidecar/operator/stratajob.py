@@ -90,6 +90,7 @@ class StrataJobStatus(ControllerBase):
             "generation": None,
             "generationStartedAt": None,
             "restarts": 0,
+            "disruptions": 0,
             "restartLimit": job.settings.max_restarts,
             "pendingRestart": None,
             "attempt": None,
