@@ -22,10 +22,19 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from sidecar.coordinator import Failure, FailureKind
-from sidecar.operator.gang import REASONS, WatchedJob, failed_indexes, is_gated, meta_of, now_text
+from sidecar.operator.gang import (
+    REASONS,
+    WatchedJob,
+    failed_indexes,
+    is_gated,
+    meta_of,
+    now_text,
+    parse_time,
+)
 from sidecar.operator.kube import ApiError, path
 from sidecar.operator.release import GangRelease
 
@@ -39,7 +48,25 @@ SUSPENSION_RECHECK_S = 1.0
 
 
 def _suspended(job: WatchedJob) -> bool:
+    """The Job is suspended, as its newest known version says (an older watch event is not)."""
+    if _generation(job.workload) < job.fresh_generation:
+        return False
     return bool(((job.workload or {}).get("spec") or {}).get("suspend"))
+
+
+def _generation(workload: Mapping[str, Any] | None) -> int:
+    value = meta_of(workload or {}).get("generation")
+    return value if isinstance(value, int) else 0
+
+
+def _suspended_since(workload: Mapping[str, Any] | None, started: float | None) -> bool:
+    """The Job controller's ``Suspended`` condition changed after ``started`` (whole seconds, as
+    condition times are: a change within the release's second is not seen)."""
+    for condition in ((workload or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Suspended":
+            changed = parse_time(condition.get("lastTransitionTime"))
+            return started is not None and changed is not None and changed > started
+    return False
 
 
 class GangDisruptions(GangRelease):
@@ -82,10 +109,17 @@ class GangDisruptions(GangRelease):
                 condition=("Suspended", "False", "JobResumed", "the Job was resumed; its first gang starts"),
             )
             return False
+        await self._resumed(job, "the Job was resumed")
+        return True
+
+    async def _resumed(self, job: WatchedJob, what: str) -> None:
+        """Start the next generation after a suspension: one disruption, no backoff."""
+        assert job.status is not None
+        status = job.status
         count = int(status.get("disruptions") or 0) + 1
         pending = self._disruption_pending(job, "suspended")
         message = (
-            f"the Job was resumed: restarting all {job.world} ranks as generation {pending['generation']} "
+            f"{what}: restarting all {job.world} ranks as generation {pending['generation']} "
             f"from the newest committed step (disruption {count}; crash restarts stay "
             f"{int(status.get('restarts') or 0)} of {job.settings.max_restarts})"
         )
@@ -99,27 +133,40 @@ class GangDisruptions(GangRelease):
         )
         await self._event(job, "GangResumed", message)
         await self._restart(job, self._own_pods(job), pending)
-        return True
 
     async def _suspended_meanwhile(self, job: WatchedJob, pod: str) -> bool:
-        """Whether a failure of ``pod`` may be the Job controller deleting it for a suspension whose
-        Job event has not arrived yet (the Job and pod watches are separate streams): one GET of
-        the Job, only for a pod that was deleted. The watch brings the suspension; until then,
-        nothing is decided (a look again in a second, should it never come)."""
+        """Whether the failure of a deleted ``pod`` ("": an index whose pod is gone) is the Job
+        controller's doing for a suspension this controller did not see: the Job and pod watches are
+        separate streams (the deletions may come before the Job's event), and a suspension may have
+        come and gone while the operator was down or its Job event lagged. One GET of the Job,
+        only for deleted pods. Still suspended: nothing is decided until the Job's event comes (a
+        look again in a second). Suspended and resumed since the current generation was released
+        (the Job controller's ``Suspended`` condition changed since): the next generation starts as
+        a disruption. Returns True when it handled the failure."""
         seen = job.pods.get(pod)
-        if not pod or (seen is not None and not meta_of(seen).get("deletionTimestamp")):
+        if pod and pod not in job.vanished and (seen is None or not meta_of(seen).get("deletionTimestamp")):
             return False
-        if seen is None and pod not in job.vanished:
-            return False
-        try:
-            fresh = await self.api.get(path("batch", "v1", "jobs", job.namespace, job.name))
-        except ApiError:
-            return False
-        if fresh is None or meta_of(fresh).get("uid") != job.uid:
-            return False
-        if not ((fresh.get("spec") or {}).get("suspend")):
-            return False
-        self._wake(job, self.clock() + SUSPENSION_RECHECK_S)
+        assert job.status is not None
+        started = parse_time(job.status.get("generationStartedAt"))
+        workload = job.workload
+        if not _suspended_since(workload, started):
+            try:
+                workload = await self.api.get(path("batch", "v1", "jobs", job.namespace, job.name))
+            except ApiError:
+                return False
+            if workload is None or meta_of(workload).get("uid") != job.uid:
+                return False
+            job.fresh_generation = max(job.fresh_generation, _generation(workload))
+            if (workload.get("spec") or {}).get("suspend"):
+                self._wake(job, self.clock() + SUSPENSION_RECHECK_S)
+                return True
+            if not _suspended_since(workload, started):
+                return False
+        await self._resumed(
+            job,
+            f"the Job was suspended and resumed since generation {job.status.get('generation')} was "
+            "released (its pods went with the suspension)",
+        )
         return True
 
     def _disruption_pending(self, job: WatchedJob, reason: str) -> dict[str, Any]:

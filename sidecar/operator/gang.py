@@ -169,6 +169,9 @@ class WatchedJob:
     fenced: set[str] = dataclasses.field(default_factory=set)
     #: In-place restart: rank -> the generation its sidecar acknowledged (heartbeats).
     acks: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: metadata.generation of the Job as last read fresh (a suspension decided from it): watch
+    #: events of older generations, still on their way, are stale.
+    fresh_generation: int = 0
 
     @property
     def key(self) -> tuple[str, str]:

@@ -120,6 +120,32 @@ async def test_a_job_suspended_before_its_first_gang_starts_it_on_resume_uncount
         assert status["generation"].endswith("/0") and status["disruptions"] == 0 and status["restarts"] == 0
 
 
+async def test_pods_deleted_for_a_suspension_seen_before_the_jobs_event_are_no_crash(
+    k8s: K8s, cluster: Cluster
+) -> None:
+    """The Job and pod watches are separate streams: the pods' deletions, even the resumed Job's new
+    pods, may come before the Job's suspend. Their failure is checked against the Job (one GET):
+    suspended, or resumed since the gang started (its Suspended condition), it is no crash."""
+    async with operator(k8s) as op:
+        run, _ = await start_job(k8s, cluster, indexed_job("lagging", 2, annotations=NO_BACKOFF))
+        await asyncio.sleep(1.0)  # condition times are whole seconds: a later one than the release
+        original = op.controller.on_job
+
+        async def lagging(event_type: str | None, body: dict[str, Any]) -> None:
+            if (body.get("spec") or {}).get("suspend"):
+                await asyncio.sleep(1.0)  # the Job watch lags the pods'
+            await original(event_type, body)
+
+        op.controller.on_job = lagging
+        await cluster.preempt("lagging")
+        await until(lambda: running(cluster, "lagging", f"{run}/1", 2), message="generation 1 after resume")
+        await asyncio.sleep(1.5)  # the lagging events (suspended, resumed) come and change nothing
+        assert running(cluster, "lagging", f"{run}/1", 2)
+        status = await status_of(k8s, "lagging")
+        assert status["phase"] == "Running"
+        assert status["restarts"] == 0 and status["disruptions"] == 1, status.get("lastFailure")
+
+
 # ---- evictions and lost nodes ---------------------------------------------------------------------------
 
 
