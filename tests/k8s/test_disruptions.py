@@ -68,7 +68,7 @@ async def test_preemptions_spend_no_crash_budget_and_a_crash_still_restarts(
 ) -> None:
     """Five Kueue preemptions of a job allowed one crash restart: each resume starts the next
     generation as a disruption; the crash after them still restarts the gang."""
-    async with operator(k8s):
+    async with operator(k8s) as op:
         job = indexed_job("kueue", 2, annotations={**NO_BACKOFF, "strata.dev/max-restarts": "1"})
         run, _ = await start_job(k8s, cluster, job)
         for generation in range(1, 5):  # before, the second one had spent the budget: Failed
@@ -102,6 +102,9 @@ async def test_preemptions_spend_no_crash_budget_and_a_crash_still_restarts(
         assert status["lastFailure"]["reason"] == "ExitError"
         reasons = [e["reason"] for e in await events_about(k8s, "kueue")]
         assert reasons.count("GangSuspended") == 5 and reasons.count("GangResumed") == 5
+        registry = op.metrics.registry
+        assert registry.get_sample_value("strata_operator_disruptions_total", {"reason": "suspended"}) == 5
+        assert registry.get_sample_value("strata_operator_restarts_total", {"reason": "exit-error"}) == 1
         await assert_valid(k8s, "kueue")
 
 
