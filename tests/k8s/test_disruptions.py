@@ -118,6 +118,7 @@ async def test_a_job_suspended_before_its_first_gang_starts_it_on_resume_uncount
         await create(k8s, JOBS, job)
         await until(lambda: _status_with(k8s, "queued", phase="Suspended"), message="Suspended")
         assert cluster.pods("queued") == []
+        await assert_valid(k8s, "queued")  # phase Suspended is in the CRD's schema
         await cluster.set_suspend("queued", False)
         status = await until(lambda: _status_with(k8s, "queued", phase="Running"), message="Running")
         assert status["generation"].endswith("/0") and status["disruptions"] == 0 and status["restarts"] == 0
