@@ -257,6 +257,16 @@ def _job_warnings(spec: Mapping[str, Any], template: Mapping[str, Any], job: tab
     if rules and spec.get("podReplacementPolicy", "Failed") != "Failed":
         warnings.append("spec.podReplacementPolicy must be Failed with a podFailurePolicy")
     parallelism = int(spec.get("parallelism") or 1)
+    per_index = spec.get("backoffLimitPerIndex")
+    if isinstance(per_index, int) and per_index < job.max_restarts:
+        # Each gang restart counts against at most the index that crashed (evicted peers and exit 75
+        # are ignored), so the Job controller gives an index up only past max-restarts crashes.
+        warnings.append(
+            f"spec.backoffLimitPerIndex ({per_index}) is below strata.dev/max-restarts ({job.max_restarts}): "
+            f"an index whose pods fail more than {per_index} time(s) is failed by the Job controller and "
+            "never re-created, so no gang restart can bring it back and the job fails early; set "
+            f"backoffLimitPerIndex to at least {job.max_restarts}"
+        )
     backoff_limit = spec.get("backoffLimit", 6)
     if spec.get("backoffLimitPerIndex") is None and backoff_limit is not None:
         if int(backoff_limit) < job.max_restarts:

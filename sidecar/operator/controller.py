@@ -44,9 +44,11 @@ from sidecar.coordinator import PERMANENT, Failure, FailureKind, RestartPolicy, 
 from sidecar.operator import names
 from sidecar.operator.admission import opted_in
 from sidecar.operator.classify import classify_pod, is_terminal
+from sidecar.operator.disruptions import DISRUPTIONS, GangDisruptions
 from sidecar.operator.gang import (
     REASONS,
     WatchedJob,
+    failed_indexes,
     index_of,
     is_gated,
     is_stopping,
@@ -78,7 +80,7 @@ RETRY_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 60.0
 
 
-class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
+class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Lifecycle):
     """The restart protocol over an :class:`Api`. Feed it watch events (``on_job``, ``on_pod``) and
     heartbeats (``on_heartbeat``); it writes StrataJob status, pods, evictions and Events.
 
@@ -441,14 +443,18 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
         if ended is not None:
             # The Job itself completed or failed (its own policy, a deadline): nothing to restart.
             phase_now = "Succeeded" if ended == "Complete" else "Failed"
+            given_up = failed_indexes(job.workload)
+            why = f" (failed indexes: {', '.join(map(str, given_up))})" if given_up else ""
             await self._patch_status(
                 job,
                 {"phase": phase_now, "pendingRestart": None},
-                condition=(phase_now, "True", f"Job{ended}", f"the {job.kind} reports {ended}"),
+                condition=(phase_now, "True", f"Job{ended}", f"the {job.kind} reports {ended}{why}"),
             )
             return
-        if ((job.workload or {}).get("spec") or {}).get("suspend"):
-            return  # suspended (Kueue): its pods go away on purpose; nothing is a failure
+        if await self._suspension(job):
+            return  # suspended (Kueue): its pods go away on purpose; or resumed: restarted here
+        if await self._index_given_up(job, pods):
+            return
         pending = job.status.get("pendingRestart")
         if pending:
             await self._restart(job, pods, pending)
@@ -465,6 +471,8 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
                 await self._release(job, pods, job.generation(0), first=True)
             return
         found = self._failure(job, running) or self._vanished(job, pods, running)
+        if found is not None and await self._suspended_meanwhile(job, found[1]):
+            return
         if found is not None:
             await self._decide(job, found[0], running, found[1])
             return
@@ -576,6 +584,9 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
                     failure.signal,
                     f"{failure.describe()}, and {changed.detail}",
                 )
+        if failure.kind in DISRUPTIONS:
+            await self._disrupted(job, failure, running, pod)
+            return
         decision = tracker.decide(failure)
         last = {
             "reason": REASONS.get(failure.kind, "Failed"),
@@ -663,6 +674,9 @@ class Controller(InPlaceRestart, JobSetMirror, StuckGangs, Lifecycle):
         came first, or (after an operator restart) its index has only a gated replacement, which the
         Job controller creates only once the pod it replaces failed or went away."""
         for name, pod in sorted(job.vanished.items()):
+            shown = classify_pod(pod, container=self.trainer_container)
+            if shown is not None and shown.kind in DISRUPTIONS:
+                return shown, name  # e.g. the pod GC's DisruptionTarget, then its force delete
             return Failure(
                 FailureKind.DELETED, index_of(pod), detail=f"pod {name} disappeared while it ran"
             ), name

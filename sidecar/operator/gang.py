@@ -105,6 +105,17 @@ def index_of(pod: Mapping[str, Any]) -> int | None:
     return int(raw) if raw is not None and str(raw).isdigit() else None
 
 
+def failed_indexes(workload: Mapping[str, Any] | None) -> list[int]:
+    """The Job's ``status.failedIndexes`` ("1,3-5": the Job controller's interval format), sorted."""
+    text = str(((workload or {}).get("status") or {}).get("failedIndexes") or "")
+    found: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            found.update(range(int(first), int(last or first) + 1))
+    return sorted(found)
+
+
 def owner_uid(pod: Mapping[str, Any]) -> str | None:
     for ref in meta_of(pod).get("ownerReferences") or []:
         if ref.get("kind") == "Job" and ref.get("controller"):
@@ -162,6 +173,9 @@ class WatchedJob:
     #: backoff, or the Retry-After of a 429): events meanwhile only update the pod index.
     retries: int = 0
     hold_until: float = 0.0
+    #: metadata.generation of the Job as last read fresh (a suspension decided from it): watch
+    #: events of older generations, still on their way, are stale.
+    fresh_generation: int = 0
 
     @property
     def key(self) -> tuple[str, str]:

@@ -114,6 +114,13 @@ class OperatorMetrics(Served):
             ["reason"],
             registry=r,
         )
+        self.disruptions = Counter(
+            "strata_operator_disruptions_total",
+            "Gang restarts after a disruption (evicted, lost with its node, a suspended Job resumed), "
+            "which spend no restart budget, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.reconcile_errors = Counter(
             "strata_operator_reconcile_errors_total",
             "Reconciliations (or report writes) that failed (an API error, a connection reset, a timeout, "
@@ -128,7 +135,8 @@ class OperatorMetrics(Served):
         self.jobs_failed = Counter(
             "strata_operator_jobs_failed_total",
             "Jobs the operator gave up on, by reason: RestartLimitReached (restarts exhausted) or "
-            "NotRestartable (a failure no gang restart can fix).",
+            "NotRestartable (a failure no gang restart can fix), IndexFailed (the Job controller gave up on "
+            "an index).",
             ["reason"],
             registry=r,
         )
@@ -157,7 +165,7 @@ class OperatorMetrics(Served):
         r.register(self._api_calls)
         for reason in REJECTION_REASONS:
             self.report_rejections.labels(reason=reason)  # export zeros from the start
-        for reason in ("RestartLimitReached", "NotRestartable"):
+        for reason in ("RestartLimitReached", "NotRestartable", "IndexFailed"):
             self.jobs_failed.labels(reason=reason)
         for kind in ("StrataJob", "Checkpoint"):
             self.retention_deletions.labels(kind=kind)

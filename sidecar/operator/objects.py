@@ -297,7 +297,7 @@ def stratajob_body(
         "kind": "StrataJob",
         "metadata": {"name": name, "namespace": namespace, "labels": {JOB_LABEL: name}},
         "spec": spec,
-        "status": {"phase": "Pending", "restarts": 0},
+        "status": {"phase": "Pending", "restarts": 0, "disruptions": 0},
     }
 
 

@@ -3,12 +3,14 @@ replacements with the restore request stop once the restart limit is spent."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from sidecar.operator import names
 from sidecar.operator.classify import is_terminal
 from sidecar.operator.gang import (
     WatchedJob,
+    failed_indexes,
     index_of,
     is_gated,
     is_stopping,
@@ -48,24 +50,10 @@ class GangRelease(GangStopping):
         started = now_text()
         request = self._restore_request(job, first)
         for pod in gated:
-            meta = meta_of(pod)
-            gates = [
-                g
-                for g in (pod.get("spec") or {}).get("schedulingGates") or []
-                if g.get("name") != names.GANG_GATE
-            ]
-            annotations: dict[str, Any] = {names.GENERATION_ANNOTATION: generation}
-            annotations[names.RESTORE_REQUEST_ANNOTATION] = request
-            updated = await self._patch_pod(
-                job,
-                pod,
-                {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
-            )
-            if updated is None:
+            if not await self._lift_gate(
+                job, pod, {names.GENERATION_ANNOTATION: generation, names.RESTORE_REQUEST_ANNOTATION: request}
+            ):
                 return  # gone: the release completes once its replacement is here (idempotent)
-            job.released_uids.add(str(meta.get("uid")))
-            if isinstance(updated, dict) and str(meta["name"]) in job.pods:
-                job.pods[str(meta["name"])] = updated  # the watch brings the same; do not wait for it
         changes: dict[str, Any] = {
             "phase": "Running",
             "generation": generation,
@@ -113,32 +101,18 @@ class GangRelease(GangStopping):
                     on_workload=True,
                 )
             return
+        # The Job controller re-creates neither a succeeded index nor one it gave up on (past
+        # backoffLimitPerIndex): no replacement of theirs is waited for.
         succeeded = {index_of(p) for p in pods if (p.get("status") or {}).get("phase") == "Succeeded"}
+        succeeded |= set(failed_indexes(job.workload))
         have = {index_of(p) for p in gated} | {index_of(p) for p in live if is_stopping(p)}
         if None not in have and not set(range(job.world)) - succeeded <= have:
             return  # the Job controller is still creating replacements
         generation = job.status.get("generation") if job.status else None
+        stop = {names.GENERATION_ANNOTATION: generation, names.RESTORE_REQUEST_ANNOTATION: names.STOP_REQUEST}
         for pod in gated:
-            meta = meta_of(pod)
-            gates = [
-                g
-                for g in (pod.get("spec") or {}).get("schedulingGates") or []
-                if g.get("name") != names.GANG_GATE
-            ]
-            annotations = {
-                names.GENERATION_ANNOTATION: generation,
-                names.RESTORE_REQUEST_ANNOTATION: names.STOP_REQUEST,
-            }
-            updated = await self._patch_pod(
-                job,
-                pod,
-                {"metadata": {"annotations": annotations}, "spec": {"schedulingGates": gates or None}},
-            )
-            if updated is None:
+            if not await self._lift_gate(job, pod, stop):
                 return
-            job.released_uids.add(str(meta.get("uid")))
-            if isinstance(updated, dict) and str(meta["name"]) in job.pods:
-                job.pods[str(meta["name"])] = updated
         await self._event(
             job,
             "ReleasedToStop",
@@ -147,19 +121,51 @@ class GangRelease(GangStopping):
             "FailJob",
         )
 
+    async def _lift_gate(
+        self, job: WatchedJob, pod: dict[str, Any], annotations: Mapping[str, str | None]
+    ) -> bool:
+        """Write ``annotations`` (None removes one) and remove the gang gate, in one JSON patch that
+        tests the gate's position first: a whole-list patch would put back a gate someone else (Kueue)
+        removed meanwhile. When the list changed under it (422), the pod is read again and the patch
+        retried once. False where the pod is gone (404: as if its DELETED event came, which a watch
+        that expired never sends; the job reconciles again at once)."""
+        meta = meta_of(pod)
+        url = path("", "v1", "pods", job.namespace, str(meta["name"]))
+        for retry in (False, True):
+            try:
+                updated = await self.api.json_patch(url, _release_ops(pod, annotations))
+                break
+            except ApiError as exc:
+                if exc.status == 404:
+                    return self._gone_now(job, pod)
+                if exc.status != 422 or retry:
+                    raise
+            fresh = await self.api.get(url)
+            if fresh is None:
+                return self._gone_now(job, pod)
+            pod = fresh
+        job.released_uids.add(str(meta.get("uid")))
+        if isinstance(updated, dict) and str(meta["name"]) in job.pods:
+            job.pods[str(meta["name"])] = updated  # the watch brings the same; do not wait for it
+        return True
+
+    def _gone_now(self, job: WatchedJob, pod: dict[str, Any]) -> bool:
+        """A pod found gone by a write (404): handled as its DELETED event; reconcile again."""
+        self._gone(job, str(meta_of(pod)["name"]), pod)
+        self._wake(job, self.clock())
+        return False
+
     async def _patch_pod(
         self, job: WatchedJob, pod: dict[str, Any], patch: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """Merge-patch a pod of the gang; None where it is gone (404: as if its DELETED event came,
-        which a watch that expired never sends), and the job reconciles again at once."""
+        """Merge-patch a pod of the gang; None where it is gone (see :meth:`_gone_now`)."""
         name = str(meta_of(pod)["name"])
         try:
             return await self.api.merge_patch(path("", "v1", "pods", job.namespace, name), patch)
         except ApiError as exc:
             if exc.status != 404:
                 raise
-        self._gone(job, name, pod)
-        self._wake(job, self.clock())
+        self._gone_now(job, pod)
         return None
 
     def _fails_on_limit_spent(self, job: WatchedJob) -> bool:
@@ -202,3 +208,26 @@ class GangRelease(GangStopping):
                 on_workload=True,
             )
         return False
+
+
+def _release_ops(pod: Mapping[str, Any], annotations: Mapping[str, str | None]) -> list[dict[str, Any]]:
+    """The JSON patch (RFC 6902) that writes ``annotations`` and removes the gang gate: a ``test`` of
+    each gate's position before its ``remove``, so no other gate is touched (gates.py does the same)."""
+    ops: list[dict[str, Any]] = []
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    for i in reversed([i for i, g in enumerate(gates) if g.get("name") == names.GANG_GATE]):
+        ops.append({"op": "test", "path": f"/spec/schedulingGates/{i}/name", "value": names.GANG_GATE})
+        ops.append({"op": "remove", "path": f"/spec/schedulingGates/{i}"})
+    held = meta_of(pod).get("annotations")
+    if held is None:
+        written = {k: v for k, v in annotations.items() if v is not None}
+        if written:
+            ops.append({"op": "add", "path": "/metadata/annotations", "value": written})
+        return ops
+    for key, value in annotations.items():
+        pointer = "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+        if value is not None:
+            ops.append({"op": "add", "path": pointer, "value": value})  # add replaces a value
+        elif key in held:
+            ops.append({"op": "remove", "path": pointer})
+    return ops

@@ -92,6 +92,7 @@ class StrataJobStatus(ControllerBase):
             "generation": None,
             "generationStartedAt": None,
             "restarts": 0,
+            "disruptions": 0,
             "restartLimit": self._restart_limit(job),
             "pendingRestart": None,
             "attempt": None,

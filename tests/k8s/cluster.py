@@ -4,7 +4,13 @@ the emulated API's HTTP interface like the real ones:
 - a Job controller for Indexed Jobs: one pod per index, a replacement only once the old pod is
   Failed or gone (``podReplacementPolicy: Failed``, which podFailurePolicy forces), each passed
   through the admission logic (``mutate_pod``: the gang gate), as the webhook would, or through
-  ``admit`` (the operator's webhook itself);
+  ``admit`` (the operator's webhook itself); a pod the apiserver refuses is a ``FailedCreate``
+  Event on the Job and a retry with a doubling backoff. ``spec.suspend: true`` deletes the active
+  pods (not counted as failures) and creates none until it is false again (Kueue's preemption:
+  ``preempt``). ``backoffLimitPerIndex``: failed pods that no podFailurePolicy Ignore rule matches
+  count against their index (a pod gone without a terminal state counts as its last state shows);
+  past the limit the index is in ``status.failedIndexes`` and never re-created; the Job fails when
+  more indexes failed than ``maxFailedIndexes``, or every index ended and one of them failed;
 - kubelets: an ungated pod is scheduled and runs; a deleted pod stops after ``termination_s``
   (its containers end, it goes Failed, then it is removed) unless its node is "lost", where it
   hangs in Terminating until force-deleted.
@@ -27,7 +33,7 @@ import jsonpatch
 
 from sidecar.operator import names
 from sidecar.operator.admission import mutate_pod
-from tests.k8s.conftest import K8s, call
+from tests.k8s.conftest import K8s, call, post_event
 from tests.k8s.emulator import PODS
 
 JOBS = ("batch", "v1", "jobs")
@@ -62,6 +68,16 @@ class Cluster:
         self.held: set[tuple[str, int]] = set()
         #: (job, index) whose pod the Job controller cannot create (FailedCreate, e.g. a quota).
         self.refused: set[tuple[str, int]] = set()
+        #: The first delay before a refused pod creation is tried again (doubling, up to 10 s).
+        self.create_backoff_s = 0.2
+        #: Every refused pod creation: (job, the apiserver's message).
+        self.failed_creates: list[tuple[str, str]] = []
+        self._create_after: dict[tuple[str, int], tuple[float, float]] = {}  # -> (when, next delay)
+        #: Per-index failures the Job controller counted: (job uid, index) -> count.
+        self.index_failures: dict[tuple[str, int], int] = {}
+        self._counted: set[str] = set()  # pod uids counted (or found not to count)
+        self._suspend_deleted: set[str] = set()  # pod uids deleted because their Job was suspended
+        self._seen: dict[str, dict[str, Any]] = {}  # pod uid -> its last state the Job controller saw
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -111,8 +127,19 @@ class Cluster:
         for pod in pods:
             for ref in pod["metadata"].get("ownerReferences") or []:
                 by_owner.setdefault(str(ref.get("uid")), []).append(pod)
+        # A pod gone before it was seen terminal (deleted, or terminated and removed by its kubelet in
+        # one go): the real Job controller's finalizer keeps it until counted; here its last state is.
+        live = {str(p["metadata"].get("uid")) for p in pods}
+        gone = [self._seen.pop(uid) for uid in list(self._seen) if uid not in live]
         for job in self._objects("jobs"):
-            await self._job_controller(job, by_owner.get(job["metadata"]["uid"], []))
+            uid = job["metadata"]["uid"]
+            for pod in gone:
+                if _owner(pod) == uid:
+                    self._count(job, pod, gone=True)
+            await self._job_controller(job, by_owner.get(uid, []))
+        for pod in pods:
+            if _owner(pod) is not None and str(pod["metadata"].get("uid")) not in self._counted:
+                self._seen[str(pod["metadata"].get("uid"))] = pod
         for pod in pods:
             await self._kubelet(pod)
 
@@ -120,21 +147,87 @@ class Cluster:
 
     async def _job_controller(self, job: dict[str, Any], mine: list[dict[str, Any]]) -> None:
         spec = job.get("spec", {})
-        if spec.get("completionMode") != "Indexed" or spec.get("suspend"):
+        if spec.get("completionMode") != "Indexed":
             return
         if any(
             c.get("type") in ("Failed", "Complete") for c in job.get("status", {}).get("conditions") or []
         ):
             return
+        if spec.get("suspend"):
+            await self._suspend(job, mine)
+            return
+        if _condition(job, "Suspended") == "True":
+            await self._set_condition(job, "Suspended", "False", "JobResumed")
+        for pod in mine:
+            self._count(job, pod)
         if any(self._fails_job(spec, p) for p in mine):
             await self._fail_job(job, mine)
             return
-        for index in range(int(spec.get("completions") or 1)):
-            pods = [p for p in mine if p["metadata"]["labels"].get(names.JOB_INDEX_LABEL) == str(index)]
-            if any(p.get("status", {}).get("phase") == "Succeeded" for p in pods):
+        completions = int(spec.get("completions") or 1)
+        failed = self._failed_indexes(job, completions)
+        text = _intervals(failed)
+        if text != job.get("status", {}).get("failedIndexes", ""):
+            await self._patch_job_status(job, {"failedIndexes": text})
+        succeeded = {
+            int(p["metadata"]["labels"][names.JOB_INDEX_LABEL])
+            for p in mine
+            if p.get("status", {}).get("phase") == "Succeeded"
+        }
+        limit = spec.get("maxFailedIndexes")
+        if failed and limit is not None and len(failed) > int(limit):
+            await self._fail_job(job, mine, "MaxFailedIndexesExceeded")
+            return
+        if failed and len(failed | succeeded) >= completions:
+            await self._fail_job(job, mine, "FailedIndexes")
+            return
+        for index in range(completions):
+            if index in succeeded or index in failed:
                 continue
+            pods = [p for p in mine if p["metadata"]["labels"].get(names.JOB_INDEX_LABEL) == str(index)]
             if all(p.get("status", {}).get("phase") == "Failed" for p in pods):
                 await self._create_pod(job, index)
+
+    def _count(self, job: dict[str, Any], pod: dict[str, Any], *, gone: bool = False) -> None:
+        """Count a failed pod against its index once, unless a podFailurePolicy Ignore rule matches it
+        (pods deleted for a suspension never count). ``gone``: it vanished; its last state decides."""
+        uid = str(pod["metadata"].get("uid"))
+        phase = pod.get("status", {}).get("phase")
+        if uid in self._counted or phase == "Succeeded" or (phase != "Failed" and not gone):
+            return
+        self._counted.add(uid)
+        index = pod["metadata"].get("labels", {}).get(names.JOB_INDEX_LABEL)
+        if uid in self._suspend_deleted or index is None or _ignored(job.get("spec", {}), pod):
+            return
+        key = (job["metadata"]["uid"], int(index))
+        self.index_failures[key] = self.index_failures.get(key, 0) + 1
+
+    def _failed_indexes(self, job: dict[str, Any], completions: int) -> set[int]:
+        limit = job.get("spec", {}).get("backoffLimitPerIndex")
+        if limit is None:
+            return set()
+        uid = job["metadata"]["uid"]
+        return {i for i in range(completions) if self.index_failures.get((uid, i), 0) > int(limit)}
+
+    async def _suspend(self, job: dict[str, Any], mine: list[dict[str, Any]]) -> None:
+        """A suspended Job: its active pods are deleted (not counted as failures), none is created."""
+        if _condition(job, "Suspended") != "True":
+            await self._set_condition(job, "Suspended", "True", "JobSuspended")
+        for pod in mine:
+            meta = pod["metadata"]
+            if pod.get("status", {}).get("phase") in ("Failed", "Succeeded") or meta.get("deletionTimestamp"):
+                continue
+            self._suspend_deleted.add(str(meta.get("uid")))
+            await call(self.k8s, "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}")
+
+    async def _patch_job_status(self, job: dict[str, Any], status: dict[str, Any]) -> None:
+        meta = job["metadata"]
+        url = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status"
+        await call(self.k8s, "PATCH", url, {"status": status})
+
+    async def _set_condition(self, job: dict[str, Any], kind: str, status: str, reason: str) -> None:
+        conditions = [c for c in job.get("status", {}).get("conditions") or [] if c.get("type") != kind]
+        conditions.append({"type": kind, "status": status, "reason": reason, "lastTransitionTime": _now()})
+        await self._patch_job_status(job, {"conditions": conditions})
 
     @staticmethod
     def _fails_job(spec: dict[str, Any], pod: dict[str, Any]) -> bool:
@@ -156,17 +249,13 @@ class Cluster:
                 return True
         return False
 
-    async def _fail_job(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
-        """As the Job controller does on FailJob: the Job fails and its other pods are deleted."""
+    async def _fail_job(
+        self, job: dict[str, Any], pods: list[dict[str, Any]], reason: str = "PodFailurePolicy"
+    ) -> None:
+        """As the Job controller does when the Job fails (FailJob, failed indexes): the Job fails and
+        its other pods are deleted."""
         meta = job["metadata"]
-        condition = {
-            "type": "Failed",
-            "status": "True",
-            "reason": "PodFailurePolicy",
-            "lastTransitionTime": _now(),
-        }
-        url = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status"
-        await call(self.k8s, "PATCH", url, {"status": {"conditions": [condition]}})
+        await self._set_condition(job, "Failed", "True", reason)
         for pod in pods:
             if pod.get("status", {}).get("phase") not in ("Failed", "Succeeded"):
                 await call(
@@ -178,6 +267,10 @@ class Cluster:
     async def _create_pod(self, job: dict[str, Any], index: int) -> None:
         meta = job["metadata"]
         if (meta["name"], index) in self.refused:
+            return
+        key = (meta["uid"], index)
+        when, delay = self._create_after.get(key, (0.0, self.create_backoff_s))
+        if asyncio.get_running_loop().time() < when:
             return
         template = copy.deepcopy(job["spec"]["template"])
         suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
@@ -212,7 +305,14 @@ class Cluster:
         if patch:
             pod = jsonpatch.apply_patch(pod, patch)
         status, body = await call(self.k8s, "POST", f"/api/v1/namespaces/{meta['namespace']}/pods", pod)
-        assert status in (200, 201), body
+        if status not in (200, 201):
+            # As the real Job controller: a Warning Event FailedCreate on the Job, a retry later.
+            message = f"Error creating: {(body or {}).get('message') or status}"
+            self.failed_creates.append((meta["name"], message))
+            self._create_after[key] = (asyncio.get_running_loop().time() + delay, min(2 * delay, 10.0))
+            await post_event(self.k8s, job, "FailedCreate", message, warning=True, component="job-controller")
+            return
+        self._create_after.pop(key, None)
         self.created.append(pod["metadata"]["name"])
 
     # -- kubelets -----------------------------------------------------------------------------------
@@ -288,20 +388,32 @@ class Cluster:
     async def succeed(self, pod: dict[str, Any]) -> None:
         await self._set_terminated(pod, 0, "Completed")
 
-    async def kubelet_evict(self, pod: dict[str, Any]) -> None:
-        """Node-pressure eviction: the kubelet fails the pod with reason Evicted."""
+    async def kubelet_evict(self, pod: dict[str, Any], *, condition: bool = True) -> None:
+        """Node-pressure eviction: the kubelet fails the pod with reason Evicted, and (1.26+, unless
+        ``condition`` is False) the DisruptionTarget condition TerminationByKubelet."""
         meta = pod["metadata"]
+        conditions = [
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "TerminationByKubelet",
+                "message": "The node was low on resource: memory.",
+                "lastTransitionTime": _now(),
+            }
+        ]
+        status: dict[str, Any] = {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": "The node was low on resource: memory.",
+        }
+        if condition:
+            kept = pod.get("status", {}).get("conditions") or []
+            status["conditions"] = [c for c in kept if c.get("type") != "DisruptionTarget"] + conditions
         await call(
             self.k8s,
             "PATCH",
             f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
-            {
-                "status": {
-                    "phase": "Failed",
-                    "reason": "Evicted",
-                    "message": "The node was low on resource: memory.",
-                }
-            },
+            {"status": status},
         )
 
     # -- stuck pods: what a kubelet or the scheduler shows for a pod that does not get going -------
@@ -392,6 +504,29 @@ class Cluster:
         self.held.discard((labels.get(names.JOB_NAME_LABEL), int(labels.get(names.JOB_INDEX_LABEL, "0"))))
         await self._pending(pod, {"conditions": [], "initContainerStatuses": [], "containerStatuses": []})
 
+    async def set_suspend(self, job: str, suspend: bool, namespace: str = "default") -> None:
+        """What Kueue writes: ``spec.suspend`` of the Job."""
+        url = f"/apis/batch/v1/namespaces/{namespace}/jobs/{job}"
+        status, body = await call(self.k8s, "PATCH", url, {"spec": {"suspend": suspend}})
+        assert status == 200, body
+
+    async def preempt(self, job: str, namespace: str = "default", *, timeout: float = 30.0) -> None:
+        """Kueue's preemption (or its waitForPodsReady eviction) and later re-admission: suspend the
+        Job, wait until the Job controller's deletions took every pod of it away (terminal or gone),
+        resume it."""
+        await self.set_suspend(job, True, namespace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(
+            p.get("status", {}).get("phase") not in ("Failed", "Succeeded")
+            for p in self.by_job().get(job, [])
+            if p["metadata"].get("namespace") == namespace
+        ):
+            if loop.time() > deadline:
+                raise AssertionError(f"the pods of the suspended Job {job} were not gone in {timeout:g} s")
+            await asyncio.sleep(self.tick_s)
+        await self.set_suspend(job, False, namespace)
+
     async def lose_node(self, node: str) -> None:
         """The node stops answering: its pods get the taint manager's DisruptionTarget and are deleted,
         but no kubelet finishes them, so they hang in Terminating."""
@@ -442,7 +577,9 @@ def indexed_job(
             "completions": world,
             "parallelism": world,
             "completionMode": "Indexed",
-            "backoffLimitPerIndex": 1,
+            # as docs/operator.md recommends: at least strata.dev/max-restarts (an index past it is
+            # never re-created, so no gang could restart)
+            "backoffLimitPerIndex": 100,
             "podReplacementPolicy": "Failed",
             "podFailurePolicy": {
                 "rules": [
@@ -482,6 +619,58 @@ async def create(k8s: K8s, plural_path: str, body: dict[str, Any]) -> dict[str, 
     assert status in (200, 201), created
     result: dict[str, Any] = created
     return result
+
+
+def _owner(pod: dict[str, Any]) -> str | None:
+    for ref in pod["metadata"].get("ownerReferences") or []:
+        if ref.get("kind") == "Job" and ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def _condition(job: dict[str, Any], kind: str) -> str | None:
+    for c in job.get("status", {}).get("conditions") or []:
+        if c.get("type") == kind:
+            return str(c.get("status"))
+    return None
+
+
+def _ignored(spec: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """The first podFailurePolicy rule that matches the pod says Ignore (the Job controller's order)."""
+    conditions = {
+        c.get("type") for c in pod.get("status", {}).get("conditions") or [] if c.get("status") == "True"
+    }
+    codes = [
+        (c.get("name"), ((c.get("state") or {}).get("terminated") or {}).get("exitCode"))
+        for c in pod.get("status", {}).get("containerStatuses") or []
+    ]
+    for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+        on = rule.get("onExitCodes")
+        if on is not None:
+            values = on.get("values") or []
+            matched = any(
+                on.get("containerName") in (None, name)
+                and code not in (None, 0)
+                and ((code in values) == (on.get("operator", "In") == "In"))
+                for name, code in codes
+            )
+        else:
+            matched = any(p.get("type") in conditions for p in rule.get("onPodConditions") or [])
+        if matched:
+            return bool(rule.get("action") == "Ignore")
+    return False
+
+
+def _intervals(indexes: set[int]) -> str:
+    """Indexes in the Job controller's text format: "1,3-5" (runs of three or more compressed)."""
+    runs: list[list[int]] = []
+    for i in sorted(indexes):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = [f"{r[0]}-{r[-1]}" if len(r) >= 3 else ",".join(map(str, r)) for r in runs]
+    return ",".join(parts)
 
 
 __all__ = ["PODS", "Cluster", "create", "indexed_job"]

@@ -109,8 +109,16 @@ async def kubectl(k8s: K8s, *args: str) -> str:
     return text
 
 
-async def post_event(k8s: K8s, involved: dict[str, Any], reason: str, message: str) -> None:
-    """A Normal Event about ``involved`` (an object as the API returned it), as an operator posts one."""
+async def post_event(
+    k8s: K8s,
+    involved: dict[str, Any],
+    reason: str,
+    message: str,
+    *,
+    warning: bool = False,
+    component: str = "strata-operator",
+) -> None:
+    """An Event about ``involved`` (an object as the API returned it), as a controller posts one."""
     meta = involved["metadata"]
     event = {
         "apiVersion": "v1",
@@ -125,8 +133,8 @@ async def post_event(k8s: K8s, involved: dict[str, Any], reason: str, message: s
         },
         "reason": reason,
         "message": message,
-        "type": "Normal",
-        "source": {"component": "strata-operator"},
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": component},
         "count": 1,
         "firstTimestamp": meta["creationTimestamp"],
         "lastTimestamp": meta["creationTimestamp"],

@@ -154,6 +154,7 @@ def test_crd_names_and_printer_columns() -> None:
         "Attempt",
         "Restarts",
         "Limit",
+        "Disruptions",
         "Last-Failure",
         "Age",
     ]
@@ -343,6 +344,7 @@ def full_stratajob_status() -> dict[str, Any]:
         "generation": "r7k2/1",
         "restarts": 1,
         "restartLimit": 5,
+        "disruptions": 2,
         "attempt": 3,
         "restoreStep": 1000,
         "latestStep": 1200,
@@ -497,12 +499,13 @@ async def test_kubectl_get_stratajobs_prints_columns(k8s: K8s) -> None:
         "ATTEMPT",
         "RESTARTS",
         "LIMIT",
+        "DISRUPTIONS",
         "LAST-FAILURE",
         "AGE",
     ]
     by_name = {row[0]: row for row in listing[1:]}
-    assert by_name["recsys"][1:8] == ["Job", "Running", "1200", "3", "1", "5", "PodFailed"]
-    assert by_name["ranker"][1:8] == ["Job", "Pending", "", "", "0", "", ""]
+    assert by_name["recsys"][1:9] == ["Job", "Running", "1200", "3", "1", "5", "2", "PodFailed"]
+    assert by_name["ranker"][1:9] == ["Job", "Pending", "", "", "0", "", "0", ""]
     short = rows(await kubectl(k8s, "get", "sjob"))
     assert {row[0] for row in short[1:]} == {"recsys", "ranker"}
     text = await kubectl(k8s, "describe", "stratajob", "recsys")

@@ -712,6 +712,7 @@ async def test_metrics_use_their_own_registry_and_prometheus_names() -> None:
         "strata_operator_report_rejections",
         "strata_operator_report_to_cr_seconds",
         "strata_operator_restarts",
+        "strata_operator_disruptions",
         "strata_operator_reconcile_errors",
         "strata_operator_watched_jobs",
         "strata_operator_api_calls",
