@@ -22,7 +22,9 @@ terminate, ``strata.dev/backoff-seconds: "0"`` (the configured backoff is not me
 
 Further scenarios, each on a fresh emulated cluster, live in their own modules (``SCENARIOS``):
 ``operator_failover`` (the operator SIGKILLed mid-restart, a new process takes over),
-``operator_stuck`` (each stuck cause until the StrataJob's Stuck condition).
+``operator_stuck`` (each stuck cause until the StrataJob's Stuck condition),
+``operator_resilience`` (gang restarts meeting an expired watch or connection resets) and
+``operator_preemption`` (Kueue suspend/resume cycles, which spend no crash budget).
 
 The emulator runs with ``keep_requests=False`` (kmock's request history, which it scans on every
 request, would otherwise be measured as the operator's latency). The loop lag printed per phase
@@ -502,6 +504,8 @@ async def _scenario(opts: Options, figures: dict[str, Any], phases: Phases) -> N
 SCENARIOS = {
     "operator_failover": "operator killed mid-restart, a new one takes over",
     "operator_stuck": "stuck pods and gangs, each cause -> the Stuck condition",
+    "operator_resilience": "gang restarts meeting a 410 re-list and connection resets",
+    "operator_preemption": "Kueue suspend/resume cycles: disruptions, not crashes",
 }
 
 
