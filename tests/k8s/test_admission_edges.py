@@ -1,6 +1,6 @@
-"""Adversarial cases for the admission code: what a real cluster, a careless user or a hostile tenant
-does to the sidecar's stand-in (the workload webhook), the per-job ports, the QoS rule and the
-annotations' quantities. Each test states what should hold; those that fail show a defect."""
+"""The admission code's edges: what a real cluster, a careless user or a hostile tenant does to the
+sidecar's stand-in (the workload webhook), the per-job ports, the QoS rule and the annotations'
+quantities. Each test states what should hold and why."""
 
 from __future__ import annotations
 
@@ -78,6 +78,8 @@ def test_a_stand_in_left_in_a_pod_does_not_crash_loop(tmp_path: Path) -> None:
     ]["template"]
     [stand_in] = template["spec"]["initContainers"]
     assert stand_in["restartPolicy"] == "Always" and stand_in["command"][0] == "strata"
+    # a native sidecar without a startup probe counts as started once running: the trainer starts
+    assert "startupProbe" not in stand_in and "readinessProbe" not in stand_in
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "AWS_"))}
     env.update(env_of(stand_in))
     env["TMPDIR"] = str(tmp_path)
@@ -93,6 +95,9 @@ def test_a_stand_in_left_in_a_pod_does_not_crash_loop(tmp_path: Path) -> None:
             f"the stand-in exited {process.returncode}: a native sidecar that exits is restarted "
             f"forever\n{log.read_text()}"
         )
+        assert "without checkpointing" in log.read_text()
+        process.terminate()
+        assert process.wait(timeout=10) == 0
     finally:
         if process.poll() is None:
             process.terminate()
@@ -318,8 +323,13 @@ async def test_a_pod_spec_copied_into_a_new_job_reports_as_that_job(hook: Webhoo
     pod = pod_from(stored["spec"]["template"])
     pod["metadata"]["labels"]["batch.kubernetes.io/job-name"] = "recsys-debug"
     pod["metadata"]["ownerReferences"][0]["name"] = "recsys-debug"
-    pod = await injected(hook, pod)
+    response, patch = await hook.mutate(pod)
+    assert any("copied from another pod (STRATA_JOB=recsys)" in w for w in response["warnings"])
+    pod = dict(jsonpatch.apply_patch(pod, patch))
     assert env_of(sidecar_of(pod))["STRATA_JOB"] == "recsys-debug"
+    # the trainer saves under the job its STRATA_JOB names: the copied value goes too
+    assert env_of(pod["spec"]["containers"][0])["STRATA_JOB"] == "recsys-debug"
+    assert (await hook.mutate(pod))[1] == []  # and fed back, nothing more to do
 
 
 # ---- names -----------------------------------------------------------------------------------------------
@@ -461,3 +471,74 @@ async def test_a_namespace_quota_on_cpu_limits_admits_the_injected_pod(hook: Web
     if response["allowed"] is False:
         return
     assert quota_refusal(jsonpatch.apply_patch(pod, patch), hard) == ""
+
+
+# ---- what the review's fixes promise beyond the cases above ---------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0x2500", "0o22400", "9_472", "+9472", "\uff19\uff14\uff17\uff12"])
+@pytest.mark.asyncio
+async def test_a_port_that_is_not_decimal_is_refused(hook: Webhook, value: str) -> None:
+    """int(value, 0) read "0x2500" as port 9472: the probe and the sidecar could read it apart."""
+    workload = job()
+    workload["spec"]["template"]["metadata"]["annotations"] = {"strata.dev/metrics-port": value}
+    response = await hook.review(webhook.VALIDATE_PATH, workload)
+    assert response["allowed"] is False and "strata.dev/metrics-port" in response["status"]["message"]
+    response, _ = await hook.mutate(job_pod({"strata.dev/metrics-port": value}))
+    assert response["allowed"] is False and "decimal" in response["status"]["message"], response
+
+
+@pytest.mark.asyncio
+async def test_changing_the_sidecars_resources_of_a_template_with_the_stand_in_is_refused(
+    hook: Webhook,
+) -> None:
+    """A suspended Job's template annotations may change, its containers not: the stand-in would keep
+    what quota counted while the pods got the new value. Other annotation changes pass."""
+    stored = await admitted_job(hook, job(suspend=True))
+    for key, value in (("strata.dev/sidecar-memory", "8Gi"), ("strata.dev/sidecar-cpu", "2")):
+        updated = copy.deepcopy(stored)
+        updated["spec"]["template"]["metadata"]["annotations"] = {key: value}
+        response = await hook.review(webhook.VALIDATE_PATH, updated, operation="UPDATE", old=stored)
+        message = response.get("status", {}).get("message", "")
+        assert response["allowed"] is False and key in message and "recreate the Job" in message
+    updated = copy.deepcopy(stored)
+    updated["spec"]["template"]["metadata"]["annotations"] = {"strata.dev/keep": "5"}
+    response = await hook.review(webhook.VALIDATE_PATH, updated, operation="UPDATE", old=stored)
+    assert response["allowed"] is True
+
+
+@pytest.mark.asyncio
+async def test_a_stand_in_that_differs_from_the_pods_annotations_is_replaced_with_a_warning(
+    hook: Webhook,
+) -> None:
+    """Where the UPDATE went through anyway (the validating webhook fails open), the pods get what
+    their annotations say and the pod webhook says that quota counted otherwise."""
+    stored = await admitted_job(hook, job(suspend=True))
+    stored["spec"]["template"]["metadata"]["annotations"] = {"strata.dev/sidecar-memory": "8Gi"}
+    response, patch = await hook.mutate(pod_from(stored["spec"]["template"]))
+    assert any("stand-in in the pod template requests" in w for w in response["warnings"])
+    sidecar = sidecar_of(jsonpatch.apply_patch(pod_from(stored["spec"]["template"]), patch))
+    assert sidecar["resources"]["requests"]["memory"] == "8Gi"
+    # the stand-in as written: no warning
+    response, _ = await hook.mutate(pod_from((await admitted_job(hook, job()))["spec"]["template"]))
+    assert not any("stand-in" in w for w in response.get("warnings") or [])
+
+
+@pytest.mark.asyncio
+async def test_a_root_pod_user_without_a_sidecar_user_is_refused_at_the_job(tmp_path: Path) -> None:
+    """The pods of such a Job would all be denied (the Job controller looping on FailedCreate): the
+    validating webhook says it at the Job's creation."""
+    cert, key, client = tls_files(tmp_path)
+    app = web.Application()
+    webhook.add_routes(app, injection.InjectConfig(**{**CONFIG.__dict__, "run_as_user": None}))
+    server = await reports.start_server(app, "127.0.0.1", 0, reports.server_ssl_context(str(cert), str(key)))
+    try:
+        hook = Webhook(f"https://localhost:{server.port}", client)
+        workload = job()
+        workload["spec"]["template"]["spec"]["securityContext"] = {"runAsUser": 0}
+        response = await hook.review(webhook.VALIDATE_PATH, workload)
+        assert response["allowed"] is False and "runAsUser is 0" in response["status"]["message"]
+        workload["spec"]["template"]["spec"]["securityContext"] = {"runAsUser": 1000}
+        assert (await hook.review(webhook.VALIDATE_PATH, workload))["allowed"] is True
+    finally:
+        await server.close()
