@@ -91,13 +91,15 @@ def _choice(*options: str) -> Callable[[str], str]:
 _AS_ANNOTATION: dict[str, tuple[Any, str]] = {
     "metrics_port": (
         9464,
-        "the sidecar's Prometheus /metrics port, which its startup probe reads; 1-65535, distinct from "
-        "the pod's declared container ports",
+        "the sidecar's Prometheus /metrics port, which its startup probe reads; decimal 1-65535 (1024 and "
+        "up on a hostNetwork pod, where it is declared as a hostPort), distinct from the pod's declared "
+        "container ports",
     ),
     "peer_port": (
         names.PEER_PORT,
         f"the sidecars' peer port with strata.dev/redundancy (container port {names.PEER_PORT_NAME}); "
-        "1-65535, distinct from strata.dev/metrics-port and the pod's declared container ports",
+        "decimal 1-65535 (1024 and up on a hostNetwork pod), distinct from strata.dev/metrics-port and "
+        "the pod's declared container ports",
     ),
 }
 
@@ -385,7 +387,8 @@ POD_ANNOTATION_DOCS: dict[str, str] = {
     "unset): snapshots sent over gRPC, restore buffers, encode scratch",
     "strata.dev/sidecar-cpu": "the injected sidecar's CPU request (e.g. `500m`, `2`), and its limit where "
     "the pod is Guaranteed (every container's limits equal its requests: the sidecar's then do too, so the "
-    "pod stays Guaranteed); default: the chart's `sidecar.resources`. Encoding "
+    "pod stays Guaranteed) or every other container sets a CPU limit (a quota on `limits.cpu`); none with "
+    "pod-level resources; default: the chart's `sidecar.resources`. Encoding "
     "(`strata.dev/encode-workers`) is what uses CPU",
     "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
     "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "
