@@ -25,6 +25,7 @@ from sidecar.api import MAX_STEP
 from sidecar.errors import CommandFailed, CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import launch
 from sidecar.operator import cli as operator_cli
+from sidecar.operator.names import PLACEHOLDER_ENV, SIDECAR_CONTAINER
 from sidecar.pipeline.plan import read_snapshot
 from sidecar.store import open_store
 from sidecar.store.base import Store
@@ -87,6 +88,8 @@ def _open(args: argparse.Namespace) -> Store:
 
 
 def cmd_sidecar(args: argparse.Namespace) -> int:
+    if PLACEHOLDER_ENV in os.environ:
+        return _stand_in()
     settings = config.from_sources(args)
     settings.validate()  # --print-config shows only settings the sidecar would run with
     if args.print_config:
@@ -110,6 +113,28 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     print(f"strata sidecar {__version__} ready on unix:{server.socket_path}", flush=True)
     done.wait()
     drain_shutdown(server, settings.drain_timeout_s, hurry)
+    return 0
+
+
+def _stand_in() -> int:
+    """The sidecar's stand-in from a workload's pod template, run as written: the pod webhook that
+    completes it in each pod did not (the chart uninstalled, the webhook failing open, the opt-in
+    label removed). A native sidecar that exits is restarted forever and keeps the pod from being
+    Ready, so it stays up doing nothing until it is stopped, and says why."""
+    logging.getLogger("strata").warning(
+        "this %s is the stand-in from the workload's pod template, not completed by the operator's "
+        "webhook: this pod runs without checkpointing (the pod is not opted in, or the operator's pod "
+        "webhook was not called); idle until stopped",
+        SIDECAR_CONTAINER,
+    )
+    done = threading.Event()
+
+    def stop(_signum: int, _frame: Any) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    done.wait()
     return 0
 
 

@@ -62,16 +62,22 @@ METRICS_PORT = 9464
 def sidecar_ports(env: Mapping[str, str]) -> tuple[int, int | None]:
     """(metrics port, peer port or None without redundancy) from a pod template's parsed sidecar
     env; call only where :func:`port_problems` found nothing."""
-    metrics = int(env.get("STRATA_METRICS_PORT", str(METRICS_PORT)), 0)
+    metrics = int(env.get("STRATA_METRICS_PORT", str(METRICS_PORT)))
     if env.get("STRATA_REDUNDANCY", "off") == "off":
         return metrics, None
-    return metrics, int(env.get("STRATA_PEER_PORT", str(names.PEER_PORT)), 0)
+    return metrics, int(env.get("STRATA_PEER_PORT", str(names.PEER_PORT)))
+
+
+#: Ports below this need root or NET_BIND_SERVICE in the node's network namespace (the kernel's
+#: default net.ipv4.ip_unprivileged_port_start); a pod's own namespace lets any user bind them.
+UNPRIVILEGED_PORT_START = 1024
 
 
 def port_problems(env: Mapping[str, str], pod_spec: Mapping[str, Any]) -> list[str]:
-    """What is wrong with the sidecar's ports: each must be 1-65535, the two distinct, and none a
-    port another container of the pod declares (all share the pod's network namespace; on a
-    hostNetwork pod, the node's)."""
+    """What is wrong with the sidecar's ports: each must be a decimal 1-65535 (1024 and up on a
+    hostNetwork pod: the sidecar runs as a non-root user with every capability dropped and binds in
+    the node's network namespace), the two distinct, and none a port another container of the pod
+    declares (all share the pod's network namespace; on a hostNetwork pod, the node's)."""
     problems = []
     chosen: list[tuple[str, int]] = []
     metrics_raw = env.get("STRATA_METRICS_PORT")
@@ -97,9 +103,19 @@ def port_problems(env: Mapping[str, str], pod_spec: Mapping[str, Any]) -> list[s
                     f"{key}={raw!r}: the peer port is used with strata.dev/redundancy (buddy or parity) only"
                 )
             continue
-        port = default if raw is None else int(raw, 0)
+        if raw is not None and not (raw.isascii() and raw.isdigit()):
+            problems.append(f"{key}={raw!r}: expected a decimal port 1-65535 ({why})")
+            continue
+        port = default if raw is None else int(raw)
         if not 1 <= port <= 65535:
             problems.append(f"{key}={raw!r}: expected a port 1-65535 ({why})")
+            continue
+        if pod_spec.get("hostNetwork") and port < UNPRIVILEGED_PORT_START:
+            problems.append(
+                f"{key}={port}: below {UNPRIVILEGED_PORT_START} on a hostNetwork pod, where the sidecar "
+                "(a non-root user, every capability dropped) cannot bind it in the node's network "
+                f"namespace; choose a port {UNPRIVILEGED_PORT_START}-65535"
+            )
             continue
         chosen.append((key if raw is not None else f"{key} (default {default})", port))
     if len(chosen) == 2 and chosen[0][1] == chosen[1][1]:
@@ -120,6 +136,32 @@ def port_problems(env: Mapping[str, str], pod_spec: Mapping[str, Any]) -> list[s
                 "network namespace; choose another port with the annotation"
             )
     return problems
+
+
+def container_name_problems(pod_spec: Mapping[str, Any]) -> list[str]:
+    """A regular container named as the injected sidecar: the injection would add a second container
+    of that name, and container names are unique across the pod."""
+    return [
+        f"spec.containers[{i}]: the name {names.SIDECAR_CONTAINER} is the injected sidecar's (container "
+        "names are unique across the pod); rename the container"
+        for i, c in enumerate(pod_spec.get("containers") or [])
+        if c.get("name") == names.SIDECAR_CONTAINER
+    ]
+
+
+def sidecar_in(pod_spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``strata-sidecar`` init container of a pod (or pod template) spec, if it has one."""
+    for c in pod_spec.get("initContainers") or []:
+        if c.get("name") == names.SIDECAR_CONTAINER:
+            return dict(c)
+    return None
+
+
+def is_stand_in(container: Mapping[str, Any] | None) -> bool:
+    """Whether ``container`` is the stand-in the workload webhook puts in a pod template."""
+    return container is not None and any(
+        e.get("name") == names.PLACEHOLDER_ENV for e in container.get("env") or []
+    )
 
 
 @dataclass
@@ -331,18 +373,51 @@ def validate_workload(obj: Mapping[str, Any], old: Mapping[str, Any] | None = No
             f"{p} (already so before this update; fix it when you can)" for p in problems if p in before
         ]
         problems = [p for p in problems if p not in before]
+    if old is not None and not _jobset_child(obj):
+        problems += _stand_in_resource_changes(obj, old)
     if problems:
         return Verdict(False, f"Strata: {'; '.join(problems)}", warnings)
     return Verdict(True, "", warnings)
 
 
+#: The annotations the sidecar's resources (and so its stand-in's) are computed from.
+RESOURCE_ANNOTATIONS = (names.SIDECAR_CPU_ANNOTATION, names.SIDECAR_MEMORY_ANNOTATION)
+
+
+def _stand_in_resource_changes(obj: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
+    """An UPDATE (a suspended Job's or JobSet's template annotations may change) of the sidecar's
+    resources on a template that carries the stand-in: its containers cannot change, so quota keeps
+    counting the stand-in's resources while the pods would get others."""
+    before = dict(_templates(old))
+    problems = []
+    for where, template in _templates(obj):
+        if sidecar_in(template.get("spec") or {}) is None:
+            continue
+        now = (template.get("metadata") or {}).get("annotations") or {}
+        then = ((before.get(where) or {}).get("metadata") or {}).get("annotations") or {}
+        for key in RESOURCE_ANNOTATIONS:
+            if now.get(key) != then.get(key):
+                problems.append(
+                    f"{where}.metadata.annotations: {key} changed from {then.get(key)!r} to "
+                    f"{now.get(key)!r}, but the pod template carries the sidecar's stand-in "
+                    f"({names.SIDECAR_CONTAINER}) with the resources the workload was admitted with, and a "
+                    f"template's containers cannot change: recreate the {obj.get('kind', 'workload')} "
+                    "to change the sidecar's resources"
+                )
+    return problems
+
+
 def _jobset_child(obj: Mapping[str, Any]) -> bool:
     """A Job a JobSet created (its replicated job's template): the JobSet was validated instead,
-    and denying the Job would only leave the JobSet controller retrying it."""
+    and denying the Job would only leave the JobSet controller retrying it. Known by its controller
+    reference to a JobSet (which the garbage collector keeps honest), never by a label anyone can
+    set: a Job taken for a JobSet's gets no stand-in and no validation."""
     meta = obj.get("metadata") or {}
-    return obj.get("kind") == "Job" and (
-        names.JOBSET_NAME_LABEL in (meta.get("labels") or {})
-        or any(ref.get("kind") == "JobSet" for ref in meta.get("ownerReferences") or [])
+    return obj.get("kind") == "Job" and any(
+        ref.get("kind") == "JobSet"
+        and str(ref.get("apiVersion", "")).startswith(f"{names.JOBSET_API_GROUP}/")
+        and ref.get("controller")
+        for ref in meta.get("ownerReferences") or []
     )
 
 
@@ -373,11 +448,18 @@ def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a workload (see :func:`validate_workload`)."""
     if _jobset_child(obj):
         return [], []
+    problems: list[str] = [
+        f"{where}: the pod template carries the sidecar's stand-in ({names.SIDECAR_CONTAINER}, "
+        f"{names.PLACEHOLDER_ENV}) but not the label {names.OPT_IN_LABEL}: {names.OPT_IN_VALUE}, so "
+        "the operator's webhook never completes it and the pods run without checkpointing; keep the "
+        f"label, or recreate the workload without the {names.SIDECAR_CONTAINER} init container"
+        for where, t in _templates(obj)
+        if not opted_in(t) and is_stand_in(sidecar_in(t.get("spec") or {}))
+    ]
     templates = [(where, t) for where, t in _templates(obj) if opted_in(t)]
     if not templates:
-        return [], []
+        return problems, []
     kind = obj.get("kind")
-    problems: list[str] = []
     warnings: list[str] = []
     own = table.parse((obj.get("metadata") or {}).get("annotations"))
     problems += [f"metadata.annotations: {p}" for p in own.problems]
@@ -391,6 +473,7 @@ def _findings(obj: Mapping[str, Any]) -> tuple[list[str], list[str]]:
                 f"{where}.metadata.annotations: {p}"
                 for p in port_problems(parsed.sidecar_env, template.get("spec") or {})
             ]
+        problems += [f"{where}.{p}" for p in container_name_problems(template.get("spec") or {})]
         warnings += _redundancy_warnings(obj, where, template, parsed.sidecar_env)
         if kind == "Job":
             warnings += _job_warnings(obj.get("spec") or {}, template, parsed.job)

@@ -92,13 +92,15 @@ def _choice(*options: str) -> Callable[[str], str]:
 _AS_ANNOTATION: dict[str, tuple[Any, str]] = {
     "metrics_port": (
         9464,
-        "the sidecar's Prometheus /metrics port, which its startup probe reads; 1-65535, distinct from "
-        "the pod's declared container ports",
+        "the sidecar's Prometheus /metrics port, which its startup probe reads; decimal 1-65535 (1024 and "
+        "up on a hostNetwork pod, where it is declared as a hostPort), distinct from the pod's declared "
+        "container ports",
     ),
     "peer_port": (
         names.PEER_PORT,
         f"the sidecars' peer port with strata.dev/redundancy (container port {names.PEER_PORT_NAME}); "
-        "1-65535, distinct from strata.dev/metrics-port and the pod's declared container ports",
+        "decimal 1-65535 (1024 and up on a hostNetwork pod), distinct from strata.dev/metrics-port and "
+        "the pod's declared container ports",
     ),
 }
 
@@ -271,23 +273,35 @@ _SUFFIXES = {
     "Ti": 2**40,
     "Pi": 2**50,
     "Ei": 2**60,
+    "n": 10**-9,
+    "u": 10**-6,
+    "m": 10**-3,
+    "": 1,
     "k": 10**3,
     "M": 10**6,
     "G": 10**9,
     "T": 10**12,
     "P": 10**15,
     "E": 10**18,
-    "m": 10**-3,
 }
+#: apimachinery's resource.ParseQuantity grammar: a signed decimal number, then one suffix (binary
+#: SI, decimal SI) or a decimal exponent. ASCII only and matched whole: float() would also take
+#: spaces, newlines, underscores, "inf" and other scripts' digits, which the API server refuses.
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?", re.ASCII
+)
 
 
 def quantity(text: str) -> float:
-    """A Kubernetes quantity (``512Mi``, ``2G``, ``1e9``) in base units; ValueError if it is not one."""
-    raw = str(text).strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if raw.endswith(suffix) and raw[: -len(suffix)]:
-            return float(raw[: -len(suffix)]) * _SUFFIXES[suffix]
-    return float(raw)
+    """A Kubernetes quantity (``512Mi``, ``2G``, ``1e9``) in base units; ValueError if the API
+    server would not take it as one."""
+    match = _QUANTITY.fullmatch(str(text))
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {text!r}")
+    number, suffix = match.group(1), match.group(2) or ""
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:
+        return float(number) * 10.0 ** int(suffix[1:])
+    return float(number) * _SUFFIXES[suffix]
 
 
 OWN_ANNOTATIONS = frozenset(
@@ -433,7 +447,8 @@ POD_ANNOTATION_DOCS: dict[str, str] = {
     "unset): snapshots sent over gRPC, restore buffers, encode scratch",
     "strata.dev/sidecar-cpu": "the injected sidecar's CPU request (e.g. `500m`, `2`), and its limit where "
     "the pod is Guaranteed (every container's limits equal its requests: the sidecar's then do too, so the "
-    "pod stays Guaranteed); default: the chart's `sidecar.resources`. Encoding "
+    "pod stays Guaranteed) or every other container sets a CPU limit (a quota on `limits.cpu`); none with "
+    "pod-level resources; default: the chart's `sidecar.resources`. Encoding "
     "(`strata.dev/encode-workers`) is what uses CPU",
     "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
     "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "

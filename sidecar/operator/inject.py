@@ -25,13 +25,15 @@ For each opted-in pod outside the operator's own namespace it adds, as one JSON 
 The sidecar's ports are the pod's ``strata.dev/metrics-port`` (default 9464) and, with
 ``strata.dev/redundancy`` (buddy or parity), ``strata.dev/peer-port`` (default
 :data:`names.PEER_PORT`): checked distinct and free of the ports the pod's containers declare, and
-declared on the sidecar except on a hostNetwork pod (where each would become a hostPort). Its
-resources are the chart's, with ``strata.dev/sidecar-cpu`` and ``strata.dev/sidecar-memory`` on top;
-where the pod is Guaranteed, limits equal requests, so the sidecar keeps it Guaranteed.
+declared on the sidecar (as hostPorts on a hostNetwork pod, where the sidecar binds them on the
+node). Its resources (:func:`_resources`) are the chart's, with ``strata.dev/sidecar-cpu`` and
+``strata.dev/sidecar-memory`` on top; where the pod is Guaranteed, limits equal requests, so the
+sidecar keeps it Guaranteed; none where the pod sets pod-level resources.
 
 :func:`template_patch` (the workload webhook, at a Job's or JobSet's creation) puts a stand-in
 sidecar with those resources into the pod template, so quota that admits workloads by their
-template (Kueue) counts it; :func:`inject` completes the stand-in in each pod, keeping its resources.
+template (Kueue) counts it; :func:`inject` completes the stand-in in each pod, with the resources it
+computes from the pod (the stand-in's, unless the template changed since: :func:`warnings` says so).
 
 With ``strata.dev/redundancy`` the sidecar also gets its peer port
 (container port ``strata-peer``, on 0.0.0.0) and every member's stable DNS
@@ -60,7 +62,10 @@ the job index x completions, plus the completion index. A variable the template 
 
 Idempotent by construction: every piece is added only when missing (the sidecar container by
 name, each volume, mount and env var by name, the gate by name), so a reinvocation, or a patched
-pod fed back, yields an empty patch.
+pod fed back, yields an empty patch. An existing ``strata-sidecar`` is replaced where it is the
+stand-in, or where its env (by the names the injection sets: what another webhook adds is kept) or
+its resources differ from this pod's: one copied from another pod, whose job-derived values copied
+along into the containers' env are replaced too.
 """
 
 from __future__ import annotations
@@ -332,21 +337,14 @@ def _sidecar(
         "restartPolicy": "Always",
         "command": ["strata", "sidecar"],
         "env": env,
-        # On a hostNetwork pod (RDMA, EFA) every declared port becomes a hostPort: one such pod
-        # per node, and 9464 meets OpenTelemetry's host exporter. The ports work undeclared.
-        "ports": []
-        if (pod.get("spec") or {}).get("hostNetwork")
-        else [{"name": "strata-metrics", "containerPort": port, "protocol": "TCP"}]
-        + ([{"name": PEER_PORT_NAME, "containerPort": peer_port, "protocol": "TCP"}] if members else []),
+        "ports": _ports(pod, port, peer_port if members else None),
         "startupProbe": {
             "httpGet": {"path": "/metrics", "port": port},
             "periodSeconds": 1,
             "timeoutSeconds": 2,
             "failureThreshold": 120,
         },
-        "resources": _resources(
-            config, ((pod.get("metadata") or {}).get("annotations")) or {}, _guaranteed(pod)
-        ),
+        "resources": _resources(config, ((pod.get("metadata") or {}).get("annotations")) or {}, pod),
         "securityContext": _security_context(config),
         "volumeMounts": mounts,
     }
@@ -357,6 +355,67 @@ def _sidecar(
     if secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     return container
+
+
+def _ports(pod: Mapping[str, Any], port: int, peer_port: int | None) -> list[dict[str, Any]]:
+    """The sidecar's declared ports. On a hostNetwork pod (RDMA, EFA) the sidecar binds them on the
+    node, so they are declared as hostPorts: the scheduler then keeps two pods with the same ports
+    (two ranks of one job) off one node, where the second sidecar could not bind and its startup
+    probe would pass against the first's. Jobs that should share a node choose other ports
+    (strata.dev/metrics-port, strata.dev/peer-port)."""
+    host = bool((pod.get("spec") or {}).get("hostNetwork"))
+    out = []
+    for name, number in (("strata-metrics", port), (PEER_PORT_NAME, peer_port)):
+        if number is not None:
+            out.append(
+                {
+                    "name": name,
+                    "containerPort": number,
+                    **({"hostPort": number} if host else {}),
+                    "protocol": "TCP",
+                }
+            )
+    return out
+
+
+def workload_problems(workload: Mapping[str, Any], config: InjectConfig) -> list[str]:
+    """What the pod webhook would deny in every pod of ``workload`` for the operator's settings
+    (the validating webhook says it at the workload's creation, before the Job controller loops on
+    FailedCreate)."""
+    out = []
+    for where, template in admission._templates(workload):
+        if not admission.opted_in(template) or admission._jobset_child(workload):
+            continue
+        try:
+            _check_user(template, config)
+        except Denied as exc:
+            out.append(f"{where}: {str(exc).removeprefix('Strata: ')}")
+    return out
+
+
+def _check_user(pod: Mapping[str, Any], config: InjectConfig) -> None:
+    """Deny a pod whose sidecar would run as root beside its runAsNonRoot: true (the kubelet refuses
+    to start it, and as a native sidecar it holds back every regular container): with no sidecar
+    user of the operator's own, it inherits the pod's."""
+    user = ((pod.get("spec") or {}).get("securityContext") or {}).get("runAsUser")
+    if config.run_as_user is None and user == 0:
+        raise Denied(
+            "Strata: spec.securityContext.runAsUser is 0 and the operator sets no user for the sidecar "
+            "(--sidecar-user none), so the sidecar would run as root beside its runAsNonRoot: true, which "
+            "the kubelet refuses to start; set runAsUser: 0 on the trainer container instead of the pod, "
+            "or give the operator a non-root --sidecar-user"
+        )
+
+
+def _stale(existing: Mapping[str, Any], sidecar: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The env entries of an ``existing`` complete sidecar that differ from this pod's ``sidecar``
+    (by name: what another webhook adds is kept), as they were; {} for a stand-in."""
+    if admission.is_stand_in(existing):
+        return {}
+    have = {e.get("name"): e for e in existing.get("env") or []}
+    return {
+        e["name"]: dict(have[e["name"]]) for e in sidecar["env"] if e["name"] in have and have[e["name"]] != e
+    } | {e["name"]: {} for e in sidecar["env"] if e["name"] not in have}
 
 
 def _is_job_owned(pod: Mapping[str, Any]) -> bool:
@@ -370,13 +429,9 @@ def _guaranteed(pod: Mapping[str, Any]) -> bool:
     equal them (a missing request defaults to its limit). Pod-level resources (spec.resources)
     decide the class alone where set, and the sidecar's own cannot change it: False there."""
     spec = pod.get("spec") or {}
-    if (spec.get("resources") or {}).get("limits") or (spec.get("resources") or {}).get("requests"):
+    if _pod_level(spec):
         return False
-    containers = [
-        c
-        for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
-        if c.get("name") != SIDECAR_CONTAINER
-    ]
+    containers = _others(spec)
     if not containers:
         return False
     for c in containers:
@@ -393,12 +448,39 @@ def _guaranteed(pod: Mapping[str, Any]) -> bool:
     return True
 
 
-def _resources(config: InjectConfig, raw: Mapping[str, str], guaranteed: bool = False) -> dict[str, Any]:
-    """The chart's sidecar resources, with this pod's annotations on top. ``guaranteed`` (the
-    trainer's pod is): limits equal requests for cpu and memory, so the sidecar keeps the pod
-    Guaranteed (a Burstable pod loses the CPU manager's exclusive cores and topology alignment).
-    There the annotation's value is both; else a limit the chart sets wins over the request (the
-    memory request rises to the cap the sidecar runs under), else the limit is the request."""
+def _pod_level(spec: Mapping[str, Any]) -> bool:
+    """Whether the pod sets pod-level resources (spec.resources, PodLevelResources)."""
+    resources = spec.get("resources") or {}
+    return bool(resources.get("requests") or resources.get("limits"))
+
+
+def _others(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The pod's containers but the sidecar: init containers (native sidecars too) and regular ones."""
+    return [
+        c
+        for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        if c.get("name") != SIDECAR_CONTAINER
+    ]
+
+
+def _resources(config: InjectConfig, raw: Mapping[str, str], pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The sidecar's resources in ``pod`` (or a pod template): the chart's, with the pod's
+    annotations on top.
+
+    - Pod-level resources (spec.resources): none of its own. The pod's are the budget of all its
+      containers, the sidecar's share included: requests of its own on top would exceed them (the
+      API server refuses the pod), and quota counts the pod's.
+    - A Guaranteed pod: limits equal requests for cpu and memory, so the sidecar keeps it
+      Guaranteed (a Burstable pod loses the CPU manager's exclusive cores and topology alignment);
+      there the annotation's value is both.
+    - Else a limit the chart sets wins over the request (the memory request rises to the cap the
+      sidecar runs under), and where every other container sets a limit of a resource (a
+      namespace whose ResourceQuota tracks limits.cpu refuses a container without one), the
+      sidecar's limit is its request."""
+    spec = pod.get("spec") or {}
+    if _pod_level(spec):
+        return {}
+    guaranteed = _guaranteed(pod)
     out = {k: dict(v) for k, v in config.resources.items()}
     requests, limits = out.setdefault("requests", {}), out.setdefault("limits", {})
     memory = raw.get(names.SIDECAR_MEMORY_ANNOTATION)
@@ -411,10 +493,18 @@ def _resources(config: InjectConfig, raw: Mapping[str, str], guaranteed: bool = 
             limits["cpu"] = cpu  # a request above its limit is an invalid pod
         if guaranteed:
             limits["cpu"] = cpu
-    if guaranteed:
-        fallback = _default_resources()["requests"]
-        for name in ("cpu", "memory"):
+    fallback = _default_resources()["requests"]
+    others = _others(spec)
+    for name in ("cpu", "memory"):
+        if guaranteed:
             requests[name] = limits[name] = limits.get(name) or requests.get(name) or fallback[name]
+        elif (
+            name not in limits
+            and others
+            and all(name in (((c.get("resources") or {}).get("limits")) or {}) for c in others)
+        ):
+            limits[name] = requests.get(name) or fallback[name]
+            requests.setdefault(name, limits[name])
     return {k: v for k, v in out.items() if v}
 
 
@@ -478,11 +568,7 @@ def _volumes(config: InjectConfig, shm_size: str) -> list[dict[str, Any]]:
 
 
 #: Marks the stand-in sidecar :func:`template_patch` puts in a workload's pod template.
-PLACEHOLDER_ENV = "STRATA_PLACEHOLDER"
-
-
-def _is_placeholder(container: Mapping[str, Any]) -> bool:
-    return any(e.get("name") == PLACEHOLDER_ENV for e in container.get("env") or [])
+PLACEHOLDER_ENV = names.PLACEHOLDER_ENV
 
 
 def _security_context(config: InjectConfig) -> dict[str, Any]:
@@ -496,6 +582,25 @@ def _security_context(config: InjectConfig) -> dict[str, Any]:
     }
 
 
+def _stand_in(template: Mapping[str, Any], config: InjectConfig) -> dict[str, Any]:
+    raw = ((template.get("metadata") or {}).get("annotations")) or {}
+    return {
+        "name": SIDECAR_CONTAINER,
+        "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "restartPolicy": "Always",
+        "command": ["strata", "sidecar"],
+        "env": [
+            {
+                "name": PLACEHOLDER_ENV,
+                "value": "the operator's webhook completes this container in each pod",
+            }
+        ],
+        "resources": _resources(config, raw, template),
+        "securityContext": _security_context(config),
+    }
+
+
 def template_patch(
     workload: Mapping[str, Any], *, namespace: str, config: InjectConfig
 ) -> list[dict[str, Any]]:
@@ -503,8 +608,12 @@ def template_patch(
     pod template of a Job or JobSet at its creation, so that what admits workloads by their pod
     template (Kueue's quota) counts the sidecar the pods get;
     :func:`inject` completes it in each pod. [] for a JobSet's own Jobs (their template is the
-    JobSet's), templates with bad annotations (the validating webhook denies them) and templates
-    that have a ``strata-sidecar`` already."""
+    JobSet's) and templates with bad annotations (the validating webhook denies them).
+
+    A template that has a ``strata-sidecar`` already (``kubectl get job -o yaml`` edited and created
+    again, a CronJob's jobTemplate) is brought up to date: a stand-in is recomputed from the
+    template's annotations and containers as they are now, and a complete sidecar copied from a pod
+    gets the resources the pods will get (the pod webhook refreshes the rest of it)."""
     if (config.own_namespace and namespace == config.own_namespace) or admission._jobset_child(workload):
         return []
     spec = workload.get("spec") or {}
@@ -528,28 +637,23 @@ def template_patch(
             not admission.opted_in(template)
             or table.parse(raw).problems
             or table.injection_problems(raw)
-            or any(c.get("name") == SIDECAR_CONTAINER for c in pod_spec.get("initContainers") or [])
+            or admission.container_name_problems(pod_spec)
         ):
             continue
-        stand_in = {
-            "name": SIDECAR_CONTAINER,
-            "image": config.image,
-            "imagePullPolicy": config.image_pull_policy,
-            "restartPolicy": "Always",
-            "command": ["strata", "sidecar"],
-            "env": [
-                {
-                    "name": PLACEHOLDER_ENV,
-                    "value": "the operator's webhook completes this container in each pod",
-                }
-            ],
-            "resources": _resources(config, raw, _guaranteed(template)),
-            "securityContext": _security_context(config),
-        }
-        if pod_spec.get("initContainers"):
+        stand_in = _stand_in(template, config)
+        inits = pod_spec.get("initContainers") or []
+        at = next((i for i, c in enumerate(inits) if c.get("name") == SIDECAR_CONTAINER), None)
+        if at is None and inits:
             ops.append({"op": "add", "path": f"{path}/initContainers/0", "value": stand_in})
-        else:
+        elif at is None:
             ops.append({"op": "add", "path": f"{path}/initContainers", "value": [stand_in]})
+        elif admission.is_stand_in(inits[at]):
+            if inits[at] != stand_in:
+                ops.append({"op": "replace", "path": f"{path}/initContainers/{at}", "value": stand_in})
+        elif (inits[at].get("resources") or {}) != stand_in["resources"]:
+            ops.append(
+                {"op": "add", "path": f"{path}/initContainers/{at}/resources", "value": stand_in["resources"]}
+            )
     return ops
 
 
@@ -574,7 +678,7 @@ def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) ->
         shm = quantity(size)
     except ValueError:
         return []
-    out = _redundancy_warnings(pod, config, shm, size)
+    out = _redundancy_warnings(pod, config, shm, size) + _sidecar_warnings(pod, config)
     for container in (pod.get("spec") or {}).get("containers") or []:
         limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
         try:
@@ -588,6 +692,41 @@ def warnings(pod: Mapping[str, Any], *, namespace: str, config: InjectConfig) ->
                 "in flight) are charged to the trainer, so its limit must cover them on top of its "
                 "working set"
             )
+    return out
+
+
+def _sidecar_warnings(pod: Mapping[str, Any], config: InjectConfig) -> list[str]:
+    """What the pod's own ``strata-sidecar`` (a stand-in, or one copied from another pod) said that
+    the injection replaced, and the sidecar's share of pod-level resources."""
+    spec = pod.get("spec") or {}
+    raw = ((pod.get("metadata") or {}).get("annotations")) or {}
+    out = []
+    existing = admission.sidecar_in(spec)
+    resources = _resources(config, raw, pod)
+    # requests only: what quota counts (a LimitRange defaults the pods' limits, not the template's)
+    counted = ((existing or {}).get("resources") or {}).get("requests") or {}
+    if admission.is_stand_in(existing) and counted != (resources.get("requests") or {}):
+        out.append(
+            f"the sidecar's stand-in in the pod template requests {counted}, this pod's annotations and "
+            f"containers give {resources.get('requests') or {}}: the sidecar gets the latter, while "
+            "quota that admits workloads by their template (Kueue) counted the former; recreate the "
+            "workload to bring its template in step"
+        )
+    elif existing is not None and not admission.is_stand_in(existing):
+        job = {e.get("name"): e.get("value") for e in existing.get("env") or []}.get("STRATA_JOB")
+        if job is not None and job != _job_name(pod):
+            out.append(
+                f"the pod carries a {SIDECAR_CONTAINER} copied from another pod (STRATA_JOB={job}): "
+                f"replaced by this pod's (STRATA_JOB={_job_name(pod)}), with the values copied along into "
+                "its containers' env"
+            )
+    if _pod_level(spec):
+        set_here = [a for a in admission.RESOURCE_ANNOTATIONS if a in raw]
+        out.append(
+            "spec.resources (pod-level resources) is set: the sidecar gets no resources of its own and "
+            f"shares the pod's; leave room in them for it (the chart's sidecar.resources: "
+            f"{dict(config.resources)})" + (f"; {', '.join(set_here)} has no effect here" if set_here else "")
+        )
     return out
 
 
@@ -609,7 +748,7 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
         return []
     share = 2.0 if mode == "buddy" else 2.0 / max(1, group - 1)
     held = shm * share / (2 + share)  # a volume sized by the rule, one rank per pod
-    limit = ((_resources(config, raw, _guaranteed(pod)).get("limits") or {}).get("memory")) or ""
+    limit = ((_resources(config, raw, pod).get("limits") or {}).get("memory")) or ""
     try:
         budget = quantity(limit) * 0.75 if limit else 0.0
         if parsed.sidecar_env.get("STRATA_MEMORY_BUDGET"):
@@ -665,12 +804,26 @@ def inject(
 
     Raises :class:`Denied` for bad ``strata.dev/*`` annotations, naming each and what it accepts.
     """
+    looked_up = shape is not None
     shape = shape or Shape()
     if not admission.opted_in(pod) or (config.own_namespace and namespace == config.own_namespace):
         return []
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
     parsed = table.parse(raw)
     ports = _check(parsed, raw, pod)
+    problems = admission.container_name_problems(pod.get("spec") or {})
+    if problems:
+        raise Denied(f"Strata: {'; '.join(problems)}")
+    _check_user(pod, config)
+    jobset = ((pod.get("metadata") or {}).get("labels") or {}).get(names.JOBSET_NAME_LABEL)
+    if jobset and looked_up and shape.rank is None:
+        # The completion index is the rank within the pod's own child Job, which every replica of
+        # a replicated job repeats: refused rather than admitted with a rank that collides.
+        raise Denied(
+            f"Strata: the pod's global rank in JobSet {jobset} cannot be computed (the JobSet is not in "
+            "the operator's watch cache and looking it up failed or timed out, or none of its replicated "
+            "jobs is this pod's); the Job controller creates the pod again"
+        )
     members = None
     if ports[1] is not None:
         members = _members(pod, shape, ports[1])
@@ -684,23 +837,27 @@ def inject(
     spec = _lists(pod.get("spec") or {}, "initContainers", "volumes")
     patch = _Patch()
     have = {c.get("name"): i for i, c in enumerate(spec["initContainers"] or [])}
-    placeholder = have.get(SIDECAR_CONTAINER)
-    if placeholder is not None and _is_placeholder(spec["initContainers"][placeholder]):
-        # The workload webhook's stand-in (see template_patch): completed in place, with the
-        # resources quota admitted the workload with.
-        sidecar = _sidecar(pod, config, parsed, ports, shape, members)
-        sidecar["resources"] = spec["initContainers"][placeholder].get("resources") or {}
-        patch.ops.append({"op": "replace", "path": f"/spec/initContainers/{placeholder}", "value": sidecar})
-        spec["initContainers"][placeholder] = sidecar
-    elif placeholder is None:
+    at = have.get(SIDECAR_CONTAINER)
+    sidecar = _sidecar(pod, config, parsed, ports, shape, members)
+    #: Values a complete sidecar copied from another pod carried, which this pod's differ from.
+    copied: dict[str, dict[str, Any]] = {}
+    if at is None:
         # First among the init containers: the kubelet starts them in order, so any later init
         # container (and every regular one) can use the sidecar.
-        sidecar = _sidecar(pod, config, parsed, ports, shape, members)
         if spec["initContainers"]:
             patch.ops.append({"op": "add", "path": "/spec/initContainers/0", "value": sidecar})
             spec["initContainers"].insert(0, sidecar)
         else:
             patch.append(spec, "initContainers", "/spec", sidecar)
+    else:
+        existing = spec["initContainers"][at]
+        copied = _stale(existing, sidecar)
+        if admission.is_stand_in(existing) or copied or existing.get("resources") != sidecar["resources"]:
+            # The workload webhook's stand-in (see template_patch), or a sidecar copied from another
+            # pod (``kubectl get pod -o yaml`` into a new workload): this pod's, its resources as the
+            # pod's annotations and containers say now (:func:`warnings` says where they differ).
+            patch.ops.append({"op": "replace", "path": f"/spec/initContainers/{at}", "value": sidecar})
+            spec["initContainers"][at] = sidecar
     have_volumes = {v.get("name") for v in spec["volumes"] or []}
     for volume in _volumes(config, _shm_size(raw, config)):
         if volume["name"] not in have_volumes:
@@ -723,10 +880,14 @@ def inject(
                 {"op": "add", "path": f"{path}/restartPolicy", "value": "Never"},
                 {"op": "add", "path": f"{path}/restartPolicyRules", "value": [restart_rule()]},
             ]
-        set_env = {e.get("name") for e in container["env"] or []}
+        set_env = {e.get("name"): j for j, e in enumerate(container["env"] or [])}
         for var in _common_env(pod, shape):
-            if var["name"] not in set_env:
+            j = set_env.get(var["name"])
+            if j is None:
                 patch.append(container, "env", path, var)
+            elif container["env"][j] == copied.get(var["name"]):
+                # copied along with the sidecar from another pod: this pod's value
+                patch.ops.append({"op": "replace", "path": f"{path}/env/{j}", "value": var})
         mounted = {m.get("name") for m in container["volumeMounts"] or []}
         paths = {m.get("mountPath") for m in container["volumeMounts"] or []}
         for mount in trainer_mounts:

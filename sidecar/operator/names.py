@@ -71,3 +71,6 @@ JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 #: The injected sidecar container (a native sidecar: an init container with restartPolicy Always).
 SIDECAR_CONTAINER = "strata-sidecar"
+#: Env var marking the stand-in sidecar the workload webhook puts in a pod template (the pod webhook
+#: completes it in each pod); ``strata sidecar`` run with it set stays up doing nothing.
+PLACEHOLDER_ENV = "STRATA_PLACEHOLDER"

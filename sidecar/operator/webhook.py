@@ -26,7 +26,15 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.operator import admission
-from sidecar.operator.inject import Denied, InjectConfig, Shape, inject, template_patch, warnings
+from sidecar.operator.inject import (
+    Denied,
+    InjectConfig,
+    Shape,
+    inject,
+    template_patch,
+    warnings,
+    workload_problems,
+)
 
 __all__ = [
     "MUTATE_PATH",
@@ -115,7 +123,8 @@ def mutate_workload(request: Mapping[str, Any], config: InjectConfig | None) -> 
 def validate(request: Mapping[str, Any], config: InjectConfig | None = None) -> dict[str, Any]:
     """The AdmissionReview answering a Job or JobSet request (denials and warnings). With
     ``config`` (the injection on) a Kueue-managed workload created without the sidecar's stand-in
-    in its templates is warned about (:func:`admission.quota_warnings`)."""
+    in its templates is warned about (:func:`admission.quota_warnings`), and one whose every pod the
+    pod webhook would deny for the operator's settings is denied (:func:`inject.workload_problems`)."""
     obj = request.get("object")
     operation = request.get("operation", "CREATE")
     if operation == "DELETE" or not isinstance(obj, Mapping):
@@ -129,6 +138,10 @@ def validate(request: Mapping[str, Any], config: InjectConfig | None = None) -> 
         and not (config.own_namespace and namespace == config.own_namespace)
     ):
         verdict.warnings += admission.quota_warnings(obj)
+        denied = workload_problems(obj, config)
+        if denied:
+            said = [] if verdict.allowed else [verdict.message.removeprefix("Strata: ")]
+            verdict.allowed, verdict.message = False, "Strata: " + "; ".join([*said, *denied])
     return verdict.to_admission_response(str(request["uid"]))
 
 

@@ -140,16 +140,18 @@ def test_the_servers_version_is_read_as_managed_clusters_write_it(
     assert parse_version(body) == version
 
 
-def test_a_host_network_pod_gets_a_sidecar_that_declares_no_ports() -> None:
-    """Declared ports of a hostNetwork pod become hostPorts (one pod per node, and 9464 is taken
-    by OpenTelemetry's host exporter): the sidecar declares none there, and listens all the same."""
-    for host_network, want in ((True, []), (False, [9464, 9411])):
+def test_a_host_network_pod_gets_a_sidecar_that_declares_its_ports_as_host_ports() -> None:
+    """Declared ports of a hostNetwork pod are hostPorts: declared (they were not, until two ranks of
+    one job on one node showed why), the scheduler keeps pods with the same ports off one node;
+    jobs that share nodes choose their ports (strata.dev/metrics-port, strata.dev/peer-port)."""
+    for host_network, want in ((True, [9464, 9411]), (False, [9464, 9411])):
         pod = job_pod({"strata.dev/redundancy": "buddy"})
         pod["spec"]["subdomain"] = "recsys-peers"
         pod["spec"]["hostNetwork"] = host_network
         out, _ = patched(pod, CONFIG, injection.Shape(world_size=4))
         sidecar = out["spec"]["initContainers"][0]
         assert [p["containerPort"] for p in sidecar["ports"]] == want
+        assert [p.get("hostPort") for p in sidecar["ports"]] == (want if host_network else [None, None])
         env = {e["name"]: e.get("value") for e in sidecar["env"]}
         assert env["STRATA_METRICS_PORT"] == "9464" and env["STRATA_PEER_PORT"] == "9411"
         kubernetes_validate.validate(out, "1.33", strict=True)

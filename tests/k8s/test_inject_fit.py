@@ -42,6 +42,15 @@ async def hook(tmp_path: Path) -> AsyncIterator[Webhook]:
         await server.close()
 
 
+#: The controller reference JobSet puts on the Jobs it creates.
+JOBSET_OWNER = {
+    "apiVersion": "jobset.x-k8s.io/v1alpha2",
+    "kind": "JobSet",
+    "name": "ranker",
+    "uid": "u",
+    "controller": True,
+}
+
 VERSIONS = ("1.29", "1.30", "1.31", "1.32", "1.33", "1.34", "1.35")
 
 
@@ -71,7 +80,8 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
         "Localhost",
     ):
         out.append("seccompProfile")
-    if any(p.get("hostPort") for p in sidecar.get("ports") or []):
+    # a hostNetwork pod is outside Pod Security baseline already, and on it each port is the node's
+    if not spec.get("hostNetwork") and any(p.get("hostPort") for p in sidecar.get("ports") or []):
         out.append("hostPort")
     allowed = {"emptyDir", "downwardAPI", "projected", "configMap", "secret", "persistentVolumeClaim"}
     out += [f"volume {v['name']}" for v in spec.get("volumes") or [] if not set(v) - {"name"} <= allowed]
@@ -132,8 +142,10 @@ def test_a_job_chooses_its_sidecars_ports() -> None:
         assert env["STRATA_METRICS_PORT"] == "9500" and env["STRATA_PEER_PORT"] == "9600"
         assert env["STRATA_MEMBERS"] == "recsys-{index}.recsys-peers:9600"
         assert sidecar["startupProbe"]["httpGet"]["port"] == 9500
-        # declared where they do not become hostPorts
-        assert [p["containerPort"] for p in sidecar["ports"]] == ([] if host_network else [9500, 9600])
+        # declared, as hostPorts on a hostNetwork pod: two pods of one job never share a node's ports
+        # (this test said undeclared before; see test_admission_edges.py, the hostNetwork case)
+        assert [p["containerPort"] for p in sidecar["ports"]] == [9500, 9600]
+        assert [p.get("hostPort") for p in sidecar["ports"]] == ([9500, 9600] if host_network else [None] * 2)
 
 
 def job_with(annotations: dict[str, str], ports: list[int]) -> dict[str, Any]:
@@ -410,6 +422,7 @@ async def test_quota_sees_the_sidecar_in_a_jobsets_templates_not_twice_in_its_jo
     assert [c["name"] for c in workers["initContainers"]] == [injection.SIDECAR_CONTAINER]
     child = job()
     child["metadata"]["labels"] = {JOBSET_NAME_LABEL: "ranker"}
+    child["metadata"]["ownerReferences"] = [JOBSET_OWNER]
     child["spec"] = admitted["spec"]["replicatedJobs"][1]["template"]["spec"]
     assert (await mutate_workload(hook, child))[1] == []
     # a Job created again (an UPDATE), or without the injection configured: no change
@@ -444,20 +457,9 @@ async def test_a_jobsets_own_jobs_are_left_to_the_jobsets_validation(hook: Webho
     """JobSet creates its Jobs from its replicated jobs' templates (not Indexed by our rules, no
     podFailurePolicy of ours: JobSet has its own failure policy): the Job webhook sees them and must
     neither deny nor warn."""
-    for meta in (
-        {"labels": {JOBSET_NAME_LABEL: "ranker"}},
-        {
-            "ownerReferences": [
-                {
-                    "apiVersion": "jobset.x-k8s.io/v1alpha2",
-                    "kind": "JobSet",
-                    "name": "ranker",
-                    "uid": "u",
-                    "controller": True,
-                }
-            ]
-        },
-    ):
+    # JobSet sets both on its Jobs; the label alone no longer counts (anyone can set it: see
+    # test_admission_edges.py, a label alone does not make a Job a JobSet's)
+    for meta in ({"labels": {JOBSET_NAME_LABEL: "ranker"}, "ownerReferences": [JOBSET_OWNER]},):
         child = job(completionMode="NonIndexed")
         child["metadata"].update(meta)
         child["spec"]["template"]["metadata"]["annotations"] = {"strata.dev/max-restarts": "2"}

@@ -580,6 +580,9 @@ def test_validating_webhook(chart: Any) -> None:
         assert "'strata.dev/checkpoint'" in condition["expression"]
         assert "template.metadata.labels" in condition["expression"]
         assert "== 'enabled'" in condition["expression"]
+        # and UPDATEs of what was opted in: removing the label from a template that keeps the stand-in
+        assert "oldObject != null && has(oldObject.spec" in condition["expression"]
+        assert condition["expression"].count("labels['strata.dev/checkpoint'] == 'enabled'") == 2
         assert "objectSelector" not in hook  # the Job's own labels never reach pods: select the template
 
 
