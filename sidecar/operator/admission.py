@@ -117,6 +117,8 @@ def port_problems(env: Mapping[str, str], pod_spec: Mapping[str, Any]) -> list[s
                 f"namespace; choose a port {UNPRIVILEGED_PORT_START}-65535"
             )
             continue
+        if raw is None and pod_spec.get("hostNetwork") and metrics_raw is None and peer_raw is None:
+            continue  # the injection picks the job's own pair on a hostNetwork pod, clear of these
         chosen.append((key if raw is not None else f"{key} (default {default})", port))
     if len(chosen) == 2 and chosen[0][1] == chosen[1][1]:
         problems.append(

@@ -70,6 +70,7 @@ along into the containers' env are replaced too.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,6 +248,39 @@ def _common_env(pod: Mapping[str, Any], shape: Shape) -> list[dict[str, Any]]:
             {"name": "STRATA_GENERATION", "value": "$(STRATA_JOBSET_UID)/$(STRATA_JOBSET_RESTART)"},
         ]
     return env
+
+
+#: On a hostNetwork pod (RDMA, EFA) the sidecar binds in the node's network namespace. Unless the
+#: job chooses its ports (strata.dev/metrics-port, strata.dev/peer-port), each job gets its own pair
+#: from HOST_PORT_BASE on (by a hash of its namespace and name): the sidecars of two jobs sharing a
+#: node do not take the same ports by default, nor 9464, where a node's OpenTelemetry exporter
+#: listens. Declared as hostPorts (see _ports), two pods of one job stay on separate nodes.
+HOST_PORT_BASE, HOST_PORT_PAIRS = 20000, 5000
+
+
+def _host_ports(
+    pod: Mapping[str, Any], namespace: str, env: Mapping[str, str], ports: tuple[int, int | None]
+) -> tuple[int, int | None]:
+    """``ports``, or on a hostNetwork pod that chose none, the job's own pair (skipping pairs a
+    container of the pod declares)."""
+    spec = pod.get("spec") or {}
+    if not spec.get("hostNetwork") or "STRATA_METRICS_PORT" in env or "STRATA_PEER_PORT" in env:
+        return ports
+    taken = {
+        number
+        for c in (spec.get("containers") or []) + (spec.get("initContainers") or [])
+        if c.get("name") != SIDECAR_CONTAINER
+        for p in c.get("ports") or []
+        for number in (p.get("containerPort"), p.get("hostPort"))
+        if isinstance(number, int)
+    }
+    digest = hashlib.sha256(f"{namespace}/{_job_name(pod)}".encode()).digest()
+    pair = int.from_bytes(digest[:4], "big") % HOST_PORT_PAIRS
+    for step in range(HOST_PORT_PAIRS):
+        metrics = HOST_PORT_BASE + 2 * ((pair + step) % HOST_PORT_PAIRS)
+        if metrics not in taken and metrics + 1 not in taken:
+            return metrics, None if ports[1] is None else metrics + 1
+    return ports  # every pair taken: port_problems named the defaults' clash already
 
 
 def _check(parsed: table.Parsed, raw: Mapping[str, str], pod: Mapping[str, Any]) -> tuple[int, int | None]:
@@ -810,7 +844,7 @@ def inject(
         return []
     raw = ((pod.get("metadata") or {}).get("annotations")) or {}
     parsed = table.parse(raw)
-    ports = _check(parsed, raw, pod)
+    ports = _host_ports(pod, namespace, parsed.sidecar_env, _check(parsed, raw, pod))
     problems = admission.container_name_problems(pod.get("spec") or {})
     if problems:
         raise Denied(f"Strata: {'; '.join(problems)}")

@@ -142,19 +142,32 @@ def test_the_servers_version_is_read_as_managed_clusters_write_it(
 
 def test_a_host_network_pod_gets_a_sidecar_that_declares_its_ports_as_host_ports() -> None:
     """Declared ports of a hostNetwork pod are hostPorts: declared (they were not, until two ranks of
-    one job on one node showed why), the scheduler keeps pods with the same ports off one node;
-    jobs that share nodes choose their ports (strata.dev/metrics-port, strata.dev/peer-port)."""
-    for host_network, want in ((True, [9464, 9411]), (False, [9464, 9411])):
-        pod = job_pod({"strata.dev/redundancy": "buddy"})
-        pod["spec"]["subdomain"] = "recsys-peers"
-        pod["spec"]["hostNetwork"] = host_network
-        out, _ = patched(pod, CONFIG, injection.Shape(world_size=4))
-        sidecar = out["spec"]["initContainers"][0]
-        assert [p["containerPort"] for p in sidecar["ports"]] == want
-        assert [p.get("hostPort") for p in sidecar["ports"]] == (want if host_network else [None, None])
-        env = {e["name"]: e.get("value") for e in sidecar["env"]}
-        assert env["STRATA_METRICS_PORT"] == "9464" and env["STRATA_PEER_PORT"] == "9411"
-        kubernetes_validate.validate(out, "1.33", strict=True)
+    one job on one node showed why), the scheduler keeps pods with the same ports off one node. On
+    the node, a job that chose no ports gets its own pair (not 9464, a node exporter's), so the
+    sidecars of two jobs sharing a node do not take the same ports by default."""
+    host_ports: list[list[int]] = []
+    for job in ("recsys", "ranker"):
+        for host_network in (True, False):
+            pod = job_pod({"strata.dev/redundancy": "buddy"})
+            pod["metadata"]["labels"][names.JOB_NAME_LABEL] = job
+            pod["spec"]["subdomain"] = "recsys-peers"
+            pod["spec"]["hostNetwork"] = host_network
+            out, _ = patched(pod, CONFIG, injection.Shape(world_size=4))
+            sidecar = out["spec"]["initContainers"][0]
+            declared = [p["containerPort"] for p in sidecar["ports"]]
+            env = {e["name"]: e.get("value") for e in sidecar["env"]}
+            assert [int(env["STRATA_METRICS_PORT"]), int(env["STRATA_PEER_PORT"])] == declared
+            assert sidecar["startupProbe"]["httpGet"]["port"] == declared[0]
+            assert env["STRATA_MEMBERS"].endswith(f":{declared[1]}")
+            if host_network:
+                assert [p.get("hostPort") for p in sidecar["ports"]] == declared
+                assert declared[0] >= injection.HOST_PORT_BASE and declared[1] == declared[0] + 1
+                host_ports.append(declared)
+            else:
+                assert declared == [9464, 9411]
+                assert [p.get("hostPort") for p in sidecar["ports"]] == [None, None]
+            kubernetes_validate.validate(out, "1.33", strict=True)
+    assert host_ports[0] != host_ports[1], "two jobs' sidecars take the same node ports by default"
 
 
 def test_redundancy_wires_the_peer_port_and_the_members_of_an_indexed_job() -> None:
