@@ -93,14 +93,14 @@ _AS_ANNOTATION: dict[str, tuple[Any, str]] = {
     "metrics_port": (
         9464,
         "the sidecar's Prometheus /metrics port, which its startup probe reads; decimal 1-65535 (1024 and "
-        "up on a hostNetwork pod, where it is declared as a hostPort), distinct from the pod's declared "
-        "container ports",
+        "up on a hostNetwork pod, where it is declared as a hostPort; there the default is the job's own "
+        "pair from 20000 up), distinct from the pod's declared container ports",
     ),
     "peer_port": (
         names.PEER_PORT,
         f"the sidecars' peer port with strata.dev/redundancy (container port {names.PEER_PORT_NAME}); "
-        "decimal 1-65535 (1024 and up on a hostNetwork pod), distinct from strata.dev/metrics-port and "
-        "the pod's declared container ports",
+        "decimal 1-65535 (1024 and up on a hostNetwork pod, default there the metrics port + 1), distinct "
+        "from strata.dev/metrics-port and the pod's declared container ports",
     ),
 }
 
