@@ -502,3 +502,52 @@ async def test_a_jobset_resubmitted_under_its_name_is_not_mirrored_at_the_old_in
         job.pods[new["metadata"]["name"]] = new
     await ctrl._reflect_jobset(job)
     assert job.status.get("generation") == "B/0", f"mirrored generation {job.status.get('generation')}"
+
+
+# -- a StrataJob deleted under a live workload -------------------------------------------------------
+
+
+async def test_a_stratajob_deleted_under_a_live_job_is_recreated() -> None:
+    """`kubectl delete stratajob train` by a careless user, the garbage collector racing a
+    resubmission (owned-by-workload), or the retention racing one: the controller keeps its loaded
+    status and every status patch answers 404, retried every 2 s for ever. Nothing reloads or
+    recreates the StrataJob: no status, no restart decision is ever recorded again."""
+    api = FakeApi()
+    ctrl = controller(api)
+    job = watched_job(ctrl, api, "train", 2)
+    del api.objects[f"{SJ}/train"]  # deleted by hand while the Job runs
+    await ctrl.reconcile(job)
+    await ctrl.reconcile(job)
+    assert f"{SJ}/train" in api.objects, "the StrataJob of a live Job is gone for good"
+
+
+async def test_a_pod_of_a_deleted_jobset_of_the_same_name_is_not_force_deleted_by_the_new_ones_fence() -> (
+    None
+):
+    """The fence selects pods by the jobset-name label and restart-attempt only, not by the JobSet's
+    uid: a pod of an earlier JobSet `js` (uid A) hanging on a lost node is force-deleted as
+    "an earlier attempt" of the new `js` (uid B). The safety argument for the fence (the pod's
+    generation is an earlier attempt of the same JobSet, older than the new gang's) does not hold
+    for A/0, another run's generation; and B's restart never waits for A's pods anyway."""
+    api = FakeApi()
+    add_stratajob(api, "js", kind="JobSet", retention="168h")
+    ctrl = controller(api, fence_margin_s=1.0)
+    job = ctrl._job("default", "js")
+    job.kind = "JobSet"
+    job.workload = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "js", "namespace": "default", "uid": "B"},
+        "spec": {"failurePolicy": {"maxRestarts": 3}},
+        "status": {"restarts": 1},
+    }
+    job.stratajob = api.objects[f"{SJ}/js"]
+    job.status = {"phase": "Running", "run": "B", "generation": "B/1", "restarts": 1}
+    stranger = jobset_pod("js-old-0", "A", 0, terminating=True)
+    stranger["status"] = {"phase": "Failed"}
+    job.pods["js-old-0"] = stranger
+    current = jobset_pod("js-new-0", "B", 1)
+    job.pods["js-new-0"] = current
+    await ctrl._reflect_jobset(job)
+    deletes = [u for m, u in api.calls if m == "DELETE" and "/pods/" in u]
+    assert deletes == [], f"force-deleted a pod of another JobSet incarnation: {deletes}"
