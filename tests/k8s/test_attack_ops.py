@@ -551,3 +551,77 @@ async def test_a_pod_of_a_deleted_jobset_of_the_same_name_is_not_force_deleted_b
     await ctrl._reflect_jobset(job)
     deletes = [u for m, u in api.calls if m == "DELETE" and "/pods/" in u]
     assert deletes == [], f"force-deleted a pod of another JobSet incarnation: {deletes}"
+
+
+# -- follow-ups of the fixes above -------------------------------------------------------------------
+
+
+async def test_retention_leaves_checkpoints_created_after_the_workload_was_deleted() -> None:
+    """A Checkpoint newer than workloadDeletedAt was written by a resubmission (its sidecars commit
+    before the operator's watch catches up): the expiry leaves it."""
+    api = FakeApi()
+    add_stratajob(api, "train", deleted_at=LONG_AGO)
+    add_checkpoint(api, "train", 100)
+    newer = add_checkpoint(api, "train", 200)
+    api.objects[f"{CP}/{newer}"]["metadata"]["creationTimestamp"] = "2021-01-01T00:00:00Z"
+    ctrl = controller(api)
+    await ctrl._expire("default", "train")
+    assert f"{SJ}/train" not in api.objects
+    assert checkpoints(api, "train") == [newer]
+
+
+async def test_a_late_deleted_event_of_an_earlier_job_of_the_same_name_is_ignored() -> None:
+    """Job `train` deleted and resubmitted: the earlier one's DELETED event, arriving late, must
+    not mark the new one's StrataJob as deleted nor unwatch it."""
+    api = FakeApi()
+    add_stratajob(api, "train", retention="168h")
+    ctrl = controller(api)
+    job = watched_job(ctrl, api, "train", 1)
+    opted = {"template": {"metadata": {"labels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}}}}
+    old = {**job.workload, "spec": opted, "metadata": {"name": "train", "uid": "earlier"}}  # type: ignore[dict-item]
+    await ctrl.on_job("DELETED", old)
+    assert ctrl._watched(("default", "train"))
+    assert "workloadDeletedAt" not in api.objects[f"{SJ}/train"]["status"]
+
+
+async def test_a_jobset_named_like_a_watched_job_is_taken_up_once_the_job_is_deleted() -> None:
+    api = FakeApi()
+    ctrl = controller(api)
+    job = watched_job(ctrl, api, "train", 1)
+    assert ctrl.name_taken("default", "train", "JobSet") == "Job"
+    assert ctrl.name_taken("default", "train", "Job") is None
+    jobset = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "train", "namespace": "default", "uid": "js-uid"},
+        "spec": {"failurePolicy": {"maxRestarts": 1}},
+    }
+    await ctrl.on_job("ADDED", jobset)
+    assert ctrl.jobs[("default", "train")].kind == "Job", "the watched Job keeps its entry"
+    opted = {"template": {"metadata": {"labels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}}}}
+    await ctrl.on_job("DELETED", {**job.workload, "kind": "Job", "spec": opted})  # type: ignore[dict-item]
+    taken = ctrl.jobs[("default", "train")]
+    assert (taken.kind, taken.uid) == ("JobSet", "js-uid")
+
+
+async def test_admission_denies_an_opted_in_workload_named_like_a_watched_one_of_the_other_kind() -> None:
+    from sidecar.operator import webhook
+
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "train", "namespace": "default"},
+        "spec": {
+            "template": {
+                "metadata": {"labels": {names.OPT_IN_LABEL: names.OPT_IN_VALUE}},
+                "spec": {"containers": [{"name": "trainer", "image": "t:1"}], "restartPolicy": "Never"},
+            }
+        },
+    }
+    request = {"uid": "r1", "operation": "CREATE", "namespace": "default", "object": job}
+    taken = webhook.validate(request, None, lambda ns, name, kind: "JobSet" if name == "train" else None)
+    assert taken["response"]["allowed"] is False
+    assert "metadata.name" in taken["response"]["status"]["message"]
+    assert "JobSet" in taken["response"]["status"]["message"]
+    free = webhook.validate(request, None, lambda ns, name, kind: None)
+    assert free["response"]["allowed"] is True
