@@ -195,6 +195,11 @@ TRAINER_API_GROUP = "trainer.kubeflow.org"
 RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
 
 
+def workload_opted_in(obj: Mapping[str, Any]) -> bool:
+    """Whether a Job's pod template, or one of a JobSet's, opts in."""
+    return any(opted_in(template) for _, template in _templates(obj))
+
+
 def _jobset_spec(obj: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
     """(field path, JobSet spec) of a JobSet, or of the JobSet template of a Kubeflow Trainer
     runtime; None for other kinds."""

@@ -64,6 +64,7 @@ from sidecar.operator.inject import Shape, workload_shape
 from sidecar.operator.jobset import JobSetMirror
 from sidecar.operator.kube import ApiError, path, transient
 from sidecar.operator.retention import Lifecycle
+from sidecar.operator.stratajob import StrataJobGone
 from sidecar.operator.stuck import StuckGangs
 
 __all__ = ["Controller", "lift_gates"]
@@ -101,6 +102,28 @@ class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Life
             return
         meta = meta_of(body)
         job = self._job(str(meta.get("namespace", "default")), str(meta["name"]))
+        kind = str(body.get("kind", "Job"))
+        if job.workload is not None and kind != job.kind and meta.get("uid") != job.uid:
+            # A Job and a JobSet may share a name in a namespace: the one watched first is this
+            # controller's (admission denies the second where it can); the other is left alone.
+            if event_type == "DELETED":
+                job.other_kind = None
+            else:
+                job.other_kind = dict(body)  # taken up once the watched one is deleted
+            if event_type != "DELETED" and not job.warned_other_kind:
+                job.warned_other_kind = True
+                log.warning(
+                    "%s/%s: a %s of the same name as the watched %s is ignored (Checkpoints and the "
+                    "StrataJob are keyed by name)",
+                    job.namespace,
+                    job.name,
+                    kind,
+                    job.kind,
+                )
+            return
+        stale = job.workload is not None and job.uid and meta.get("uid") and meta.get("uid") != job.uid
+        if event_type == "DELETED" and stale:
+            return  # an earlier incarnation's late event: the watched workload lives on
         if event_type == "DELETED":
             # The StrataJob and the Checkpoints stay: a Job resubmitted under this name finds them.
             # Its pods stay in the index until they are gone: a resubmission waits for them.
@@ -108,12 +131,16 @@ class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Life
                 await self._workload_deleted(job)
                 if job.timer is not None:
                     job.timer.cancel()
-                job.workload = job.status = job.stratajob = None
+                job.workload = job.status = job.stratajob = job.lost_status = None
+                job.warned_other_kind = False
                 job.vanished.clear()
                 job.warned_earlier_run = job.warned_no_failjob = False
+                other, job.other_kind = job.other_kind, None
                 self._tidy(job)
+            if other is not None:
+                await self.on_job("MODIFIED", other)
             return
-        job.kind = str(body.get("kind", "Job"))
+        job.kind = kind
         job.workload = dict(body)
         self._tidy(job)
         await self.reconcile(job)
@@ -283,10 +310,20 @@ class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Life
         stale = self.clock() - job.heartbeat_written > HEARTBEAT_WRITE_S
         if set(changes) - {"lastHeartbeat"} or stale:
             job.heartbeat_written = self.clock()
-            await self._patch_status(job, changes)
+            try:
+                await self._patch_status(job, changes)
+            except StrataJobGone:
+                self._wake(job, self.clock())  # recreated by the reconcile
+                return instruction
         else:
             job.status.update(changes)  # written with the next status change, or within a minute
         return instruction
+
+    def name_taken(self, namespace: str, name: str, kind: str) -> str | None:
+        """The kind of the watched workload named ``name`` when it is not ``kind`` (admission denies
+        a Job and a JobSet sharing a name: they would share the StrataJob and the Checkpoints)."""
+        job = self.jobs.get((namespace, name))
+        return job.kind if job is not None and job.workload is not None and job.kind != kind else None
 
     def workload_uid(self, namespace: str, job_name: str) -> str | None:
         """The uid of the watched Job of that name (report checks compare pods' ownerReferences)."""
@@ -312,7 +349,10 @@ class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Life
         if job is None or job.status is None:
             return
         if (step, checkpoint) != (job.status.get("latestStep"), job.status.get("latestCheckpoint")):
-            await self._patch_status(job, {"latestStep": step, "latestCheckpoint": checkpoint})
+            try:
+                await self._patch_status(job, {"latestStep": step, "latestCheckpoint": checkpoint})
+            except StrataJobGone:
+                self._wake(job, self.clock())  # recreated by the reconcile
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -327,12 +367,18 @@ class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Life
             if self.clock() < job.hold_until:
                 self._wake(job, job.hold_until)  # backing off: events meanwhile only fed the index
                 return
-            try:
-                await self._reconcile(job)
-            except Exception as exc:  # every failure is retried: never a job left dead
-                self._retry_later(job, exc)
-            else:
-                job.retries = 0
+            for tries in (1, 2):
+                try:
+                    await self._reconcile(job)
+                except StrataJobGone as exc:
+                    if tries == 1:
+                        continue  # deleted under the live workload: recreated at once
+                    self._retry_later(job, exc)
+                except Exception as exc:  # every failure is retried: never a job left dead
+                    self._retry_later(job, exc)
+                else:
+                    job.retries = 0
+                break
 
     def _retry_later(self, job: WatchedJob, exc: Exception) -> None:
         """Reconcile ``job`` again after a capped exponential backoff with jitter, no earlier than

@@ -143,6 +143,9 @@ class WatchedJob:
     pods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     status: dict[str, Any] | None = None  # the StrataJob's status, once loaded
     stratajob: dict[str, Any] | None = None  # its metadata (uid, for Events)
+    #: The status held when the StrataJob was found deleted under the live workload: recreated
+    #: with it.
+    lost_status: dict[str, Any] | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
     timer_at: float = 0.0
@@ -163,6 +166,10 @@ class WatchedJob:
     released_uids: set[str] = dataclasses.field(default_factory=set)
     #: Warned that the Job lacks the FailJob rule for exit code 76.
     warned_no_failjob: bool = False
+    #: Warned that a workload of the other kind (Job, JobSet) carries the same name, and its
+    #: newest body (watched once this one is deleted).
+    warned_other_kind: bool = False
+    other_kind: dict[str, Any] | None = None
     #: Warned about pods of an earlier run of the same name still running.
     warned_earlier_run: bool = False
     #: Warned about a pod stuck Terminating (one Event per pod).
@@ -243,6 +250,17 @@ class ControllerBase:
     def _own_pods(self, job: WatchedJob) -> list[dict[str, Any]]:
         """Pods this Job controls (not those of an earlier Job of the same name)."""
         return [p for p in job.pods.values() if owner_uid(p) == job.uid]
+
+    def _jobset_pods(self, job: WatchedJob) -> dict[str, dict[str, Any]]:
+        """Pods of this JobSet (its ``jobset-uid`` label), not those of an earlier JobSet of the same
+        name still Terminating: their attempt numbers are another incarnation's, and they are no
+        earlier attempt of this one to fence. A pod without the label (a JobSet release that did
+        not set it) is taken as this one's."""
+        return {
+            name: pod
+            for name, pod in job.pods.items()
+            if (meta_of(pod).get("labels") or {}).get(names.JOBSET_UID_LABEL, job.uid) == job.uid
+        }
 
     def _wake(self, job: WatchedJob, at: float) -> None:
         """Reconcile ``job`` again at wall time ``at`` (the controller's loop)."""

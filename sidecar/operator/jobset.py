@@ -10,7 +10,9 @@ attempt (``restart-attempt`` below the JobSet's ``status.restarts``) still Termi
 fences it off: its sidecar's generation is ``<JobSet uid>/<its attempt>``, older than the new
 gang's, so it can neither open a new attempt nor have a commit above the new restore step read.
 Pods of the current attempt are never fenced here: a replacement would run the same generation
-beside a pod that may still be writing on a partitioned node."""
+beside a pod that may still be writing on a partitioned node. Only this JobSet's pods count (its
+``jobset-uid`` label): those of an earlier JobSet of the same name carry another run's generations,
+are neither its attempts to mirror nor its to fence, and JobSet's restart does not wait for them."""
 
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ class JobSetMirror(GangStopping):
         assert job.status is not None
         if job.status.get("phase") in ("Succeeded", "Failed"):
             return  # for good: JobSet never runs a finished JobSet again
-        attempts = [a for p in job.pods.values() if (a := attempt_of(p)) is not None]
+        pods = self._jobset_pods(job)
+        attempts = [a for p in pods.values() if (a := attempt_of(p)) is not None]
         attempt = max(attempts, default=0)
         target = int(((job.workload or {}).get("status") or {}).get("restarts") or 0)
         changes: dict[str, Any] = {}
@@ -86,13 +89,13 @@ class JobSetMirror(GangStopping):
                     f"JobSet restarts the gang as restart attempt {target}; it recreates it once every "
                     f"pod of attempt {attempt} is gone",
                 )
-        elif job.pods and job.generation(attempt) != job.status.get("generation"):
+        elif pods and job.generation(attempt) != job.status.get("generation"):
             changes.update(generation=job.generation(attempt), restarts=attempt, phase="Running")
             if attempt > job.restart_count:
                 message = f"JobSet {job.name} restarted its gang (restart attempt {attempt})"
                 condition = ("Restarting", "False", "JobSetRecreated", message)
                 await self._event(job, "JobSetRestarted", f"{message}; Strata adds no retry of its own")
-        elif job.status.get("phase") in ("Pending", "Restarting") and job.pods:
+        elif job.status.get("phase") in ("Pending", "Restarting") and pods:
             changes["phase"] = "Running"
         if target <= attempt:  # what JobSet's own deletion of the old gang ends is no failure
             last = self._first_failure(job, attempt)
@@ -110,7 +113,7 @@ class JobSetMirror(GangStopping):
         """The failure that ended ``attempt`` (a lost or evicted pod beats the peers that died
         after it), unless one of its pods is recorded already."""
         assert job.status is not None
-        pods = {name: p for name, p in job.pods.items() if attempt_of(p) == attempt}
+        pods = {name: p for name, p in self._jobset_pods(job).items() if attempt_of(p) == attempt}
         if (job.status.get("lastFailure") or {}).get("pod") in pods:
             return None
         found = []
@@ -149,7 +152,7 @@ class JobSetMirror(GangStopping):
         docstring); a timer comes back for those not yet due."""
         old = [
             p
-            for p in job.pods.values()
+            for p in self._jobset_pods(job).values()
             if meta_of(p).get("deletionTimestamp") and (attempt_of(p) or 0) < target
         ]
         # A pod that ended before its node was lost is terminal, yet still there: JobSet waits for

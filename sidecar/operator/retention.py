@@ -16,9 +16,13 @@ resumes from them. They do not outlive it forever:
 
 The bucket's data follows the sidecar's ``--keep`` as before: nothing here touches storage.
 
-A sweep LISTs the StrataJobs at start and every ``retention_sweep_s`` (hourly): it marks those whose
-workload disappeared while no operator watched, and finds the due ones; deletions in between are
-timed from the watch's DELETED events.
+A sweep LISTs the StrataJobs at start and every ``retention_sweep_s`` (hourly), and the Jobs and
+JobSets of each namespace that has unwatched ones: it marks those whose name no workload holds any
+more (gone while no operator watched), and finds the due ones; deletions in between are timed from
+the watch's DELETED events. The name is the StrataJob's own (Checkpoints are keyed by it), and either
+kind holding it keeps the data: a workload resubmitted as the other kind resumes from it. An expiry
+deletes the StrataJob first (preconditions: a resubmission that cleared the mark keeps it), looks
+again, and only then deletes the Checkpoints created before the workload's deletion.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from sidecar.operator import names
 from sidecar.operator.annotations import format_retention, parse_retention
 from sidecar.operator.gang import WatchedJob, meta_of, now_text, parse_time
-from sidecar.operator.kube import ApiError, path
-from sidecar.operator.stratajob import STRATAJOBS, StrataJobStatus
+from sidecar.operator.kube import ApiError, path, transient
+from sidecar.operator.stratajob import STRATAJOBS, StrataJobGone, StrataJobStatus
 
 __all__ = ["DEFAULT_RETENTION", "Lifecycle", "format_retention", "parse_retention"]
 
@@ -42,6 +46,8 @@ log = logging.getLogger("strata.operator")
 DEFAULT_RETENTION = "168h"
 #: How often every StrataJob is looked at (deletions seen by the watch are timed on their own).
 DEFAULT_RETENTION_SWEEP_S = 3600.0
+#: Items per page of the sweep's LISTs.
+_PAGE = 500
 
 
 def _retention_of(status: Mapping[str, Any]) -> float | None:
@@ -51,11 +57,20 @@ def _retention_of(status: Mapping[str, Any]) -> float | None:
         return parse_retention(DEFAULT_RETENTION)
 
 
-def _workload_path(namespace: str, workload: Mapping[str, Any]) -> str | None:
-    group, _, version = str(workload.get("apiVersion") or "batch/v1").rpartition("/")
-    plural = {"Job": "jobs", "JobSet": "jobsets"}.get(str(workload.get("kind")))
-    name = workload.get("name")
-    return None if plural is None or not name else path(group, version, plural, namespace, str(name))
+def _kinds(namespace: str) -> tuple[tuple[str, str], ...]:
+    """(kind, collection URL) of the workloads a StrataJob's name may belong to."""
+    return (
+        ("Job", path("batch", "v1", "jobs", namespace)),
+        ("JobSet", path(names.JOBSET_API_GROUP, "v1alpha2", "jobsets", namespace)),
+    )
+
+
+def _log_failure(exc: BaseException, what: str, then: str) -> None:
+    """A transient failure in one line; anything else with its traceback (a bug to see)."""
+    if transient(exc) or isinstance(exc, ApiError):
+        log.warning("%s (%r); %s", what, exc, then)
+    else:
+        log.error("%s unexpectedly; %s", what, then, exc_info=exc)
 
 
 class Lifecycle(StrataJobStatus):
@@ -71,6 +86,9 @@ class Lifecycle(StrataJobStatus):
         #: (namespace, name) -> wall time its StrataJob is due for deletion.
         self._retention_due: dict[tuple[str, str], float] = {}
         self._retention_wake = asyncio.Event()
+        #: (namespace, name) -> the workload's deletion time, for a job whose StrataJob is deleted
+        #: and whose Checkpoints (created before it) are not all deleted yet.
+        self._orphaned: dict[tuple[str, str], float] = {}
         #: (namespace, name) -> (workload uid, owned) whose owner references are in place.
         self._owned: dict[tuple[str, str], tuple[str, bool]] = {}
 
@@ -82,6 +100,24 @@ class Lifecycle(StrataJobStatus):
         if job is None or job.workload is None or not job.settings.owned_by_workload or not job.uid:
             return None
         return [self._owner_reference(job)]
+
+    async def _delete_checkpoints(self, namespace: str, name: str, before: float) -> int:
+        """Delete the job's Checkpoints created no later than ``before`` (the workload's deletion:
+        a later one was written by a resubmission), each with its uid as precondition."""
+        checkpoints = path(names.GROUP, names.VERSION, "checkpoints", namespace)
+        removed = 0
+        async for item in self._list(checkpoints, labelSelector=f"{names.JOB_LABEL}={name}"):
+            meta = meta_of(item)
+            created = parse_time(meta.get("creationTimestamp"))
+            if created is not None and created > before:
+                continue
+            body = {"preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
+            try:
+                removed += await self.api.delete(f"{checkpoints}/{meta['name']}", body)
+            except ApiError as exc:
+                if exc.status != 409:  # 409: replaced by a newer object of that name
+                    raise
+        return removed
 
     @staticmethod
     def _owner_reference(job: WatchedJob) -> dict[str, Any]:
@@ -110,6 +146,8 @@ class Lifecycle(StrataJobStatus):
         if self._owned.get(job.key) != (job.uid, job.settings.owned_by_workload):
             try:
                 await self._own(job)
+            except StrataJobGone:
+                raise
             except ApiError as exc:
                 log.warning("%s/%s: owner references not set: %s; retried", job.namespace, job.name, exc)
             else:
@@ -125,8 +163,8 @@ class Lifecycle(StrataJobStatus):
         wanted = [*kept, reference] if owned else kept
         had_ours = len(kept) != len(held)
         if wanted != held:
-            updated = await self.api.merge_patch(
-                self._stratajob_path(job), {"metadata": {"ownerReferences": wanted or None}}
+            updated = await self._write(
+                job, self._stratajob_path(job), {"metadata": {"ownerReferences": wanted or None}}
             )
             if job.stratajob is not None:
                 job.stratajob["metadata"] = updated.get("metadata") or job.stratajob.get("metadata")
@@ -187,12 +225,13 @@ class Lifecycle(StrataJobStatus):
             self._retention_wake.set()
 
     async def run_retention(self, namespaces: tuple[str, ...] = ()) -> None:
-        """Sweep at start and every ``retention_sweep_s``; delete what is due when it is due."""
+        """Sweep at start and every ``retention_sweep_s``; delete what is due when it is due. Never
+        ends on an error (a reset connection, an unexpected answer): the next round tries again."""
         while not self._closed:
             try:
                 await self.sweep_retention(namespaces)
-            except (ApiError, OSError, TimeoutError) as exc:
-                log.warning("retention sweep failed (%s); next in %.0f s", exc, self.retention_sweep_s)
+            except Exception as exc:  # the loop must outlive any failure, or nothing expires again
+                _log_failure(exc, "retention sweep failed", f"next in {self.retention_sweep_s:.0f} s")
             next_sweep = self.clock() + self.retention_sweep_s
             while not self._closed and self.clock() < next_sweep:
                 self._retention_wake.clear()
@@ -200,8 +239,8 @@ class Lifecycle(StrataJobStatus):
                 for key in [k for k, at in self._retention_due.items() if at <= now]:
                     try:
                         await self._expire(*key)
-                    except (ApiError, OSError, TimeoutError) as exc:
-                        log.warning("%s/%s: retention deletion failed (%s); retried", *key, exc)
+                    except Exception as exc:
+                        _log_failure(exc, f"{key[0]}/{key[1]}: retention deletion failed", "retried")
                         self._retention_due[key] = now + 30.0
                 due = min(self._retention_due.values(), default=next_sweep)
                 with contextlib.suppress(TimeoutError):
@@ -213,32 +252,97 @@ class Lifecycle(StrataJobStatus):
         job = self.jobs.get(key)
         return job is not None and job.workload is not None
 
+    async def _list(self, url: str, **params: str) -> AsyncIterator[dict[str, Any]]:
+        """Every item of a LIST, page by page (``limit``/``continue``): thousands of objects never
+        come in one answer."""
+        token = ""
+        while True:
+            query = {**params, "limit": str(_PAGE)}
+            if token:
+                query["continue"] = token
+            page = await self.api.request("GET", url, params=query)
+            for item in (page or {}).get("items") or []:
+                if isinstance(item, dict):
+                    yield item
+            token = str(meta_of(page or {}).get("continue") or "")
+            if not token:
+                return
+
+    async def _names_in_use(self, namespace: str) -> tuple[set[str], frozenset[str]]:
+        """The names of every Job and JobSet in ``namespace`` (one paginated LIST per kind), and
+        the kinds that could not be listed: 403 (the operator's Role lacks them, so it watches
+        none of them either). A kind the apiserver does not serve (404: no JobSet CRD) has none."""
+        found: set[str] = set()
+        unknown: set[str] = set()
+        for kind, url in _kinds(namespace):
+            try:
+                found.update([str(meta_of(item).get("name")) async for item in self._list(url)])
+            except ApiError as exc:
+                if exc.status == 403:
+                    unknown.add(kind)
+                elif exc.status != 404:
+                    raise
+        return found, frozenset(unknown)
+
+    async def _name_in_use(self, namespace: str, name: str, kind: str) -> bool:
+        """Whether a Job or a JobSet named ``name`` exists (Checkpoints are keyed by name only: a
+        workload resubmitted as another kind resumes from them too), or is watched. A recorded
+        ``kind`` the operator may not read counts as in use: nothing is deleted on a guess."""
+        if self._watched((namespace, name)):
+            return True
+        for each, url in _kinds(namespace):
+            try:
+                if await self.api.get(f"{url}/{name}") is not None:
+                    return True
+            except ApiError as exc:
+                if exc.status == 403 and each == kind:
+                    return True
+                if exc.status not in (403, 404):
+                    raise
+        return self._watched((namespace, name))
+
     async def sweep_retention(self, namespaces: tuple[str, ...] = ()) -> None:
-        """One LIST of StrataJobs (per watched namespace): mark those whose workload is gone, and
-        note when each marked one is due."""
+        """Paginated LISTs of StrataJobs (per watched namespace) and one of Jobs and of JobSets per
+        namespace that has candidates: mark those whose workload name is no longer in use, and note
+        when each marked one is due. The name checked is the StrataJob's own (``metadata.name``),
+        never the user-editable ``spec.workload.name``. A namespace that cannot be checked is left
+        for the next sweep; the others go on."""
+        candidates: dict[str, list[dict[str, Any]]] = {}
         for namespace in namespaces or (None,):
-            listing = await self.api.request("GET", path(*STRATAJOBS, namespace))
-            for item in (listing or {}).get("items") or []:
+            async for item in self._list(path(*STRATAJOBS, namespace)):
                 meta = meta_of(item)
                 key = (str(meta.get("namespace", "default")), str(meta.get("name")))
-                if self._watched(key):
+                if not self._watched(key):
+                    candidates.setdefault(key[0], []).append(item)
+        for namespace, items in candidates.items():
+            try:
+                in_use, unreadable = await self._names_in_use(namespace)
+            except Exception as exc:
+                _log_failure(
+                    exc, f"{namespace}: workloads not listed", "its StrataJobs wait for the next sweep"
+                )
+                continue
+            for item in items:
+                name = str(meta_of(item).get("name"))
+                kind = str(((item.get("spec") or {}).get("workload") or {}).get("kind") or "Job")
+                if name in in_use or kind in unreadable or self._watched((namespace, name)):
                     continue
                 status = item.get("status") or {}
                 deleted = parse_time(status.get("workloadDeletedAt"))
                 if deleted is None:
-                    url = _workload_path(key[0], (item.get("spec") or {}).get("workload") or {})
-                    if url is None or await self.api.get(url) is not None or self._watched(key):
-                        continue
                     # Gone while no operator watched: the retention counts from now.
-                    with contextlib.suppress(ApiError):
+                    try:
                         await self.api.merge_patch(
-                            path(*STRATAJOBS, key[0], key[1], "status"),
+                            path(*STRATAJOBS, namespace, name, "status"),
                             {"status": {"workloadDeletedAt": now_text()}},
                         )
+                    except Exception as exc:
+                        _log_failure(exc, f"{namespace}/{name}: deletion not recorded", "next sweep")
+                        continue
                     deleted = self.clock()
                 retention = _retention_of(status)
                 if retention is not None:
-                    self._retention_due[key] = deleted + retention
+                    self._retention_due[(namespace, name)] = deleted + retention
 
     async def _expire(self, namespace: str, name: str) -> None:
         """Delete a job's Checkpoints and its StrataJob if it is still due (marked, past its
@@ -249,6 +353,9 @@ class Lifecycle(StrataJobStatus):
             return
         found = await self.api.get(path(*STRATAJOBS, namespace, name))
         if found is None:
+            if key in self._orphaned and not await self._name_in_use(namespace, name, "Job"):
+                await self._delete_checkpoints(namespace, name, self._orphaned[key])
+            self._orphaned.pop(key, None)
             return
         status = found.get("status") or {}
         deleted, retention = parse_time(status.get("workloadDeletedAt")), _retention_of(status)
@@ -257,19 +364,13 @@ class Lifecycle(StrataJobStatus):
         if self.clock() < deleted + retention:
             self._retention_due[key] = deleted + retention
             return
-        url = _workload_path(namespace, (found.get("spec") or {}).get("workload") or {})
-        if (url is not None and await self.api.get(url) is not None) or self._watched(key):
+        kind = str(((found.get("spec") or {}).get("workload") or {}).get("kind") or "Job")
+        if await self._name_in_use(namespace, name, kind):
             return  # resubmitted: its reconcile clears the mark
-        checkpoints = path(names.GROUP, names.VERSION, "checkpoints", namespace)
-        listing = await self.api.request(
-            "GET", checkpoints, params={"labelSelector": f"{names.JOB_LABEL}={name}"}
-        )
-        removed = 0
-        for item in (listing or {}).get("items") or []:
-            removed += await self.api.delete(f"{checkpoints}/{meta_of(item)['name']}")
         meta = meta_of(found)
         try:
-            # Preconditions: a resubmission that cleared the mark meanwhile keeps its StrataJob.
+            # First the StrataJob, with preconditions: a resubmission that cleared the mark
+            # meanwhile keeps it (409), and one landing after this delete finds none and starts one.
             await self.api.delete(
                 path(*STRATAJOBS, namespace, name),
                 {"preconditions": {"uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")}},
@@ -278,6 +379,13 @@ class Lifecycle(StrataJobStatus):
             if exc.status != 409:
                 raise
             return
+        if await self._name_in_use(namespace, name, kind):
+            # Resubmitted between the check and the delete: its Checkpoints are what it resumes from.
+            log.info("%s/%s: resubmitted while its retention expired; its Checkpoints stay", namespace, name)
+            return
+        self._orphaned[key] = deleted  # a failure below is retried without the StrataJob
+        removed = await self._delete_checkpoints(namespace, name, deleted)
+        self._orphaned.pop(key, None)
         if self.on_expired is not None:
             self.on_expired(namespace, name)
         if self.metrics is not None and hasattr(self.metrics, "retention_deletions"):

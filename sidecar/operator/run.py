@@ -299,6 +299,7 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
             report_ca=(lambda: tls.ca_pem) if tls is not None else None,
             shape_of=controller.shape_of,
             restart_rules=lambda: version.restart_rules,
+            name_taken=controller.name_taken,
         )
         context = tls.context if tls is not None else None
         server = await reports.start_server(app, config.report_host, config.report_port, context)

@@ -20,9 +20,15 @@ from sidecar.operator.kube import ApiError, path
 
 log = logging.getLogger("strata.operator")
 
-__all__ = ["StrataJobStatus"]
+__all__ = ["StrataJobGone", "StrataJobStatus"]
 
 STRATAJOBS = ("strata.dev", "v1alpha1", "stratajobs")
+
+
+class StrataJobGone(ApiError):
+    """A write to a watched workload's StrataJob answered 404: it was deleted under the live
+    workload (by hand, by the garbage collector, by a retention racing a resubmission). The
+    controller forgets what it loaded, so the next reconcile recreates it."""
 
 
 class StrataJobStatus(ControllerBase):
@@ -53,7 +59,19 @@ class StrataJobStatus(ControllerBase):
                     raise
                 found = await self.api.get(self._stratajob_path(job))
                 assert found is not None
-            status = self._new_run(job, found.get("status") or {}, resumed=False, fresh=fresh)
+            lost, job.lost_status = job.lost_status, None
+            if lost is not None:
+                # Deleted under the live workload: what this process knew carries on (the restarts
+                # spent, the generation running), rather than a new run beside the running gang.
+                status = {k: v for k, v in lost.items() if k != "workloadDeletedAt"}
+                log.warning(
+                    "%s/%s: the StrataJob was deleted while the %s runs; recreated it",
+                    job.namespace,
+                    job.name,
+                    job.kind,
+                )
+            else:
+                status = self._new_run(job, found.get("status") or {}, resumed=False, fresh=fresh)
             job.stratajob = found
             job.status = dict(found.get("status") or {})
             job.seen_at = self.clock()
@@ -72,7 +90,7 @@ class StrataJobStatus(ControllerBase):
                 "name": job.name,
                 "uid": job.uid,
             }
-            await self.api.merge_patch(self._stratajob_path(job), {"spec": {"workload": reference}})
+            await self._write(job, self._stratajob_path(job), {"spec": {"workload": reference}})
             status = self._new_run(job, job.status, resumed=not fresh, fresh=fresh)
             await self._patch_status(job, status)
             await self._event(
@@ -157,8 +175,22 @@ class StrataJobStatus(ControllerBase):
             patch["conditions"] = objects.set_condition(list(job.status.get("conditions") or []), *condition)
         if "lastHeartbeat" not in patch and job.status.get("lastHeartbeat"):
             patch["lastHeartbeat"] = job.status["lastHeartbeat"]
-        await self.api.merge_patch(self._stratajob_path(job, "status"), {"status": patch})
+        await self._write(job, self._stratajob_path(job, "status"), {"status": patch})
         job.status.update(patch)
+
+    async def _write(self, job: WatchedJob, url: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A merge patch of the job's StrataJob; a 404 (deleted under the live workload) makes the
+        controller forget it and raises :class:`StrataJobGone`: the next reconcile recreates it."""
+        try:
+            updated: dict[str, Any] = await self.api.merge_patch(url, patch)
+        except ApiError as exc:
+            if exc.status != 404 or isinstance(exc, StrataJobGone):
+                raise
+            if job.status is not None:
+                job.lost_status = dict(job.status)
+            job.status = job.stratajob = None
+            raise StrataJobGone(404, exc.reason, exc.message) from exc
+        return updated
 
     async def _event(
         self, job: WatchedJob, reason: str, message: str, *, warning: bool = False, on_workload: bool = False

@@ -31,7 +31,7 @@ from sidecar.operator import names
 from sidecar.operator.classify import is_terminal
 from sidecar.operator.gang import WatchedJob, index_of, is_gated, meta_of, parse_time
 from sidecar.operator.kube import ApiError
-from sidecar.operator.stratajob import StrataJobStatus
+from sidecar.operator.stratajob import StrataJobGone, StrataJobStatus
 
 __all__ = ["CAUSES", "DEFAULT_STUCK_GRACE_S", "StuckGangs", "gang_incomplete", "pod_cause"]
 
@@ -57,16 +57,27 @@ _WAITING = {
     "CreateContainerConfigError": "CreateContainerConfigError",
     "CreateContainerError": "CreateContainerError",
 }
-#: The Job controller delays a replacement by 10 s doubling per failure of its index, capped
-#: (pkg/controller/job); a gang restart fails each index once.
+#: The Job controller delays creating pods after failures (pkg/controller/job, backoff_utils.go):
+#: 10 s doubling per failure, capped at 10 min (6 min before 1.27), counted from the last failure.
+#: Without backoffLimitPerIndex the count is the Job's failures since its last pod success (every
+#: failed pod, those a podFailurePolicy Ignore rule leaves out of status.failed too), and the delay
+#: holds every index back; with it, each index counts its own (the failed pod's
+#: job-index-failure-count and job-index-ignored-failure-count annotations, plus that failure).
 _JOB_BACKOFF_S = 10.0
-_JOB_BACKOFF_MAX_S = 360.0
+_JOB_BACKOFF_MAX_S = 600.0
+_INDEX_FAILURES = (
+    "batch.kubernetes.io/job-index-failure-count",
+    "batch.kubernetes.io/job-index-ignored-failure-count",
+)
 #: What a condition message keeps (the CRD allows 32768; Events keep 1024).
 _MESSAGE_MAX = 4096
-#: Pods listed in status.stuckPods, and pods per cause with an Event of their own (the rest of a
-#: large gang is named in one Event per cause and check).
+#: Pods listed in status.stuckPods, and pods per cause with an Event of their own; the rest of a
+#: large gang is named in one summary Event per cause at most every _SUMMARY_EVERY_S (a gang going
+#: stuck pod by pod would otherwise post one per check: the apiserver aggregates identical Events
+#: only, and each summary names other pods).
 _LISTED_MAX = 50
 _EVENTS_PER_CAUSE = 10
+_SUMMARY_EVERY_S = 600.0
 
 
 def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -152,6 +163,31 @@ def gang_incomplete(job: WatchedJob, pods: Iterable[Mapping[str, Any]]) -> tuple
     )
 
 
+def _backoff(failures: int) -> float:
+    return 0.0 if failures < 1 else min(_JOB_BACKOFF_S * 2 ** min(failures - 1, 16), _JOB_BACKOFF_MAX_S)
+
+
+def _job_backoff(job: WatchedJob, pods: Iterable[Mapping[str, Any]]) -> float:
+    """How long the Job controller may hold back the replacements of a gang restart (see
+    _JOB_BACKOFF_S), estimated from above: a gang reported incomplete is one it had time to create."""
+    workload = job.workload or {}
+    failed_pods = [p for p in pods if (p.get("status") or {}).get("phase") == "Failed"]
+    restarts = int((job.status or {}).get("restarts") or 0)
+    if ((workload.get("spec") or {}).get("backoffLimitPerIndex")) is not None:
+        failures = min(restarts, 1)  # each gang restart fails each index once
+        for pod in failed_pods:
+            notes = meta_of(pod).get("annotations") or {}
+            counted = sum(int(v) for a in _INDEX_FAILURES if (v := str(notes.get(a) or "0")).isdigit())
+            failures = max(failures, counted + 1)
+    else:
+        # status.failed leaves out failures an Ignore rule matched (a gang restart's evictions), which
+        # the backoff counts: the failed pods still listed, and each restart failing every index,
+        # bound it from below.
+        failed = int((workload.get("status") or {}).get("failed") or 0)
+        failures = max(failed, len(failed_pods), restarts * job.world)
+    return _backoff(failures)
+
+
 def _index_set(text: str) -> set[int]:
     """The Job status's index list ("1,3-5") as a set; what does not parse is left out."""
     found: set[int] = set()
@@ -180,8 +216,12 @@ class _Stuck:
     seen: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (pod, cause) -> the message, for those past their grace.
     active: dict[tuple[str, str], str] = field(default_factory=dict)
-    #: (pod, cause) an Event was posted for.
+    #: (pod, cause) an Event was posted for (or that waits for its cause's next summary).
     announced: set[tuple[str, str]] = field(default_factory=set)
+    #: cause -> pods past the Events of their own not yet in a summary Event, and when the last
+    #: summary of that cause was posted.
+    unsummarized: dict[str, list[str]] = field(default_factory=dict)
+    summarized_at: dict[str, float] = field(default_factory=dict)
 
 
 class StuckGangs(StrataJobStatus):
@@ -214,9 +254,7 @@ class StuckGangs(StrataJobStatus):
     def _grace(self, job: WatchedJob, cause: str) -> float:
         if cause != "GangIncomplete":
             return self.stuck_grace_s
-        restarts = int((job.status or {}).get("restarts") or 0)
-        expected = 0.0 if restarts < 1 else min(_JOB_BACKOFF_S * 2 ** (restarts - 1), _JOB_BACKOFF_MAX_S)
-        return self.stuck_grace_s + expected
+        return self.stuck_grace_s + _job_backoff(job, self._own_pods(job))
 
     def _observe(self, job: WatchedJob) -> dict[tuple[str, str], str]:
         """What shows now: (pod, cause) -> message."""
@@ -224,7 +262,7 @@ class StuckGangs(StrataJobStatus):
         spec = (job.workload or {}).get("spec") or {}
         if status.get("phase") in ("Succeeded", "Failed") or spec.get("suspend"):
             return {}
-        pods = list(job.pods.values()) if job.kind == "JobSet" else self._own_pods(job)
+        pods = list(self._jobset_pods(job).values()) if job.kind == "JobSet" else self._own_pods(job)
         found: dict[tuple[str, str], str] = {}
         for pod in pods:
             shown = pod_cause(pod)
@@ -266,6 +304,8 @@ class StuckGangs(StrataJobStatus):
         state.announced = {key for key in state.announced if key[0] in live or key in active}
         try:
             await self._show_stuck(job, state, active)
+        except StrataJobGone:
+            raise  # the reconcile recreates it
         except ApiError as exc:
             if self.metrics is not None:
                 self.metrics.reconcile_errors.inc()
@@ -330,14 +370,29 @@ class StuckGangs(StrataJobStatus):
                 warning=True,
                 on_workload=True,
             )
+        now = self.clock()
         for cause, pods in rest.items():
+            state.unsummarized.setdefault(cause, []).extend(pods)
+        for cause, pods in list(state.unsummarized.items()):
+            pods = [p for p in pods if (p, cause) in active]
+            if not pods:
+                del state.unsummarized[cause]
+                continue
+            state.unsummarized[cause] = pods
+            due = state.summarized_at.get(cause, float("-inf")) + _SUMMARY_EVERY_S
+            if now < due:
+                self._wake(job, due)
+                continue
+            del state.unsummarized[cause]
+            state.summarized_at[cause] = now
             listing = ", ".join(pods[:_EVENTS_PER_CAUSE]) + (
                 f" and {len(pods) - _EVENTS_PER_CAUSE} more" if len(pods) > _EVENTS_PER_CAUSE else ""
             )
+            total = sum(1 for _, c in active if c == cause)
             await self._event(
                 job,
                 cause,
-                f"{len(pods)} more pods are stuck ({cause}): {listing}",
+                f"{len(pods)} more pods are stuck ({cause}; {total} in all): {listing}",
                 warning=True,
                 on_workload=True,
             )

@@ -120,11 +120,20 @@ def mutate_workload(request: Mapping[str, Any], config: InjectConfig | None) -> 
     return admission.mutation_response(uid, template_patch(obj, namespace=namespace, config=config))
 
 
-def validate(request: Mapping[str, Any], config: InjectConfig | None = None) -> dict[str, Any]:
+#: The kind of the watched opted-in workload holding a name, when it is not ``kind``:
+#: (namespace, name, kind) -> "Job", "JobSet" or None.
+NameTaken = Callable[[str, str, str], str | None]
+
+
+def validate(
+    request: Mapping[str, Any], config: InjectConfig | None = None, name_taken: NameTaken | None = None
+) -> dict[str, Any]:
     """The AdmissionReview answering a Job or JobSet request (denials and warnings). With
     ``config`` (the injection on) a Kueue-managed workload created without the sidecar's stand-in
     in its templates is warned about (:func:`admission.quota_warnings`), and one whose every pod the
-    pod webhook would deny for the operator's settings is denied (:func:`inject.workload_problems`)."""
+    pod webhook would deny for the operator's settings is denied (:func:`inject.workload_problems`).
+    With ``name_taken`` an opted-in Job (JobSet) named like a watched opted-in JobSet (Job) is
+    denied: the StrataJob and the Checkpoints are keyed by name, the two would share them."""
     obj = request.get("object")
     operation = request.get("operation", "CREATE")
     if operation == "DELETE" or not isinstance(obj, Mapping):
@@ -142,6 +151,24 @@ def validate(request: Mapping[str, Any], config: InjectConfig | None = None) -> 
         if denied:
             said = [] if verdict.allowed else [verdict.message.removeprefix("Strata: ")]
             verdict.allowed, verdict.message = False, "Strata: " + "; ".join([*said, *denied])
+    meta = obj.get("metadata") or {}
+    kind = str(obj.get("kind"))
+    if (
+        name_taken is not None
+        and operation == "CREATE"
+        and kind in ("Job", "JobSet")
+        and meta.get("name")
+        and admission.workload_opted_in(obj)
+    ):
+        other = name_taken(namespace, str(meta["name"]), kind)
+        if other is not None:
+            said = [] if verdict.allowed else [verdict.message.removeprefix("Strata: ")]
+            clash = (
+                f"metadata.name: a {other} named {meta['name']!r} is checkpointed in this namespace; "
+                f"its StrataJob and Checkpoints are keyed by name, which this {kind} would share: "
+                "choose another name"
+            )
+            verdict.allowed, verdict.message = False, "Strata: " + "; ".join([*said, clash])
     return verdict.to_admission_response(str(request["uid"]))
 
 
@@ -172,12 +199,14 @@ def add_routes(
     report_ca: Callable[[], str] | None = None,
     shape_of: ShapeOf | None = None,
     restart_rules: Callable[[], bool] | None = None,
+    name_taken: NameTaken | None = None,
 ) -> None:
     """Serve both webhooks on ``app`` (the report endpoint's application). ``report_ca`` gives the
     CA bundle injected sidecars are told to trust, read at each request: it follows a rotation.
     ``shape_of`` gives a pod's world size and rank from its workload (the operator's controller).
     ``restart_rules`` says whether the API server accepts container restart rules (1.34+, read at
-    each request): where it does not, no rule is added, as one would get the pod refused."""
+    each request): where it does not, no rule is added, as one would get the pod refused.
+    ``name_taken`` denies an opted-in workload whose name a watched one of the other kind holds."""
 
     async def mutate_pods(request: web.Request) -> web.Response:
         review = await _review(request)
@@ -210,7 +239,7 @@ def add_routes(
         review = await _review(request)
         if isinstance(review, web.Response):
             return review
-        return web.json_response(validate(review, config))
+        return web.json_response(validate(review, config, name_taken))
 
     app.router.add_post(MUTATE_PATH, mutate_pods)
     app.router.add_post(MUTATE_WORKLOADS_PATH, mutate_workloads)

@@ -98,7 +98,12 @@ async def test_retention_deletes_the_stratajob_and_its_checkpoints_after_the_wor
 
         await until(gone, timeout=10, message="the StrataJob deleted")
         assert time.monotonic() - deleted_at >= 1.8
-        assert await checkpoints_of(k8s, "short") == []
+
+        async def no_checkpoints() -> bool:
+            return await checkpoints_of(k8s, "short") == []
+
+        # The StrataJob goes first (with preconditions), its Checkpoints right after.
+        await until(no_checkpoints, timeout=5, message="the Checkpoints deleted")
         assert [c["metadata"]["name"] for c in await checkpoints_of(k8s, "other")] == [other]
         assert deletions(op, "StrataJob") == 1 and deletions(op, "Checkpoint") == 2
 
@@ -157,7 +162,12 @@ async def test_sweep_at_start_finds_stratajobs_whose_workload_went_while_no_oper
 
         await until(gone, timeout=10, message="the orphaned StrataJob deleted")
         assert time.monotonic() - started >= 0.9
-        assert await checkpoints_of(k8s, "orphan") == []
+
+        async def no_checkpoints() -> bool:
+            return await checkpoints_of(k8s, "orphan") == []
+
+        # The StrataJob goes first (with preconditions), its Checkpoints right after.
+        await until(no_checkpoints, timeout=5, message="the orphan's Checkpoints deleted")
         kept = await status_of(k8s, "kept")
         assert kept.get("workloadDeletedAt"), "the vanished workload is recorded"
         assert len(await checkpoints_of(k8s, "kept")) == 1
