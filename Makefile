@@ -50,7 +50,7 @@ test-slow: setup  ## the tests left out of make test for time (-m slow)
 CHAOS_TRIALS ?= 100
 chaos: setup  ## kill -9 trainers/sidecars at random save points, CHAOS_TRIALS times; counts to bench-results.json
 	STRATA_CHAOS_TRIALS=$(CHAOS_TRIALS) STRATA_CHAOS_RESULTS=$(CURDIR)/bench-results.json \
-	  $(PY) -m pytest -s -q tests/chaos $(PYTEST_ARGS)
+	  $(PY) -m pytest -s -q -m 'not bench' tests/chaos $(PYTEST_ARGS)
 
 FUZZ_SECONDS ?= 240
 fuzz: setup  ## fuzz the gRPC API and the bucket readers for FUZZ_SECONDS; counts to bench-results.json

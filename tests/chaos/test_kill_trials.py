@@ -239,6 +239,7 @@ def zombie_trial(tmp: Path, url: str, endpoint: str, reference: Callable[[int], 
     return counts
 
 
+@pytest.mark.slow  # make chaos runs it (100 trials), make test-slow a few; 30 s is too much for make test
 @pytest.mark.timeout(5400)
 def test_kill_trials(tmp_path, s3_store_url):
     trials = int(os.environ.get("STRATA_CHAOS_TRIALS", "2"))

@@ -109,9 +109,13 @@ def data(client: CheckpointClient, report: dict) -> None:
 
 def _close() -> None:
     """Leave together: a rank tearing gloo down while another still talks to it can abort
-    ("terminate called without an active exception")."""
+    ("terminate called without an active exception"). Even after the barrier, gloo's threads can
+    abort in the interpreter's exit; everything is written by now, so leave without it."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:

@@ -73,6 +73,7 @@ def run_ranks(
     return sorted(reports, key=lambda r: r["rank"])
 
 
+@pytest.mark.slow  # 4 ranks then 2 and 3; test_launch_resumes_a_dcp_checkpoint_on_fewer_ranks covers make test
 def test_fsdp2_saved_on_four_ranks_loads_on_two_and_three(make_sidecar, job_name, tmp_path):
     server = make_sidecar()
     saved_file = tmp_path / "saved.pt"
@@ -274,6 +275,7 @@ def test_any_rank_of_another_world_size_comes_from_the_pod_that_holds_it(two_pod
     assert mf.load_manifest(store, mf.read_commit(store, "default", job_name, 5), 0).checkpoint == "full"
 
 
+@pytest.mark.slow  # three launches of 4, 2, 4 ranks; the loader's resharding is unit-tested in make test
 def test_samples_are_read_once_across_four_two_four_ranks(make_sidecar, job_name, tmp_path):
     """A ResumableLoader's position of every rank, saved through DCP as one value (AllRanksState):
     4 ranks read 3 batches each and save step 1; 2 ranks load it (the rest of the epoch partitioned

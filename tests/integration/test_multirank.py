@@ -194,7 +194,14 @@ def test_launch_explains_its_usage_errors():
 LOADER = ROOT / "deploy" / "examples" / "train_loader.py"
 
 
-@pytest.mark.parametrize(("loader", "workers"), [("stateful", 0), ("stateful", 2), ("resumable", 2)])
+@pytest.mark.parametrize(
+    ("loader", "workers"),
+    [
+        pytest.param("stateful", 0, marks=pytest.mark.slow),  # the worker case covers make test
+        ("stateful", 2),
+        pytest.param("resumable", 2, marks=pytest.mark.slow),
+    ],
+)
 def test_a_default_loader_killed_and_resumed_by_launch_is_bitwise(tmp_path, loader, workers):
     """A new user's loop (default loader without its own generator, shuffle, dropout, worker
     augmentations) killed mid-epoch and resumed by `strata launch` ends bit-identical, parameters
