@@ -73,7 +73,8 @@ def run_ranks(
     return sorted(reports, key=lambda r: r["rank"])
 
 
-@pytest.mark.slow  # 4 ranks then 2 and 3; test_launch_resumes_a_dcp_checkpoint_on_fewer_ranks covers make test
+# 4 ranks, then 2 and 3: test_launch_resumes_a_dcp_checkpoint_on_fewer_ranks runs in make test
+@pytest.mark.slow
 def test_fsdp2_saved_on_four_ranks_loads_on_two_and_three(make_sidecar, job_name, tmp_path):
     server = make_sidecar()
     saved_file = tmp_path / "saved.pt"
