@@ -94,7 +94,7 @@ _AS_ANNOTATION: dict[str, tuple[Any, str]] = {
         9464,
         "the sidecar's Prometheus /metrics port, which its startup probe reads; decimal 1-65535 (1024 and "
         "up on a hostNetwork pod, where it is declared as a hostPort; there the default is the job's own "
-        "pair from 20000 up), distinct from the pod's declared container ports",
+        "pair from 21000-28999), distinct from the pod's declared container ports",
     ),
     "peer_port": (
         names.PEER_PORT,

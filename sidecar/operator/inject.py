@@ -254,8 +254,10 @@ def _common_env(pod: Mapping[str, Any], shape: Shape) -> list[dict[str, Any]]:
 #: job chooses its ports (strata.dev/metrics-port, strata.dev/peer-port), each job gets its own pair
 #: from HOST_PORT_BASE on (by a hash of its namespace and name): the sidecars of two jobs sharing a
 #: node do not take the same ports by default, nor 9464, where a node's OpenTelemetry exporter
-#: listens. Declared as hostPorts (see _ports), two pods of one job stay on separate nodes.
-HOST_PORT_BASE, HOST_PORT_PAIRS = 20000, 5000
+#: listens. Declared as hostPorts (see _ports), two pods of one job stay on separate nodes. The range
+#: ends below torchrun's rendezvous and master ports (29400, 29500) and the kernel's ephemeral
+#: ports (32768 up), which a hostNetwork trainer binds or connects from without declaring them.
+HOST_PORT_BASE, HOST_PORT_PAIRS = 21000, 4000
 
 
 def _host_ports(

@@ -124,7 +124,8 @@ def _rows(f: dict[str, Any]) -> list[Row]:
             "operator_preemptions_survived",
             survived,
             f"of {cycles} Kueue suspend/resume cycles of a {WORLD}-pod job (the gang runs again)",
-            target=">= 10, all",
+            # --quick runs fewer cycles: its target is all of them, not 10
+            target=">= 10, all" if cycles >= 10 else f"all {cycles} (--quick)",
             passed=None if survived is None else survived == cycles and survived >= min(10, cycles),
         ),
         Row(
