@@ -9,8 +9,9 @@
 #   E2E_SCENARIO=in-place make e2e   # --in-place-restart: the trainer is crashed (SIGINT) instead of the
 #                                    # pod deleted; from 1.34 (ContainerRestartRules on) the gang restarts
 #                                    # in place (same pods), before 1.34 with new pods (none refused)
-#   E2E_SCENARIO=netpol make e2e     # peer redundancy (buddy) with the peer NetworkPolicy on: the gang
-#                                    # must train and resume (c10d, gloo and scraping are not cut off)
+#   E2E_SCENARIO=netpol make e2e     # peer redundancy (buddy) in a namespace under a default-deny
+#                                    # ingress policy, with the chart's peer NetworkPolicy on: the buddy
+#                                    # pushes must succeed (only that policy admits the peer port)
 #   make e2e-matrix                  # resume on the default image, in-place on 1.33 and 1.34, netpol
 set -euo pipefail
 
@@ -132,7 +133,18 @@ helm install strata charts/strata -n "$OPERATOR_NS" --create-namespace \
 say "applying deploy/examples/recsys-job.yaml"
 MANIFEST=deploy/examples/recsys-job.yaml
 if [ "$SCENARIO" = netpol ]; then
-  # buddy copies between the ranks over the peer port, which the policy opens (and nothing else)
+  # The peer policy is for namespaces a default-deny already isolates (docs/operator.md): here only it
+  # admits the sidecars' peer port, so the buddy pushes succeed only if the CNI applies it as written.
+  # The example's ranks open no connections to each other besides that one.
+  kubectl -n "$NS" apply -f - <<'POLICY'
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: e2e-default-deny-ingress
+spec:
+  podSelector: {}
+  policyTypes: [Ingress]
+POLICY
   MANIFEST="$WORK/recsys-job.yaml"
   sed 's|^\(        \)strata.dev/shm-size: 512Mi$|&\n\1strata.dev/redundancy: buddy|' deploy/examples/recsys-job.yaml >"$MANIFEST"
   grep -q 'strata.dev/redundancy: buddy' "$MANIFEST" || fail "could not add strata.dev/redundancy to the manifest"
@@ -151,6 +163,24 @@ until_ok 600 "a Ready checkpoint of $JOB" has_checkpoint
 kubectl -n "$NS" get checkpoints -l "strata.dev/job=$JOB"
 COMMITTED_BEFORE="$(seen_steps | tail -1)"
 echo "newest committed step before the kill: $COMMITTED_BEFORE"
+
+if [ "$SCENARIO" = netpol ]; then
+  pushes_ok() {
+    local pod
+    pod="$(kubectl -n "$NS" get pods -l "batch.kubernetes.io/job-name=$JOB" \
+      --field-selector=status.phase=Running -o jsonpath='{.items[0].metadata.name}')"
+    kubectl -n "$NS" exec "$pod" -c strata-sidecar -- python -c '
+import os, re, sys, urllib.request
+port = os.environ.get("STRATA_METRICS_PORT", "9464")
+text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+ok = sum(float(v) for v in re.findall(r"strata_redundancy_pushes_total\{[^}]*outcome=\"ok\"[^}]*\} (\S+)", text))
+print(f"buddy pushes ok: {ok:g}")
+sys.exit(0 if ok > 0 else 1)'
+  }
+  say "checking that the buddy pushes reach the peer under the default-deny (the peer policy admits them)"
+  until_ok 300 "a successful buddy push (strata_redundancy_pushes_total{outcome=ok})" pushes_ok
+  pushes_ok
+fi
 
 VICTIM="$(kubectl -n "$NS" get pods \
   -l "batch.kubernetes.io/job-name=$JOB,batch.kubernetes.io/job-completion-index=1" \
