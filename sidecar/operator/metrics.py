@@ -155,7 +155,8 @@ class OperatorMetrics(Served):
         )
         self.retention_deletions = Counter(
             "strata_operator_retention_deletions_total",
-            "Objects deleted because their workload's retention (strata.dev/retention) passed, by kind "
+            "Objects deleted because their workload's retention (strata.dev/retention) passed, or "
+            "(Checkpoints) neither their StrataJob nor their workload exists, by kind "
             "(StrataJob, Checkpoint).",
             ["kind"],
             registry=r,

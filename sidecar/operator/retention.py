@@ -23,6 +23,10 @@ the watch's DELETED events. The name is the StrataJob's own (Checkpoints are key
 kind holding it keeps the data: a workload resubmitted as the other kind resumes from it. An expiry
 deletes the StrataJob first (preconditions: a resubmission that cleared the mark keeps it), looks
 again, and only then deletes the Checkpoints created before the workload's deletion.
+
+The sweep also LISTs the Checkpoints: those of a name that has neither a StrataJob nor a workload
+(left by an operator stopped between those two deletions, or a StrataJob deleted by hand) are
+deleted once older than ``orphan_grace_s`` (a new job's first Checkpoint may precede its StrataJob).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ log = logging.getLogger("strata.operator")
 DEFAULT_RETENTION = "168h"
 #: How often every StrataJob is looked at (deletions seen by the watch are timed on their own).
 DEFAULT_RETENTION_SWEEP_S = 3600.0
+#: Checkpoints younger than this are never orphans: a new job's first one may precede its StrataJob.
+DEFAULT_ORPHAN_GRACE_S = 600.0
 #: Items per page of the sweep's LISTs.
 _PAGE = 500
 
@@ -77,10 +83,16 @@ class Lifecycle(StrataJobStatus):
     """Retention after the workload is gone, and owner references where asked for."""
 
     def __init__(
-        self, api: Any, *, retention_sweep_s: float = DEFAULT_RETENTION_SWEEP_S, **kwargs: Any
+        self,
+        api: Any,
+        *,
+        retention_sweep_s: float = DEFAULT_RETENTION_SWEEP_S,
+        orphan_grace_s: float = DEFAULT_ORPHAN_GRACE_S,
+        **kwargs: Any,
     ) -> None:
         super().__init__(api, **kwargs)
         self.retention_sweep_s = retention_sweep_s
+        self.orphan_grace_s = orphan_grace_s
         #: Called with (namespace, job) when its objects were deleted (the Checkpoint writer forgets it).
         self.on_expired: Callable[[str, str], None] | None = None
         #: (namespace, name) -> wall time its StrataJob is due for deletion.
@@ -284,10 +296,11 @@ class Lifecycle(StrataJobStatus):
                     raise
         return found, frozenset(unknown)
 
-    async def _name_in_use(self, namespace: str, name: str, kind: str) -> bool:
+    async def _name_in_use(self, namespace: str, name: str, kind: str | None) -> bool:
         """Whether a Job or a JobSet named ``name`` exists (Checkpoints are keyed by name only: a
         workload resubmitted as another kind resumes from them too), or is watched. A recorded
-        ``kind`` the operator may not read counts as in use: nothing is deleted on a guess."""
+        ``kind`` (None: unknown, any kind) the operator may not read counts as in use: nothing is
+        deleted on a guess."""
         if self._watched((namespace, name)):
             return True
         for each, url in _kinds(namespace):
@@ -295,7 +308,7 @@ class Lifecycle(StrataJobStatus):
                 if await self.api.get(f"{url}/{name}") is not None:
                     return True
             except ApiError as exc:
-                if exc.status == 403 and each == kind:
+                if exc.status == 403 and kind in (each, None):
                     return True
                 if exc.status not in (403, 404):
                     raise
@@ -308,13 +321,16 @@ class Lifecycle(StrataJobStatus):
         never the user-editable ``spec.workload.name``. A namespace that cannot be checked is left
         for the next sweep; the others go on."""
         candidates: dict[str, list[dict[str, Any]]] = {}
+        stratajobs: set[tuple[str, str]] = set()
         for namespace in namespaces or (None,):
             async for item in self._list(path(*STRATAJOBS, namespace)):
                 meta = meta_of(item)
                 key = (str(meta.get("namespace", "default")), str(meta.get("name")))
+                stratajobs.add(key)
                 if not self._watched(key):
                     candidates.setdefault(key[0], []).append(item)
-        for namespace, items in candidates.items():
+        orphans = await self._orphan_checkpoints(namespaces, stratajobs)
+        for namespace in {**candidates, **orphans}:
             try:
                 in_use, unreadable = await self._names_in_use(namespace)
             except Exception as exc:
@@ -322,6 +338,15 @@ class Lifecycle(StrataJobStatus):
                     exc, f"{namespace}: workloads not listed", "its StrataJobs wait for the next sweep"
                 )
                 continue
+            for name, checkpoints in orphans.get(namespace, {}).items():
+                # Any kind unreadable: the name may be a workload the operator cannot see.
+                if name in in_use or unreadable or self._watched((namespace, name)):
+                    continue
+                try:
+                    await self._delete_orphans(namespace, name, checkpoints)
+                except Exception as exc:
+                    _log_failure(exc, f"{namespace}/{name}: orphaned Checkpoints not deleted", "next sweep")
+            items = candidates.get(namespace, [])
             for item in items:
                 name = str(meta_of(item).get("name"))
                 kind = str(((item.get("spec") or {}).get("workload") or {}).get("kind") or "Job")
@@ -343,6 +368,59 @@ class Lifecycle(StrataJobStatus):
                 retention = _retention_of(status)
                 if retention is not None:
                     self._retention_due[(namespace, name)] = deleted + retention
+
+    async def _orphan_checkpoints(
+        self, namespaces: tuple[str, ...], stratajobs: set[tuple[str, str]]
+    ) -> dict[str, dict[str, list[dict[str, Any]]]]:
+        """namespace -> job name -> its Checkpoints, for names without a StrataJob (paginated LISTs,
+        label ``strata.dev/job``), older than the grace. A failed LIST finds none this round."""
+        found: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        oldest = self.clock() - self.orphan_grace_s
+        for namespace in namespaces or (None,):
+            url = path(names.GROUP, names.VERSION, "checkpoints", namespace)
+            try:
+                async for item in self._list(url, labelSelector=names.JOB_LABEL):
+                    meta = meta_of(item)
+                    key = (
+                        str(meta.get("namespace", "default")),
+                        str((meta.get("labels") or {}).get(names.JOB_LABEL)),
+                    )
+                    created = parse_time(meta.get("creationTimestamp"))
+                    if key in stratajobs or self._watched(key) or created is None or created > oldest:
+                        continue
+                    found.setdefault(key[0], {}).setdefault(key[1], []).append(item)
+            except Exception as exc:
+                _log_failure(exc, f"{namespace or 'all namespaces'}: Checkpoints not listed", "next sweep")
+        return found
+
+    async def _delete_orphans(self, namespace: str, name: str, checkpoints: list[dict[str, Any]]) -> None:
+        """Delete Checkpoints whose job has no StrataJob and no workload, looking once more first
+        (a resubmission since the LISTs resumes from them), each with its uid as precondition."""
+        if await self._name_in_use(namespace, name, None):
+            return
+        if await self.api.get(path(*STRATAJOBS, namespace, name)) is not None:
+            return  # a StrataJob since the LIST: the retention rule decides
+        url = path(names.GROUP, names.VERSION, "checkpoints", namespace)
+        removed = 0
+        for item in checkpoints:
+            meta = meta_of(item)
+            body = {"preconditions": {"uid": meta["uid"]}} if meta.get("uid") else None
+            try:
+                removed += await self.api.delete(f"{url}/{meta['name']}", body)
+            except ApiError as exc:
+                if exc.status != 409:  # 409: replaced by a newer object of that name
+                    raise
+        self._orphaned.pop((namespace, name), None)
+        if self.on_expired is not None:
+            self.on_expired(namespace, name)
+        if self.metrics is not None and hasattr(self.metrics, "retention_deletions"):
+            self.metrics.retention_deletions.labels(kind="Checkpoint").inc(removed)
+        log.info(
+            "%s/%s: removed %d Checkpoint(s) with neither a StrataJob nor a workload of that name",
+            namespace,
+            name,
+            removed,
+        )
 
     async def _expire(self, namespace: str, name: str) -> None:
         """Delete a job's Checkpoints and its StrataJob if it is still due (marked, past its

@@ -57,6 +57,8 @@ class OperatorConfig:
     stuck_grace_s: float = 30.0
     #: How often every StrataJob is checked for an expired retention (strata.dev/retention).
     retention_sweep_s: float = 3600.0
+    #: Age before a Checkpoint with neither a StrataJob nor a workload of its job's name is deleted.
+    orphan_grace_s: float = 600.0
     #: How often the API server's version is read again (it gates the restart rule: 1.34+).
     version_check_s: float = 600.0
     #: How often the pod index is checked against one LIST of the opted-in pods (per watched
@@ -264,6 +266,7 @@ async def serve(config: OperatorConfig, *, metrics: OperatorMetrics | None = Non
         in_place_timeout_s=config.in_place_timeout_s,
         stuck_grace_s=config.stuck_grace_s,
         retention_sweep_s=config.retention_sweep_s,
+        orphan_grace_s=config.orphan_grace_s,
     )
     writer = reports.CheckpointWriter(
         api,

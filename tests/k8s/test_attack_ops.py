@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from sidecar.operator import names
 from sidecar.operator.controller import Controller
 from sidecar.operator.gang import WatchedJob, now_text
 from sidecar.operator.kube import ApiError
+from tests.k8s.emulator import label_matcher
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
 
@@ -65,18 +67,15 @@ class FakeApi:
         return obj
 
     def _list(self, url: str, selector: str | None) -> dict[str, Any]:
-        if url == "/apis/strata.dev/v1alpha1/stratajobs":
-            pattern = re.compile(r"/apis/strata\.dev/v1alpha1/namespaces/[^/]+/stratajobs/[^/]+$")
+        if every := re.fullmatch(r"(/apis/[^/]+/[^/]+)/([^/]+)", url):  # all namespaces
+            pattern = re.compile(
+                re.escape(every[1]) + r"/namespaces/[^/]+/" + re.escape(every[2]) + r"/[^/]+$"
+            )
         else:
             pattern = re.compile(re.escape(url) + r"/[^/]+$")
         items = [o for k, o in self.objects.items() if pattern.match(k)]
-        if selector:
-            wanted = dict(term.split("=", 1) for term in selector.split(","))
-            items = [
-                o
-                for o in items
-                if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
-            ]
+        matches = label_matcher(selector)
+        items = [o for o in items if matches(o["metadata"].get("labels") or {})]
         return {"items": [dict(o) for o in items]}
 
     async def request(
@@ -187,12 +186,12 @@ def add_stratajob(
     )
 
 
-def add_checkpoint(api: FakeApi, job: str, step: int) -> str:
+def add_checkpoint(api: FakeApi, job: str, step: int, *, created: float | None = None) -> str:
     name = f"{job}-{step}"
-    api.put(
-        f"{CP}/{name}",
-        {"metadata": {"name": name, "labels": {names.JOB_LABEL: job}}, "spec": {"step": step}},
-    )
+    meta: dict[str, Any] = {"name": name, "labels": {names.JOB_LABEL: job}}
+    if created is not None:
+        meta["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    api.put(f"{CP}/{name}", {"metadata": meta, "spec": {"step": step}})
     return name
 
 
@@ -296,6 +295,56 @@ async def test_deleting_a_job_does_not_mark_a_live_jobset_of_the_same_name() -> 
     await ctrl.on_job("DELETED", job_body)
     assert ctrl._watched(("default", "train")), "the live JobSet is no longer watched"
     assert "workloadDeletedAt" not in api.objects[f"{SJ}/train"]["status"]
+
+
+@pytest.mark.parametrize("namespaces", [(), ("default",)], ids=["clusterwide", "namespaced"])
+async def test_the_sweep_deletes_checkpoints_left_without_a_stratajob_or_a_workload(
+    namespaces: tuple[str, ...],
+) -> None:
+    """An expiry deletes the StrataJob, then the Checkpoints; what is left to delete lives only in
+    memory. An operator restarted in between (or a StrataJob deleted by hand once its workload is
+    gone) left the Checkpoints forever: no StrataJob points the sweep at them. Those of a live
+    workload, of a job with a StrataJob, or younger than the grace (a new job's first Checkpoint
+    may precede its StrataJob) stay."""
+    clock = Clock()
+    api = FakeApi()
+    old, young = clock.now - 3600, clock.now - 60
+    add_checkpoint(api, "gone", 100, created=old)
+    add_checkpoint(api, "gone", 200, created=old)
+    add_checkpoint(api, "alive", 100, created=old)
+    add_job(api, "alive")  # not opted in: no StrataJob, nothing watched
+    add_checkpoint(api, "kept", 100, created=old)
+    add_stratajob(api, "kept", deleted_at=LONG_AGO, retention="never")
+    add_checkpoint(api, "new", 100, created=young)
+    ctrl = controller(api, clock=clock)  # a restarted operator: nothing in memory
+    await ctrl.sweep_retention(namespaces)
+    assert checkpoints(api, "gone") == [], "Checkpoints of no StrataJob and no workload stay forever"
+    assert checkpoints(api, "alive") == ["alive-100"]
+    assert checkpoints(api, "kept") == ["kept-100"]
+    assert checkpoints(api, "new") == ["new-100"]
+
+
+async def test_orphaned_checkpoints_stay_when_the_workload_comes_back_during_the_sweep() -> None:
+    """The sweep's LISTs are a moment old when it deletes: a Job resubmitted since resumes from
+    these Checkpoints, and one recreated under the same name (a new uid) is not the one listed."""
+    clock = Clock()
+    api = FakeApi()
+    add_checkpoint(api, "back", 100, created=clock.now - 3600)
+    add_checkpoint(api, "again", 100, created=clock.now - 3600)
+    add_checkpoint(api, "again", 200, created=clock.now - 3600)
+
+    def resubmit(method: str, url: str) -> None:
+        if method == "GET" and url == f"{JOBS}/back":
+            add_job(api, "back")
+        if method == "DELETE" and url == f"{CP}/again-200" and api.objects[url]["spec"]["step"] == 200:
+            api.objects.pop(url)
+            add_checkpoint(api, "again", 200)  # recreated: a new uid
+            api.objects[url]["spec"]["step"] = -1
+
+    api.hooks.append(resubmit)
+    await controller(api, clock=clock).sweep_retention()
+    assert checkpoints(api, "back") == ["back-100"], "deleted although Job back exists again"
+    assert checkpoints(api, "again") == ["again-200"], "a recreated Checkpoint deleted despite its uid"
 
 
 # -- retention: never deleting ------------------------------------------------------------------------
