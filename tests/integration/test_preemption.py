@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -208,7 +209,7 @@ def test_strata_launch_forwards_sigterm_and_its_sidecar_serves_the_last_save(s3_
     """SIGTERM to `strata launch` reaches the rank and the sidecar at once (a pod without native
     sidecars): the sidecar keeps serving until the trainer's save on SIGTERM is durable."""
     url, endpoint = s3_store_url
-    job = "launch-" + short_tmp.name[-6:].lower().replace("_", "-")
+    job = "launch-" + uuid.uuid4().hex[:8]  # a temporary directory's name may end in "_" (not a job name)
     script = short_tmp / "train.py"
     script.write_text(TRAINER)
     proc = subprocess.Popen(
@@ -239,7 +240,12 @@ def test_strata_launch_forwards_sigterm_and_its_sidecar_serves_the_last_save(s3_
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_for_line(proc, r"SAVED 6\b")
+    try:
+        wait_for_line(proc, r"SAVED 6\b")
+    except BaseException:
+        proc.kill()  # never leave it running into the next test
+        proc.communicate()
+        raise
     time.sleep(random.uniform(0.0, 0.3))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
