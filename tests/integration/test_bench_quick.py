@@ -258,3 +258,24 @@ def test_quick_torchrec_section_writes_the_issues_keys(tmp_path: Path) -> None:
     assert data["torchrec_saves_compared"] == 3 * bench_torchrec.SAVES  # each one restored and compared
     assert data["torchrec_diff_bytes_ratio"] < 1  # only the rows changed are written
     assert "torchrec_save_stall_ratio" in proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_quick_operator_section_writes_the_issues_keys(tmp_path: Path) -> None:
+    """The operator section's keys for real-cluster behaviour, read by name: restarts that meet an
+    expired watch or connection resets, Kueue preemptions, stuck gangs, a failover (~2.5 min)."""
+    proc, data = run_quick("operator", tmp_path / "bench-results.json")
+    for key in (
+        "operator_restart_undisturbed_s",
+        "operator_restart_after_watch_expiry_s",
+        "operator_restart_after_conn_reset_s",
+        "operator_stuck_gang_detect_s",
+        "operator_ha_failover_s",
+    ):
+        assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
+    # counts: every suspend/resume cycle survived, none spent the crash budget
+    assert data["operator_preemptions_survived"] == data["operator_preemption_cycles"] > 0
+    assert data["operator_crash_budget_spent"] == 0
+    assert data["operator_failover_latest_violations"] == 0
+    assert data["operator_stuck_gang_detect_s"] <= 60
+    assert "operator_restart_after_watch_expiry_s" in proc.stdout
