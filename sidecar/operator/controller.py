@@ -46,12 +46,12 @@ from sidecar.operator.admission import opted_in
 from sidecar.operator.classify import classify_pod, is_terminal
 from sidecar.operator.disruptions import DISRUPTIONS, GangDisruptions
 from sidecar.operator.gang import (
-    REASONS,
     WatchedJob,
     failed_indexes,
     index_of,
     is_gated,
     is_stopping,
+    last_failure,
     meta_of,
     now_text,
     owner_uid,
@@ -634,13 +634,7 @@ class Controller(InPlaceRestart, JobSetMirror, GangDisruptions, StuckGangs, Life
             await self._disrupted(job, failure, running, pod)
             return
         decision = tracker.decide(failure)
-        last = {
-            "reason": REASONS.get(failure.kind, "Failed"),
-            "kind": failure.kind.value,
-            "message": failure.describe(),
-            "pod": pod,
-            "time": now_text(),
-        }
+        last = last_failure(failure, pod)
         self.decisions.append((job.name, time.monotonic()))
         if not decision.restart:
             reason = "NotRestartable" if failure.kind in PERMANENT else "RestartLimitReached"

@@ -27,10 +27,10 @@ from typing import Any
 
 from sidecar.coordinator import Failure, FailureKind
 from sidecar.operator.gang import (
-    REASONS,
     WatchedJob,
     failed_indexes,
     is_gated,
+    last_failure,
     meta_of,
     now_text,
     parse_time,
@@ -194,13 +194,7 @@ class GangDisruptions(GangRelease):
             f"newest committed step (disruption {count}; crash restarts stay "
             f"{int(job.status.get('restarts') or 0)} of {job.settings.max_restarts})"
         )
-        last = {
-            "reason": REASONS.get(failure.kind, "Failed"),
-            "kind": failure.kind.value,
-            "message": failure.describe(),
-            "pod": pod,
-            "time": now_text(),
-        }
+        last = last_failure(failure, pod)
         self.decisions.append((job.name, time.monotonic()))
         if self.metrics is not None:
             self.metrics.disruptions.labels(reason=failure.kind.value).inc()

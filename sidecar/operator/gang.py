@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sidecar.api import EXIT_RESTART_IN_PLACE
-from sidecar.coordinator import FailureKind
+from sidecar.coordinator import Failure, FailureKind
 from sidecar.operator import annotations as table
 from sidecar.operator import names
 from sidecar.operator.kube import Api
@@ -35,6 +35,35 @@ DEFAULT_FENCE_MARGIN_S = 30.0
 #: How long an in-place restart waits for every rank's sidecar to acknowledge the instruction (at
 #: its next heartbeat, 10 s apart by default) before the pod-level restart takes over.
 DEFAULT_IN_PLACE_TIMEOUT_S = 60.0
+
+
+def last_failure(failure: Failure, pod: str) -> dict[str, Any]:
+    """The StrataJob's ``status.lastFailure`` for ``failure`` of ``pod``."""
+    return {
+        "reason": REASONS.get(failure.kind, "Failed"),
+        "kind": failure.kind.value,
+        "message": failure.describe(),
+        "pod": pod,
+        "time": now_text(),
+    }
+
+
+def with_disruption_target(pod: Mapping[str, Any], reason: str, message: str) -> list[dict[str, Any]]:
+    """``pod``'s conditions with a DisruptionTarget of ``reason`` (replacing any): what the taint
+    manager and the pod GC write, so the Job's podFailurePolicy ignores the pod, as an eviction."""
+    conditions = [
+        c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") != "DisruptionTarget"
+    ]
+    conditions.append(
+        {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": now_text(),
+        }
+    )
+    return conditions
 
 
 def now_text() -> str:

@@ -24,10 +24,9 @@ from sidecar.coordinator import FailureKind
 from sidecar.operator import names
 from sidecar.operator.classify import classify_pod, is_terminal
 from sidecar.operator.gang import (
-    REASONS,
     WatchedJob,
+    last_failure,
     meta_of,
-    now_text,
     parse_time,
 )
 from sidecar.operator.kube import ApiError, path
@@ -125,13 +124,7 @@ class JobSetMirror(GangStopping):
         if not found:
             return None
         _, name, failure = min(found, key=lambda f: (f[0], f[1]))
-        return {
-            "reason": REASONS.get(failure.kind, "Failed"),
-            "kind": failure.kind.value,
-            "message": failure.describe(),
-            "pod": name,
-            "time": now_text(),
-        }
+        return last_failure(failure, name)
 
     async def _jobset_ended(self, job: WatchedJob, condition: Mapping[str, Any]) -> None:
         """The JobSet Completed or Failed: the StrataJob's phase, a condition and an Event say so."""

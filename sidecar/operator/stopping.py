@@ -13,8 +13,8 @@ from sidecar.operator.gang import (
     WatchedJob,
     is_gated,
     meta_of,
-    now_text,
     parse_time,
+    with_disruption_target,
 )
 from sidecar.operator.kube import ApiError, path
 from sidecar.operator.stratajob import StrataJobStatus
@@ -70,19 +70,10 @@ class GangStopping(StrataJobStatus):
         podFailurePolicy ignores it, as it ignores an eviction), then delete it."""
         meta = meta_of(pod)
         url = path("", "v1", "pods", job.namespace, str(meta["name"]))
-        conditions = [
-            c
-            for c in (pod.get("status") or {}).get("conditions") or []
-            if c.get("type") != "DisruptionTarget"
-        ]
-        conditions.append(
-            {
-                "type": "DisruptionTarget",
-                "status": "True",
-                "reason": "DeletionByStrataGangRestart",
-                "message": "Strata operator: the gang restarts (a disruption budget refused the eviction)",
-                "lastTransitionTime": now_text(),
-            }
+        conditions = with_disruption_target(
+            pod,
+            "DeletionByStrataGangRestart",
+            "Strata operator: the gang restarts (a disruption budget refused the eviction)",
         )
         try:
             await self.api.strategic_patch(url + "/status", {"status": {"conditions": conditions}})
@@ -118,19 +109,10 @@ class GangStopping(StrataJobStatus):
             # As the pod GC does for pods of a lost node: terminal phase and DisruptionTarget first
             # (the Job controller counts a pod only once it is terminal, and the rule ignores it),
             # then the force delete.
-            conditions = [
-                c
-                for c in (pod.get("status") or {}).get("conditions") or []
-                if c.get("type") != "DisruptionTarget"
-            ]
-            conditions.append(
-                {
-                    "type": "DisruptionTarget",
-                    "status": "True",
-                    "reason": "DeletionByStrataFence",
-                    "message": "Strata operator: still Terminating past its grace period (its node is gone)",
-                    "lastTransitionTime": now_text(),
-                }
+            conditions = with_disruption_target(
+                pod,
+                "DeletionByStrataFence",
+                "Strata operator: still Terminating past its grace period (its node is gone)",
             )
             try:
                 await self.api.strategic_patch(
