@@ -432,10 +432,19 @@ def _jobset_child(obj: Mapping[str, Any]) -> bool:
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
+def kueue_queue(obj: Mapping[str, Any]) -> str | None:
+    """The Kueue queue a workload names (the label, or the annotation older Kueue releases read)."""
+    meta = obj.get("metadata") or {}
+    queue = (meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL) or (meta.get("annotations") or {}).get(
+        KUEUE_QUEUE_LABEL
+    )
+    return str(queue) if queue else None
+
+
 def quota_warnings(obj: Mapping[str, Any]) -> list[str]:
     """A Kueue-managed workload whose opted-in templates lack the sidecar (the workload webhook
     puts a stand-in there at creation, unless it was unreachable): Kueue's quota undercounts."""
-    queue = ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    queue = kueue_queue(obj)
     if not queue or _jobset_child(obj):
         return []
     return [

@@ -641,8 +641,9 @@ def template_patch(
     workload: Mapping[str, Any], *, namespace: str, config: InjectConfig
 ) -> list[dict[str, Any]]:
     """The JSON patch that puts a stand-in for the sidecar, with its resources, into each opted-in
-    pod template of a Job or JobSet at its creation, so that what admits workloads by their pod
-    template (Kueue's quota) counts the sidecar the pods get;
+    pod template of a Kueue-managed Job or JobSet (``kueue.x-k8s.io/queue-name``) at its creation,
+    so that Kueue's quota, which admits workloads by their pod template, counts the sidecar the pods
+    get;
     :func:`inject` completes it in each pod. [] for a JobSet's own Jobs (their template is the
     JobSet's) and templates with bad annotations (the validating webhook denies them).
 
@@ -651,6 +652,11 @@ def template_patch(
     template's annotations and containers as they are now, and a complete sidecar copied from a pod
     gets the resources the pods will get (the pod webhook refreshes the rest of it)."""
     if (config.own_namespace and namespace == config.own_namespace) or admission._jobset_child(workload):
+        return []
+    if not admission.kueue_queue(workload):
+        # Only Kueue admits by the template; elsewhere a template that differs from the manifest
+        # is drift to GitOps tools, and a server-side re-apply would try to remove the stand-in
+        # from a template that is immutable.
         return []
     spec = workload.get("spec") or {}
     if workload.get("kind") == "Job":

@@ -32,7 +32,16 @@ from tests.k8s.test_inject_fit import (
     sidecar_of,
     valid_everywhere,
 )
-from tests.k8s.test_webhook import CONFIG, Webhook, job, job_pod, jobset_pod, tls_files
+from tests.k8s.test_webhook import CONFIG, Webhook, job_pod, jobset_pod, tls_files
+from tests.k8s.test_webhook import job as plain_job
+
+
+def job(**spec: Any) -> dict[str, Any]:
+    """Job recsys, queued in Kueue: the workload webhook puts its stand-in only there."""
+    workload = plain_job(**spec)
+    workload["metadata"].setdefault("labels", {})["kueue.x-k8s.io/queue-name"] = "team"
+    return workload
+
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -164,7 +173,11 @@ async def test_an_exported_job_resubmitted_gets_the_sidecar_it_now_asks_for(hook
     else:
         template["metadata"]["annotations"] = {"strata.dev/sidecar-memory": "8Gi"}
     if edit == "cronjob-template":
-        resubmitted["metadata"] = {"name": "recsys-nightly-29170000", "namespace": "ml"}
+        resubmitted["metadata"] = {
+            "name": "recsys-nightly-29170000",
+            "namespace": "ml",
+            "labels": resubmitted["metadata"].get("labels") or {},  # the jobTemplate's: its queue
+        }
     again = await admitted_job(hook, resubmitted)
     pod = await injected(hook, pod_from(again["spec"]["template"]))
     valid_everywhere(pod)

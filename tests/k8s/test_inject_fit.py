@@ -369,6 +369,7 @@ async def test_quota_sees_the_sidecar_in_the_jobs_template(hook: Webhook) -> Non
         ({"strata.dev/sidecar-cpu": "2"}, None),
     ):
         workload = job()
+        workload["metadata"].setdefault("labels", {})["kueue.x-k8s.io/queue-name"] = "team"
         workload["spec"]["template"]["metadata"]["annotations"] = template_annotations
         if resources is None:  # a Guaranteed trainer
             exact = {"cpu": "8", "memory": "64Gi"}
@@ -394,6 +395,18 @@ async def test_quota_sees_the_sidecar_in_the_jobs_template(hook: Webhook) -> Non
         assert pod["spec"]["initContainers"].index(sidecar) == 0
         # fed back (reinvocation): nothing more to do
         assert (await hook.mutate(pod))[1] == []
+
+
+@pytest.mark.asyncio
+async def test_a_workload_outside_kueue_keeps_its_template_as_written(hook: Webhook) -> None:
+    """Only Kueue admits by the template: elsewhere the stand-in would be drift to a GitOps tool,
+    and a server-side re-apply would try to remove it from an immutable template."""
+    workload = job()
+    _, patch = await mutate_workload(hook, workload)
+    assert patch == []
+    workload["metadata"]["annotations"] = {"kueue.x-k8s.io/queue-name": "team"}  # older Kueue's form
+    _, patch = await mutate_workload(hook, workload)
+    assert any(op["path"].startswith("/spec/template/spec/initContainers") for op in patch)
 
 
 @pytest.mark.asyncio
