@@ -463,7 +463,9 @@ def test_a_trainer_shrinking_its_segment_fails_that_save_and_no_other_job(short_
             made.close(wait=False)
         sidecar.terminate()
         try:
-            sidecar.wait(30)
+            # A trainer still attached (its close above does not wait) keeps a terminated sidecar
+            # serving its last save for a while, by design: nothing here needs that.
+            sidecar.wait(5)
         except subprocess.TimeoutExpired:
             sidecar.kill()
             sidecar.wait()

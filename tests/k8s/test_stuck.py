@@ -235,8 +235,12 @@ async def test_a_large_stuck_gang_gets_a_bounded_number_of_events(
         grouped = [e for e in events if "more pods are stuck" in e["message"]]
         # ten with an Event of their own; the rest named together, per check that found them
         assert len(own) == 10 and 1 <= len(grouped) <= world - 10 and len(events) == len(own) + len(grouped)
-        for name in (p["metadata"]["name"] for p in pods):
-            assert sum(name in e["message"] for e in events) == 1, f"{name} not named exactly once"
+        # never named twice; pods found after the first summary wait for the next window (10 min)
+        named = {
+            p["metadata"]["name"]: sum(p["metadata"]["name"] in e["message"] for e in events) for p in pods
+        }
+        assert all(n <= 1 for n in named.values()), named
+        assert sum(named.values()) >= 11, named
 
 
 async def test_a_restarted_operator_keeps_the_stuck_condition_without_new_events(
