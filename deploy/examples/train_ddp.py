@@ -7,6 +7,9 @@ CPU), for `strata launch`:
 Every rank reads its own click stream (seed + rank) and saves its own state
 (model replica, optimizers, stream position, RNG) at the same steps; a step
 exists only when every rank committed it. Rank 0 prints ``FINAL_DIGEST``.
+
+DDP is built with ``find_unused_parameters=True`` (see ``data_parallel``) so that a resumed
+run ends bit for bit equal to an uninterrupted one with any number of ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_recsys import ClickStream, RecModel, digest
 
 from trainer_client import CheckpointClient, init_process_group
+
+
+def data_parallel(module: nn.Module) -> DistributedDataParallel:
+    """``module`` wrapped in DDP with gradient buckets that never change.
+
+    By default DDP rebuilds its buckets after its first step (in the order the gradients became
+    ready), so a resumed run's first step all-reduces another bucket layout than the uninterrupted
+    run does at that step. With 3+ ranks gloo's ring sums each element in an order that depends on
+    its place in the bucket, so the last bits would differ. With ``find_unused_parameters=True``
+    DDP keeps its first layout for good (for one walk of the autograd graph per step).
+    """
+    return DistributedDataParallel(module, find_unused_parameters=True)
 
 
 def main() -> int:
@@ -52,7 +67,7 @@ def main() -> int:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)  # same initial replica on every rank
 
-    model = DistributedDataParallel(RecModel(args.tables, args.rows, args.dim))
+    model = data_parallel(RecModel(args.tables, args.rows, args.dim))
     inner: RecModel = model.module  # type: ignore[assignment]
     sparse_opt = torch.optim.SGD(inner.tables.parameters(), lr=0.05)
     dense_opt = torch.optim.Adam([*inner.bottom.parameters(), *inner.top.parameters()], lr=1e-3)

@@ -126,9 +126,8 @@ def one_trial(
         "disagree": disagreements(run.stdout),
     }
     result = json.loads(out.read_text())
-    # Bitwise final state for 2 ranks: with 3+ gloo ranks an uninterrupted DDP run and a resumed
-    # one differ in the last bits whatever the checkpoint (seen with the previous protocol too).
-    counts["mismatch"] = int(nproc == 2 and result["digest"] != reference(nproc))
+    # Bitwise final state with any number of ranks (the example keeps DDP's bucket layout fixed).
+    counts["mismatch"] = int(result["digest"] != reference(nproc))
     store = open_store(url, endpoint_url=endpoint)
     try:
         commits = {
