@@ -98,7 +98,23 @@ def _require_quantizable(rows: F32) -> None:
 
 
 def _f16(a: F32) -> F32:
-    return a.astype(np.float16).astype(np.float32)
+    """``a.astype(np.float16).astype(np.float32)``, ~3x faster in float32 bit arithmetic (numpy's
+    float16 casts are scalar loops). Round to nearest even: for fp16 normals, on the bits (10
+    of float32's 23 fraction bits kept); below 2**-14, to multiples of 2**-24 by adding 0.5,
+    whose float32 ulp that is. Exact for every float32 (tests check all 2**32); beyond the
+    fp16 range and for NaN the casts decide."""
+    mag = np.abs(a)
+    if a.dtype != np.float32 or a.ndim != 1 or not (mag <= FP16_MAX).all():
+        return a.astype(np.float16).astype(np.float32)
+    bits = a.view(np.uint32)
+    rounded = bits + ((bits >> np.uint32(13)) & np.uint32(1))
+    rounded += np.uint32(0xFFF)
+    rounded &= np.uint32(0xFFFFE000)
+    out = rounded.view(np.float32)
+    tiny = mag < np.float32(2.0**-14)
+    if tiny.any():
+        out[tiny] = np.copysign((mag[tiny] + np.float32(0.5)) - np.float32(0.5), a[tiny])
+    return out
 
 
 def _qparams(lo: F32, hi: F32, qmax: np.float32) -> tuple[F32, F32, F32]:
@@ -590,9 +606,35 @@ def quantize_parts(
     """:func:`quantize_rows` as a :class:`Part` (what a worker process sends back)."""
     if method not in ("fast", "torch"):
         raise ValueError(f"method={method!r} is not 'fast' or 'torch'")
-    fast = method == "fast"
     bits = _check_bits(bits)
     arr = _as_rows(rows)
+    if not greedy and arr.size:
+        return _minmax_part(arr, bits)  # validates the rows as it goes
+    return _blockwise_part(
+        arr,
+        bits,
+        greedy=greedy,
+        fast=method == "fast",
+        n_bins=n_bins,
+        ratio=ratio,
+        keep_best_seen=keep_best_seen,
+        workers=workers,
+    )
+
+
+def _blockwise_part(
+    arr: F32,
+    bits: int,
+    *,
+    greedy: bool,
+    fast: bool = True,
+    n_bins: int = 200,
+    ratio: float = 0.16,
+    keep_best_seen: bool = False,
+    workers: int = 1,
+) -> Part:
+    """:func:`quantize_parts` of validated-shape float32 rows, block by block: every search, and
+    the reference that :func:`_minmax_part` reproduces byte for byte."""
     _require_quantizable(arr)
     n_rows, dim = arr.shape
     qmax = np.float32((1 << bits) - 1)
@@ -628,6 +670,221 @@ def quantize_parts(
         packed[lo : lo + chunk.size] = chunk
     q = QuantizedRows(bits, (n_rows, dim), scale.astype(np.float16), bias.astype(np.float16), packed)
     return Part(q, diff_sq, norm_sq)
+
+
+#: Float32 elements per chunk of :func:`_minmax_part`'s elementwise work: the chunk and its
+#: scratch stay in L2/L3, and its ~40 numpy calls cost little beside the work.
+_CHUNK_ELEMS = 1 << 19
+#: Float32 elements per transposed piece: the rows being read stay in L2 for all their groups.
+_TRANSPOSE_ELEMS = 1 << 16
+#: Floats moved together by :func:`_minmax_part`'s transposes, and the element types that carry
+#: them (bit patterns copied as they are) for the values and for the codes.
+_GROUP_TYPES: dict[int, tuple[type[np.generic], type[np.generic]]] = {
+    4: (np.complex128, np.uint32),
+    2: (np.uint64, np.uint16),
+    1: (np.uint32, np.uint8),
+}
+
+
+def _minmax_part(arr: F32, bits: int) -> Part:
+    """:func:`quantize_parts` with ``greedy=False``: the same bytes, ~7x faster (1M x 64 rows:
+    1.2 s -> 0.17 s, ~3x fbgemm's rowwise 8-bit kernel on one core).
+
+    numpy pays per call of its inner loops, and the blockwise path's per-row operations (a
+    reduction over each row's ``dim`` values, ``x - bias[:, None]``) make one call per row.
+    Here each chunk of rows is transposed, ``g`` floats at a time (``g`` = 4, 2 or 1 dividing
+    ``dim``), to ``[dim / g, rows * g]``: the row min/max become elementwise minimum/maximum of
+    long vectors (then of ``g`` neighbours), scale and bias long vectors (each repeated ``g``
+    times), and the codes go back ``g`` at a time as one ``uint{8g}``. Each value comes from
+    the same float32 operations as in :func:`_codes` and :func:`_decode`.
+
+    :func:`_settle` keeps a row's encoding when re-encoding its decoded values gives it back.
+    That is decided here per row without its elements: codes and decoded values are monotone
+    in ``x``, so their extremes are those of the row's min and max, and where the float32
+    rounding of ``code * scale + bias`` is at most a quarter step (``|y| * 2^-24 <= |scale| /
+    4``) ``rint((y - bias) / scale)`` returns every code (:func:`_unsettled`). The other rows
+    (constant rows, rows far from 0 relative to their spread, subnormal fp16 scales: rare) go
+    through :func:`_settle` by the blockwise path's blocks, as there."""
+    n_rows, dim = arr.shape
+    qmax = np.float32((1 << bits) - 1)
+    g = 4 if dim % 4 == 0 else 2 if dim % 2 == 0 else 1
+    elem, code_elem = _GROUP_TYPES[g]
+    block = _block_rows(dim)
+    chunk = min(block, max(8, (_CHUNK_ELEMS // dim) // 8 * 8))
+    step = max(1, _TRANSPOSE_ELEMS // dim)
+    scale16, bias16 = np.empty(n_rows, np.float16), np.empty(n_rows, np.float16)
+    packed = np.empty((n_rows * dim * bits + 7) // 8, np.uint8)
+    # Scratch allocated once (fresh pages would cost a page fault per 4 KiB): per block, rows'
+    # min, max, bias, scale and 1/scale; per chunk, the transposed chunk, its codes (float and
+    # uint8), and bias, scale and 1/scale repeated g times.
+    params = np.empty((5, min(block, n_rows)), np.float32)
+    held = np.empty((dim // g, chunk), elem)
+    scratch = np.empty(chunk * dim, np.float32)
+    small = np.empty(chunk * dim, np.uint8)
+    reps = np.empty((3, chunk * g), np.float32)
+    diff_sq = norm_sq = 0.0
+    for b0 in range(0, n_rows, block):
+        b1 = min(n_rows, b0 + block)
+        lo, hi, bias, scale, inv = params[:, : b1 - b0]
+        codes = (
+            packed[b0 * dim : b1 * dim].reshape(-1, dim) if bits == 8 else np.empty((b1 - b0, dim), np.uint8)
+        )
+        for c0 in range(0, b1 - b0, chunk):
+            c1 = min(b1 - b0, c0 + chunk)
+            k = c1 - c0
+            x = arr[b0 + c0 : b0 + c1]
+            # The chunk transposed, xf[j, r * g + i] == x[r, j * g + i], a few hundred KiB of
+            # rows at a time: each cache line of x is then read from memory once (~2x faster).
+            xt = held[:, :k]
+            for r in range(0, k, step):
+                np.copyto(xt[:, r : r + step], x[r : r + step].view(elem).T)
+            xf = xt.view(np.float32)
+            _fold(np.minimum.reduce(xf, axis=0), g, np.minimum, lo[c0:c1])
+            _fold(np.maximum.reduce(xf, axis=0), g, np.maximum, hi[c0:c1])
+            # NaN propagates through both: a row with NaN, inf or |x| > 65504 fails here.
+            if not ((lo[c0:c1] >= -FP16_MAX) & (hi[c0:c1] <= FP16_MAX)).all():
+                _require_quantizable(arr)  # raises, naming the table's first such row
+            zero = np.flatnonzero(lo[c0:c1] == 0)
+            if zero.size:  # a zero minimum's sign becomes the fp16 bias's: numpy's row min decides it
+                lo[c0 + zero] = x[zero].min(axis=1)
+            bias[c0:c1], scale[c0:c1], inv[c0:c1] = _qparams(lo[c0:c1], hi[c0:c1], qmax)
+            scale[c0:c1][scale[c0:c1] == 0] = 1.0
+            # Codes are monotone in x: those of the row's min and max are its extremes.
+            ends = np.rint((params[:2, c0:c1] - bias[c0:c1]) * inv[c0:c1])
+            clip = bool((ends < 0).any() or (ends > qmax).any())
+            # bias, scale and 1/scale for each value of xf (g strided copies beat np.repeat)
+            rep = reps[:, : k * g]
+            for i in range(g):
+                rep.reshape(3, k, g)[:, :, i] = params[2:, c0:c1]
+            bg, sg, ig = rep
+            t = scratch[: xf.size].reshape(xf.shape)
+            np.subtract(xf, bg, out=t)
+            np.multiply(t, ig, out=t)
+            np.rint(t, out=t)
+            if clip:
+                np.clip(t, np.float32(0.0), qmax, out=t)
+            u8 = small[: t.size].reshape(t.shape)
+            np.copyto(u8, t, casting="unsafe")
+            dst, src = codes[c0:c1].view(code_elem), u8.view(code_elem)
+            for j in range(src.shape[0]):  # numpy would loop over each row's dim / g groups
+                dst[:, j] = src[j]
+            # The decode error while the chunk is in cache: x - (code * scale + bias).
+            np.multiply(t, sg, out=t)
+            np.add(t, bg, out=t)
+            np.subtract(xf, t, out=t)
+            diff_sq += _sum_squares(t)
+            norm_sq += _sum_squares(xf)
+        loose = _unsettled(lo, hi, bias, scale, inv, qmax)
+        if loose.size:
+            diff_sq += _settle_loose(arr[b0:b1], codes, scale, bias, inv, loose, qmax)
+        scale16[b0:b1], bias16[b0:b1] = _to_f16(scale), _to_f16(bias)
+        if bits < 8:
+            out = _pack(codes, bits)
+            packed[b0 * dim * bits // 8 :][: out.size] = out
+    return Part(QuantizedRows(bits, (n_rows, dim), scale16, bias16, packed), diff_sq, norm_sq)
+
+
+def _to_f16(a: F32) -> npt.NDArray[np.float16]:
+    """float32 values that fp16 holds exactly, as float16, from their bits (numpy's cast is a
+    scalar loop): scaled by 2**-112 (exact), fp16's exponent range lands on float32's lowest,
+    normals and subnormals alike, and the fp16 bits are the float32 ones shifted by 13."""
+    magnitude = (np.abs(a) * np.float32(2.0**-112)).view(np.uint32) >> np.uint32(13)
+    sign = (a.view(np.uint32) >> np.uint32(16)) & np.uint32(0x8000)
+    return (magnitude | sign).astype(np.uint16).view(np.float16)
+
+
+def _unsettled(lo: F32, hi: F32, bias: F32, scale: F32, inv: F32, qmax: np.float32) -> npt.NDArray[np.intp]:
+    """Rows whose min/max encoding :func:`_minmax_part` cannot show to be kept by :func:`_settle`.
+
+    Codes and decoded values ``y`` are monotone in ``x``: ``y``'s extremes are the decoded codes
+    of the row's min and max, which give the bias and scale of the re-encoding; and where the
+    rounding of ``y = code * scale + bias`` (``|y| * 2**-24``) is below a quarter step,
+    ``rint((y - bias) / scale)`` returns every code. Most rows pass at a few operations each:
+    min at code 0 (``y`` = bias), max at code ``qmax`` with ``qmax * scale + bias - bias``
+    exact (the same scale again), rounding below an eighth of a step."""
+    ends = np.rint((np.stack([lo, hi]) - bias) * inv)
+    top = qmax * scale  # exact: an fp16 value times an integer of 8 bits
+    y_hi = top + bias
+    magnitude = np.maximum(np.abs(bias), np.abs(y_hi))
+    easy = (scale > 0) & (ends[0] <= 0) & (ends[1] >= qmax) & (y_hi - bias == top)
+    easy &= magnitude * np.float32(2.0**-21) <= scale
+    hard = np.flatnonzero(~easy)
+    if not hard.size:
+        return hard
+    ends = np.clip(ends[:, hard], np.float32(0.0), qmax)
+    y = ends * scale[hard] + bias[hard]
+    y_lo, y_hi = y.min(axis=0), y.max(axis=0)
+    b2, s2, _ = _qparams(y_lo, y_hi, qmax)
+    s2[s2 == 0] = 1.0
+    rounding = np.maximum(np.abs(y_lo), np.abs(y_hi)).astype(np.float64) * 2.0**-24 + 2.0**-149
+    kept = (
+        (b2 == bias[hard]) & (s2 == scale[hard]) & (rounding <= np.abs(scale[hard]).astype(np.float64) * 0.25)
+    )
+    return hard[~kept]
+
+
+def _settle_loose(
+    rows: F32,
+    codes: npt.NDArray[np.uint8],
+    scale: F32,
+    bias: F32,
+    inv: F32,
+    loose: npt.NDArray[np.intp],
+    qmax: np.float32,
+) -> float:
+    """What :func:`_settle` does to one block of the blockwise path, for the ``loose`` rows
+    that :func:`_unsettled` names; updates ``codes``, ``scale`` and ``bias`` in place and
+    returns the change in the block's squared decode error.
+
+    _settle treats each row on its own but for one thing: when any row of the block changes,
+    every row is stored with the min/max encoding of its decoded values, equal to its own but
+    for a zero bias's sign (``-0`` becomes ``+0``). Those rows join the loose ones then."""
+    xs = rows[loose]
+    t = _codes(xs, bias[loose], inv[loose], qmax)
+    before = squared_error(xs, _decode(t, scale[loose], bias[loose]))
+    every = loose
+    if not _keeps(t, scale[loose], bias[loose], qmax):
+        every = np.union1d(loose, np.flatnonzero((bias == 0) & np.signbit(bias)))
+        t = _codes(rows[every], bias[every], inv[every], qmax)
+    s, b = scale[every], bias[every]
+    t = _settle(rows[every], t, s, b, qmax, _minmax_range)
+    codes[every], scale[every], bias[every] = t.astype(np.uint8), s, b
+    mine = np.isin(every, loose)
+    return squared_error(xs, _decode(t[mine], s[mine], b[mine])) - before
+
+
+def _keeps(codes: F32, scale: F32, bias: F32, qmax: np.float32) -> bool:
+    """:func:`_settle`'s test that rows keep their min/max encoding: that of their decoded values
+    is the same, codes, scale and bias."""
+    y = _decode(codes, scale, bias)
+    b2, s2, inv2 = _qparams(y.min(axis=1), y.max(axis=1), qmax)
+    s2[s2 == 0] = 1.0
+    return bool(
+        (b2 == bias).all() and (s2 == scale).all() and np.array_equal(_codes(y, b2, inv2, qmax), codes)
+    )
+
+
+def _fold(v: F32, g: int, op: np.ufunc, out: F32) -> None:
+    """``out[r] = op`` over ``v[r * g : (r + 1) * g]``."""
+    runs = v.reshape(-1, g)
+    if g == 1:
+        out[:] = runs[:, 0]
+        return
+    op(runs[:, 0], runs[:, 1], out=out)
+    for i in range(2, g):
+        op(out, runs[:, i], out=out)
+
+
+def _sum_squares(a: F32) -> float:
+    """Sum of the squares of ``a`` ([dim / g, rows * g], overwritten): float32 squares summed
+    down the first axis, so each row's share is the same however the table was cut into
+    chunks or parts (their errors join to the whole's), then summed in float64."""
+    np.multiply(a, a, out=a)
+    return float(np.add.reduce(a, axis=0).sum(dtype=np.float64))
+
+
+def _minmax_range(rows: F32) -> tuple[F32, F32]:
+    return rows.min(axis=1), rows.max(axis=1)
 
 
 #: Rounds of :func:`_settle`; one re-quantization has always reached a fixed point in the

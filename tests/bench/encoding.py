@@ -14,9 +14,16 @@ kernels as the anchor, side by side in one run.
   ``quantize_rel_l2_vs_fbgemm`` (our error over fbgemm's) <= 1.01.
 - Threads or processes: ``quantize_thread_scaling`` (1 -> ``THREADS`` threads) beside
   ``quantize_process_scaling`` (1 thread -> ``THREADS`` worker processes).
+- 8 bits, what ``--quantize auto`` stores by default (min/max, no search): ``quantize_8bit_s``,
+  Strata's encode of a 1M x 64 fp32 table (in ``--quick`` too) in one thread, beside
+  ``fbgemm_8bit_rowwise_s``, fbgemm's ``FloatToFused8BitRowwiseQuantized`` on the same table in
+  one torch thread (skipped, with a row saying so, without ``fbgemm_gpu``): medians with 95%
+  confidence intervals, both max abs errors (fbgemm keeps fp32 scale and bias, Strata fp16), and
+  ``quantize_8bit_vs_fbgemm_ratio`` <= 3.
 - ``durable_quantized_*``: a full quantized checkpoint of 4 such tables (1 GiB) through a real
   sidecar process (``--quantize 4``, file storage on local disk), from ``save()`` to durable, with
-  ``--encode-workers`` 1 and 2. Meanwhile a second connection asks the sidecar for Handshakes in
+  ``--encode-workers`` 1 and 2, and ``durable_quantized_8bit_2w_s`` with ``--quantize 8`` and 2
+  workers. Meanwhile a second connection asks the sidecar for Handshakes in
   a loop: their latency during the encode vs idle says whether the gRPC server stays responsive.
   The sidecar's peak RSS (``VmHWM``) says whether its memory stays bounded while it encodes.
 """
@@ -36,7 +43,7 @@ import numpy as np
 from sidecar import shm
 from sidecar.pipeline import quantize as qz
 from sidecar.pipeline.workers import EncodePool
-from tests.bench.common import Options, Phases, Row, SidecarProcess, median
+from tests.bench.common import Options, Phases, Row, SidecarProcess, median, median_ci
 
 THREADS = 2
 DIM = 64
@@ -97,6 +104,74 @@ def _pooled(rows: np.ndarray, workers: int, repeats: int) -> tuple[float, float,
     finally:
         pool.close()
     return seconds, float(q.rel_error), qz.relative_l2_error(rows, qz.dequantize_rows(q))
+
+
+EIGHT_BIT_ROWS = 1 << 20
+
+
+def _timed(fn: Any, repeats: int) -> tuple[list[float], Any]:
+    """Wall times of ``repeats`` calls after one untimed, and the last result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def _fbgemm_8bit(rows: np.ndarray, repeats: int) -> tuple[list[float], np.ndarray] | None:
+    """fbgemm's CPU rowwise 8-bit kernel in one torch thread: times and the restored table, or
+    None without fbgemm_gpu."""
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # fbgemm-gpu-cpu warns on import of GPU-only lookups it lacks
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+        quantize = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized
+        restore = torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        w = torch.from_numpy(rows)
+        times, fused = _timed(lambda: quantize(w), repeats)
+        return times, restore(fused).numpy()
+    finally:
+        torch.set_num_threads(before)
+
+
+def eight_bit(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
+    """Strata's 8-bit min/max encode against fbgemm's rowwise kernel, one thread each, same table."""
+    rows = np.random.default_rng(1).standard_normal((EIGHT_BIT_ROWS, DIM), dtype=np.float32)
+    repeats = 5 if opts.quick else 11
+    f = figures
+    f["quantize_8bit_table_shape"] = list(rows.shape)
+    with phases("8 bits: strata min/max, one thread"):
+        times, q = _timed(lambda: qz.quantize_rows(rows, 8, greedy=False), repeats)
+        f["quantize_8bit_s"] = median(times)
+        f["quantize_8bit_ci_low_s"], f["quantize_8bit_ci_high_s"] = median_ci(times)
+        restored = qz.dequantize_rows(q)
+        f["quantize_8bit_max_abs_err"] = float(np.abs(restored - rows).max())
+        f["quantize_8bit_rel_l2"] = qz.relative_l2_error(rows, restored)
+    with phases("8 bits: fbgemm FloatToFused8BitRowwiseQuantized, one thread"):
+        got = _fbgemm_8bit(rows, repeats)
+        if got is None:
+            f["fbgemm_8bit_rowwise_skipped"] = 1
+            return
+        times, restored = got
+        f["fbgemm_8bit_rowwise_s"] = median(times)
+        f["fbgemm_8bit_rowwise_ci_low_s"], f["fbgemm_8bit_rowwise_ci_high_s"] = median_ci(times)
+        f["fbgemm_8bit_rowwise_max_abs_err"] = float(np.abs(restored - rows).max())
+        f["fbgemm_8bit_rowwise_rel_l2"] = qz.relative_l2_error(rows, restored)
+    f["quantize_8bit_vs_fbgemm_ratio"] = f["quantize_8bit_s"] / f["fbgemm_8bit_rowwise_s"]
+    f["quantize_8bit_max_abs_err_vs_fbgemm"] = (
+        f["quantize_8bit_max_abs_err"] / f["fbgemm_8bit_rowwise_max_abs_err"]
+    )
 
 
 def kernels(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
@@ -207,13 +282,14 @@ def durable(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
     g = torch.Generator().manual_seed(0)
     state = {f"table{i}": torch.randn(n_rows, DIM, generator=g) for i in range(4)}
     figures["durable_state_bytes"] = sum(t.numel() * 4 for t in state.values())
-    for workers in (1, THREADS):
-        with phases(f"full quantized checkpoint, --encode-workers {workers}"):
-            sock = str(opts.tmp / f"enc{workers}.sock")
+    for bits, workers in ((BITS, 1), (BITS, THREADS), (8, THREADS)):
+        key = f"{workers}w" if bits == BITS else f"{bits}bit_{workers}w"
+        with phases(f"full quantized checkpoint, --quantize {bits} --encode-workers {workers}"):
+            sock = str(opts.tmp / f"enc{key}.sock")
             side = SidecarProcess(
-                f"file://{opts.tmp}/store{workers}",
+                f"file://{opts.tmp}/store{key}",
                 sock,
-                quantize=str(BITS),
+                quantize=str(bits),
                 quantize_match="table*",
                 encode_workers=workers,
                 shm_dir="/dev/shm",
@@ -224,7 +300,7 @@ def durable(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
                 times, during = [], []
                 for trial in range(1 if opts.quick else 2):
                     client = CheckpointClient(
-                        job=f"enc-{workers}-{trial}-{uuid.uuid4().hex[:6]}",
+                        job=f"enc-{key}-{trial}-{uuid.uuid4().hex[:6]}",
                         socket=sock,
                         capture_rng=False,
                         resume="never",
@@ -240,9 +316,9 @@ def durable(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
                         during += probe.stop()
                     finally:
                         client.close()
-                figures[f"durable_quantized_{workers}w_s"] = median(times)
-                figures[f"durable_sidecar_peak_rss_{workers}w_mib"] = _vm_hwm_mib(side.pid)
-                if workers == THREADS:
+                figures[f"durable_quantized_{key}_s"] = median(times)
+                figures[f"durable_sidecar_peak_rss_{key}_mib"] = _vm_hwm_mib(side.pid)
+                if bits == BITS and workers == THREADS:
                     figures["handshake_idle_ms_p50"] = statistics.median(idle)
                     figures["handshake_during_encode_ms_p50"] = _pct(during, 0.5)
                     figures["handshake_during_encode_ms_p99"] = _pct(during, 0.99)
@@ -256,6 +332,7 @@ def durable(opts: Options, figures: dict[str, Any], phases: Phases) -> None:
 
 
 def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
+    eight_bit(opts, figures, phases)
     kernels(opts, figures, phases)
     durable(opts, figures, phases)
     return _rows(figures)
@@ -270,7 +347,17 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         v = get(key)
         return Row(key, v, unit, target=text, passed=None if v is None else bool(ok(v)))
 
+    fbgemm_8bit = (
+        "fbgemm_8bit_rowwise_s (skipped: fbgemm_gpu is not installed)"
+        if f.get("fbgemm_8bit_rowwise_skipped")
+        else "fbgemm_8bit_rowwise_s (FloatToFused8BitRowwiseQuantized, 1 thread)"
+    )
     return [
+        Row("quantize_8bit_s (1M x 64 fp32, min/max, 1 thread)", get("quantize_8bit_s"), "s"),
+        Row(fbgemm_8bit, get("fbgemm_8bit_rowwise_s"), "s"),
+        target("quantize_8bit_vs_fbgemm_ratio", "x", "<= 3 (per core)", lambda v: v <= 3),
+        Row("quantize_8bit_max_abs_err (fp16 scale/bias)", get("quantize_8bit_max_abs_err"), ""),
+        Row("fbgemm_8bit_rowwise_max_abs_err (fp32 scale/bias)", get("fbgemm_8bit_rowwise_max_abs_err"), ""),
         Row("fbgemm_greedy_4bit_s (optimized_qparams, 2 threads)", get("fbgemm_greedy_4bit_s"), "s"),
         Row("quantize_greedy_4bit_s (fast search, 2 worker processes)", get("quantize_greedy_4bit_s"), "s"),
         target("quantize_vs_fbgemm_ratio", "x", "<= 0.25", lambda v: v <= 0.25),
@@ -291,6 +378,11 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         Row("quantize_8bit_greedy_gain (why 8 bits skips the search)", get("quantize_8bit_greedy_gain"), "x"),
         Row("durable_quantized_1w_s (1 GiB, --encode-workers 1)", get("durable_quantized_1w_s"), "s"),
         Row("durable_quantized_2w_s (--encode-workers 2)", get("durable_quantized_2w_s"), "s"),
+        Row(
+            "durable_quantized_8bit_2w_s (--quantize 8, --encode-workers 2)",
+            get("durable_quantized_8bit_2w_s"),
+            "s",
+        ),
         target("durable_scaling_2w_vs_1w", "x", ">= 1.6 (scales with cores)", lambda v: v >= 1.6),
         Row("durable_sidecar_peak_rss_2w_mib", get("durable_sidecar_peak_rss_2w_mib"), "MiB"),
         Row("handshake_idle_ms_p50", get("handshake_idle_ms_p50"), "ms"),

@@ -207,7 +207,11 @@ def test_quick_encoding_section_writes_its_figures(tmp_path: Path) -> None:
         "quantize_greedy_4bit_threads_s",
         "durable_quantized_1w_s",
         "durable_quantized_2w_s",
+        "durable_quantized_8bit_2w_s",
         "handshake_during_encode_ms_p99",
+        "quantize_8bit_s",
+        "fbgemm_8bit_rowwise_s",
+        "quantize_8bit_vs_fbgemm_ratio",
     ):
         value = data.get(key)
         assert isinstance(value, float) and math.isfinite(value) and value > 0, f"{key}: {value!r}"
@@ -216,6 +220,8 @@ def test_quick_encoding_section_writes_its_figures(tmp_path: Path) -> None:
     # Same error as fbgemm's search within a few percent on normal rows (the full bench: <= 1%).
     assert data["quantize_rel_l2_vs_fbgemm"] < 1.05
     assert data["quantize_8bit_greedy_gain"] < 1.01  # what 8 bits gives up by skipping the search
+    # fp16 scale and bias (fbgemm keeps fp32): the same error but for that rounding
+    assert data["quantize_8bit_max_abs_err_vs_fbgemm"] < 1.05
 
 
 @pytest.mark.timeout(240)
