@@ -46,6 +46,10 @@ from sidecar.store.base import (
 )
 
 MiB = 1 << 20
+#: Multipart defaults: objects from DEFAULT_MULTIPART_THRESHOLD bytes up go in parts of
+#: DEFAULT_PART_BYTES (the benchmark's plain-boto3 floor uses the same).
+DEFAULT_PART_BYTES = 16 * MiB
+DEFAULT_MULTIPART_THRESHOLD = 32 * MiB
 _MAX_PARTS = 10_000  # S3's limit per multipart upload
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -102,8 +106,8 @@ class S3Store(Store):
         region: str = "us-east-1",
         access_key: str | None = None,
         secret_key: str | None = None,
-        part_bytes: int = 16 * MiB,
-        multipart_threshold: int = 32 * MiB,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
         concurrency: int = 4,
         max_attempts: int = 5,
         retry_mode: str = "standard",

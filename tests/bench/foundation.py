@@ -21,14 +21,20 @@ Method notes:
 - Strata runs with its defaults: shared-memory staging and the intermittent policy, so after
   the first checkpoint it writes only the rows the training steps changed. Beside it:
   ``save_overhead_grpc_s`` (bytes streamed over gRPC instead) and ``save_overhead_full_s``
-  (every checkpoint full, as DCP writes them); ``time_to_durable_full_s`` is the first,
-  full checkpoint.
+  (every checkpoint full, as DCP writes them); ``time_to_durable_first_s`` is the first,
+  full checkpoint, first-save costs included.
+- Time to durable against the storage floor: ``time_to_durable_full_s`` (a sidecar with policy
+  full, every repeat the whole state) alternates ABBA with ``boto3_multipart_same_bytes_s``, a
+  plain boto3 TransferManager upload of the same bytes to the same SeaweedFS with the S3 store's
+  part size and the sidecar's upload concurrency; medians with 95% CIs over the repeats, and
+  ``time_to_durable_vs_boto3_ratio`` their ratio (its CI from the paired ratios).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import itertools
 import logging
 import math
@@ -89,6 +95,9 @@ KEYS = (
     "grpc_ingest_gib_per_s",
     "socket_gib_per_s",
     "time_to_durable_s",
+    "time_to_durable_full_s",
+    "boto3_multipart_same_bytes_s",
+    "time_to_durable_vs_boto3_ratio",
     "train_slowdown",
     "min_interval_no_skip_s",
     "save_stall_s_with_tracking",
@@ -589,6 +598,118 @@ def proc_cpu_s(pid: int | None) -> float:
         return math.nan
 
 
+def boto3_floor(endpoint: str, bucket: str) -> tuple[Callable[[str, bytes], float], dict[str, int]]:
+    """A plain boto3 multipart upload (TransferManager's upload_fileobj) to ``endpoint``: the
+    floor a full checkpoint's time to durable is held against. Its client is configured as
+    Strata's S3 store configures its own (no CRC trailers, no payload signing where TLS allows,
+    path-style), with the store's part size and threshold and the sidecar's upload concurrency, so
+    the two differ in the pipeline only. Returns ``upload(key, body) -> seconds`` and the settings."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+
+    from sidecar.config import SidecarSettings
+    from sidecar.store.s3 import DEFAULT_MULTIPART_THRESHOLD, DEFAULT_PART_BYTES
+
+    concurrency = SidecarSettings().upload_concurrency
+    client = boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="strata",
+        aws_secret_access_key="strata",
+        config=Config(
+            region_name="us-east-1",
+            max_pool_connections=max(10, concurrency + 4),
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
+    transfer = TransferConfig(
+        multipart_threshold=DEFAULT_MULTIPART_THRESHOLD,
+        multipart_chunksize=DEFAULT_PART_BYTES,
+        max_concurrency=concurrency,
+        use_threads=True,
+        preferred_transfer_client="classic",
+    )
+
+    def upload(key: str, body: bytes) -> float:
+        t0 = time.perf_counter()
+        client.upload_fileobj(io.BytesIO(body), bucket, key, Config=transfer)  # shares body's bytes
+        elapsed = time.perf_counter() - t0
+        client.delete_object(Bucket=bucket, Key=key)  # SeaweedFS's disk holds as much as Strata's
+        return elapsed
+
+    return upload, {"part_bytes": DEFAULT_PART_BYTES, "concurrency": concurrency}
+
+
+@dataclass
+class Floor:
+    """Full checkpoints' time to durable beside a plain boto3 upload of the same bytes: seconds per
+    repeat of each, and CPU seconds each spent on this side of the wire (client and sidecar for
+    Strata, the uploading process for boto3; SeaweedFS's own is left out of both)."""
+
+    strata: list[float] = field(default_factory=list)
+    boto3: list[float] = field(default_factory=list)
+    strata_cpu_s: float = 0.0
+    boto3_cpu_s: float = 0.0
+
+
+def durable_vs_boto3(
+    trainer: Trainer,
+    sidecar: SidecarProcess,
+    upload: Callable[[str, bytes], float],
+    job: str,
+    steps: Iterator[int],
+    repeats: int,
+) -> Floor:
+    """Time to durable of full checkpoints (``sidecar`` runs policy full) and a plain boto3
+    multipart upload of the same bytes, alternated ABBA so drift of the machine falls on both alike."""
+    state = trainer.state()
+    body = b"".join(memoryview(t.detach().contiguous().numpy()).cast("B") for t in state_tensors(trainer))
+    assert len(body) == state_bytes(trainer.model)
+    client = make_client(sidecar.socket, job)
+    out = Floor()
+    me = os.getpid()
+
+    def cpu() -> float:
+        return proc_cpu_s(me) + proc_cpu_s(sidecar.pid)
+
+    def save() -> None:
+        trainer.step()
+        before = cpu()
+        t0 = time.perf_counter()
+        client.save(next(steps), state).durable.result(600)
+        out.strata.append(time.perf_counter() - t0)
+        out.strata_cpu_s += cpu() - before
+
+    def floor() -> None:
+        before = proc_cpu_s(me)
+        out.boto3.append(upload(f"floor-{len(out.boto3)}", body))
+        out.boto3_cpu_s += proc_cpu_s(me) - before
+
+    try:
+        client.resume(state)
+        for _ in range(3):
+            trainer.step()
+        client.save(next(steps), state).durable.result(600)  # warm-up: first-save costs
+        upload("warm-up", body)
+        for i in range(repeats):
+            for fn in (save, floor) if i % 2 == 0 else (floor, save):
+                fn()
+    finally:
+        client.close()
+    return out
+
+
+def state_tensors(trainer: Trainer) -> list[torch.Tensor]:
+    """The tensors a save of ``trainer.state()`` carries: parameters and optimizer state."""
+    tensors = list(trainer.model.state_dict().values())
+    for per_param in trainer.opt.state_dict()["state"].values():
+        tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    return tensors
+
+
 # --- the section -----------------------------------------------------------------------------------
 
 
@@ -703,11 +824,44 @@ def _run(
             services.remove(sidecar.stop)
             sidecar.stop()
 
-    with phases("SeaweedFS: stall and time to durable"):
+    with phases("SeaweedFS: full checkpoint against boto3"):
         weed = SeaweedServer(opts.tmp / "weed").start()
         services.append(weed.stop)
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         weed.create_bucket(bucket)
+        # Every checkpoint full, so each repeat uploads the whole state, as the floor beside it does.
+        full_s3 = SidecarProcess(
+            f"s3://{bucket}/full", str(opts.tmp / "s3-full.sock"), s3_endpoint=weed.endpoint, policy="full"
+        ).start()
+        services.append(full_s3.stop)
+        upload, floor_cfg = boto3_floor(weed.endpoint, bucket)
+        res = durable_vs_boto3(trainer, full_s3, upload, f"{job}-full", steps, reps)
+        services.remove(full_s3.stop)
+        full_s3.stop()
+        figures["boto3_part_bytes"] = floor_cfg["part_bytes"]
+        figures["boto3_concurrency"] = floor_cfg["concurrency"]
+        for key, values in (("time_to_durable_full", res.strata), ("boto3_multipart_same_bytes", res.boto3)):
+            figures[f"{key}_s"] = median(values)
+            figures[f"{key}_ci_low_s"], figures[f"{key}_ci_high_s"] = median_ci(values)
+        ratio = figures["time_to_durable_vs_boto3_ratio"] = median(res.strata) / median(res.boto3)
+        pairs = [a / b for a, b in zip(res.strata, res.boto3, strict=True)]
+        (
+            figures["time_to_durable_vs_boto3_ratio_ci_low"],
+            figures["time_to_durable_vs_boto3_ratio_ci_high"],
+        ) = median_ci(pairs)
+        gib = reps * total / GiB
+        figures["time_to_durable_full_cpu_s_per_gib"] = res.strata_cpu_s / gib
+        figures["boto3_multipart_cpu_s_per_gib"] = res.boto3_cpu_s / gib
+        print(
+            "     full checkpoint "
+            + ", ".join(f"{x:.2f}" for x in res.strata)
+            + " s; boto3 "
+            + ", ".join(f"{x:.2f}" for x in res.boto3)
+            + f" s; ratio of medians {ratio:.3f}",
+            flush=True,
+        )
+
+    with phases("SeaweedFS: stall and time to durable"):
         s3_sidecar = SidecarProcess(
             f"s3://{bucket}/ckpt", str(opts.tmp / "s3.sock"), s3_endpoint=weed.endpoint
         ).start()
@@ -722,7 +876,7 @@ def _run(
             trainer.step()
         t0 = time.perf_counter()
         client.save(next(steps), state).durable.result(600)  # warm-up; its stall is the first-save stall
-        figures["time_to_durable_full_s"] = time.perf_counter() - t0  # the first checkpoint is full
+        figures["time_to_durable_first_s"] = time.perf_counter() - t0  # full, with first-save costs
         figures["first_save_stall_s"] = client.stats["first_save_stall_s"]
         stalls, durable = [], []
         pids = {"client": os.getpid(), "sidecar": s3_sidecar.pid, "seaweed": weed.pid}
@@ -903,7 +1057,25 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         row("grpc_ingest_gib_per_s", "GiB/s", "socket_gib_per_s"),
         row("socket_gib_per_s", "GiB/s"),
         row("time_to_durable_s", "s", m),
-        row("time_to_durable_full_s", "s", m),
+        row("time_to_durable_first_s", "s", m),
+        row("time_to_durable_full_s", "s", "boto3_multipart_same_bytes_s"),
+        Row(
+            "boto3_multipart_same_bytes_s",
+            get("boto3_multipart_same_bytes_s"),
+            "s",
+            target=f"{(get('boto3_part_bytes') or 0) / (1 << 20):g} MiB parts, "
+            f"{get('boto3_concurrency') or 0:g} in flight",
+        ),
+        row(
+            "time_to_durable_vs_boto3_ratio",
+            "x",
+            "",
+            "<= 1.2",
+            lambda r: r <= 1.2,
+            "time_to_durable_vs_boto3_ratio",
+        ),
+        row("time_to_durable_vs_boto3_ratio_ci_high", "x"),
+        row("time_to_durable_full_cpu_s_per_gib", "cpu-s", "boto3_multipart_cpu_s_per_gib"),
         row("s3_sidecar_cpu_s_per_gib", "cpu-s"),
         row("s3_seaweed_cpu_s_per_gib", "cpu-s"),
         row(

@@ -39,6 +39,9 @@ KEYS = (
     "grpc_ingest_gib_per_s",
     "socket_gib_per_s",
     "time_to_durable_s",
+    "time_to_durable_full_s",
+    "boto3_multipart_same_bytes_s",
+    "time_to_durable_vs_boto3_ratio",
     "train_slowdown",
     "min_interval_no_skip_s",
 )
