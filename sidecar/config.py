@@ -77,7 +77,8 @@ class SidecarSettings:
     max_diffs: int = _opt(32, "diffs after which a full checkpoint is written regardless of policy")
     quantize: str = _opt(
         "off",
-        "lossy storage of matched tensors: off, auto (bits from --expected-restores), 2, 3, 4, 8, "
+        "lossy storage of matched tensors: off, auto (bits from the restores expected from storage), "
+        "2, 3, 4, 8, "
         "float16 or bfloat16",
     )
     quantize_match: str = _opt(
@@ -85,7 +86,20 @@ class SidecarSettings:
         "comma-separated globs of tensor names to quantize (default: embedding tables, as the client marks)",
     )
     expected_restores: int = _opt(
-        20, "restores a checkpoint is expected to see; picks the bit width under --quantize auto"
+        20,
+        "restores a checkpoint is expected to see; picks the bit width under --quantize auto with "
+        "--restore-class stored",
+    )
+    restore_class: str = _opt(
+        "auto",
+        "auto: a gang restores the exact snapshots held in memory or by peers when every rank can, "
+        "storage's lossy form otherwise (one class for all ranks); stored: every restore gives what "
+        "storage holds",
+    )
+    expected_storage_restores: int = _opt(
+        1,
+        "restores from storage (a lost gang) a checkpoint is expected to see; picks the bit width "
+        "under --quantize auto with --restore-class auto (20 failures, 1 in 20 losing the gang)",
     )
     restore_bits: str = _opt(
         "1:4", "--quantize auto table: up to N restores -> B bits, as N:B pairs; 8 bits beyond"

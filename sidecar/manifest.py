@@ -389,6 +389,9 @@ class Manifest:
     policy: str = ""
     #: Restores the job had seen when this was written (drives bit-width escalation).
     restores: int = 0
+    #: Of those, the restores that gave lossy values (storage's form): under --restore-class auto
+    #: they drive the escalation. Left out of the record when 0 (older readers refuse the field).
+    storage_restores: int = 0
     #: The gang generation that wrote it.
     generation: str = ""
     #: Replicated tensors of the state: the ones another rank owns are not in ``tensors``. A field
@@ -408,7 +411,10 @@ class Manifest:
         return [r for r in self.replicas if r.owner != self.rank]
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True, allow_nan=False).encode()
+        body = asdict(self)
+        if not body["storage_restores"]:
+            del body["storage_restores"]
+        return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, data: bytes, key: str = "MANIFEST") -> Manifest:
@@ -440,6 +446,7 @@ class Manifest:
         _whole("attempt", self.attempt, LEGACY_ATTEMPT)
         _whole("total_bytes", self.total_bytes, 0)
         _whole("restores", self.restores, 0)
+        _whole("storage_restores", self.storage_restores, 0, self.restores)
         for name in ("save_id", "policy", "generation"):
             _text(name, getattr(self, name))
         if not self.save_id or "/" in self.save_id:
@@ -757,10 +764,15 @@ class Epoch:
     #: records were damaged): left out of ``history``, since a guess would drop or invent a fence.
     #: Left out of the record when empty; an older sidecar refuses a record that has it.
     unknown_restores: list[int] = field(default_factory=list)
+    #: "exact" when every rank could restore the restore step as its trainer saved it (its own
+    #: memory, or a peer's exact copy): every rank then does, lossy tensors included; "" (left out
+    #: of the record): every rank restores lossy tensors as storage holds them. One class for the
+    #: gang, so replicas never diverge.
+    restore_class: str = ""
 
     def to_json(self) -> bytes:
         body = asdict(self)
-        for optional in ("restore_reason", "unknown_restores"):
+        for optional in ("restore_reason", "unknown_restores", "restore_class"):
             if not body[optional]:
                 del body[optional]
         return json.dumps(body, indent=1, sort_keys=True).encode()
@@ -781,6 +793,8 @@ class Epoch:
         _whole("world_size", self.world_size, 0, MAX_WORLD_SIZE)  # 0: unknown (a repaired record)
         _text("generation", self.generation)
         _text("restore_reason", self.restore_reason)
+        if self.restore_class not in ("", "exact"):
+            raise ValueError(f"restore_class {self.restore_class!r} is neither 'exact' nor empty")
         _number("created_at", self.created_at)
         if self.restore_step is not None:
             _whole("restore_step", self.restore_step, 0, MAX_STEP)
@@ -802,6 +816,95 @@ class Epoch:
         if self.restore_step is None or self.restore_attempt is None:
             return None
         return (self.restore_attempt, self.restore_step)
+
+
+#: entries one holdings report may list (a sidecar holds a few snapshots per rank it serves)
+MAX_HOLDINGS = 4096
+
+
+def holdings_prefix(namespace: str, job: str, generation: str) -> str:
+    digest = hashlib.sha256(generation.encode()).hexdigest()[:16]
+    return f"{job_prefix(namespace, job)}HOLDS/{digest}/"
+
+
+def holdings_key(namespace: str, job: str, generation: str, rank: int) -> str:
+    return f"{holdings_prefix(namespace, job, generation)}{rank:06d}"
+
+
+@dataclass
+class Holdings:
+    """``HOLDS/<generation>/<rank>``: what the sidecar of ``rank`` holds exactly (as trainers
+    saved it) when a generation starts, so rank 0's sidecar can decide the attempt's restore
+    class. ``own``: the rank's own committed snapshots ([attempt, step]); ``copies``: other
+    ranks' snapshots held as a buddy's copy ([rank, attempt, step]); ``parity``: parity held over
+    a group ([[ranks], attempt, step]), which rebuilds a rank exactly when the group's other
+    ranks hold their own."""
+
+    generation: str
+    rank: int
+    own: list[list[int]] = field(default_factory=list)
+    copies: list[list[int]] = field(default_factory=list)
+    parity: list[list[Any]] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+    kind: str = "strata.holdings"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, key: str = "HOLDS") -> Holdings:
+        raw = _load_json(data, key, "holdings report", 1 << 20, 8)
+        try:
+            _check_format(raw, "strata.holdings", key)
+            found = cls(**raw)
+            found._check()
+            return found
+        except (TypeError, KeyError, ValueError) as exc:
+            raise CorruptObject(key, f"not a valid holdings report ({exc})") from None
+
+    def _check(self) -> None:
+        _text("generation", self.generation)
+        _whole("rank", self.rank, 0, MAX_WORLD_SIZE)
+        for name in ("own", "copies", "parity"):
+            entries = getattr(self, name)
+            if not isinstance(entries, list) or len(entries) > MAX_HOLDINGS:
+                raise ValueError(f"{name} is not a list of at most {MAX_HOLDINGS} entries")
+        for e in self.own:
+            if not isinstance(e, list) or len(e) != 2:
+                raise ValueError(f"own entry {e!r} is not [attempt, step]")
+            _whole("own attempt", e[0], LEGACY_ATTEMPT)
+            _whole("own step", e[1], 0, MAX_STEP)
+        for e in self.copies:
+            if not isinstance(e, list) or len(e) != 3:
+                raise ValueError(f"copies entry {e!r} is not [rank, attempt, step]")
+            _whole("copies rank", e[0], 0, MAX_WORLD_SIZE)
+            _whole("copies attempt", e[1], LEGACY_ATTEMPT)
+            _whole("copies step", e[2], 0, MAX_STEP)
+        for e in self.parity:
+            if not isinstance(e, list) or len(e) != 3 or not isinstance(e[0], list) or len(e[0]) > 256:
+                raise ValueError(f"parity entry {e!r} is not [[ranks], attempt, step]")
+            for r in e[0]:
+                _whole("parity rank", r, 0, MAX_WORLD_SIZE)
+            _whole("parity attempt", e[1], LEGACY_ATTEMPT)
+            _whole("parity step", e[2], 0, MAX_STEP)
+
+
+def exact_everywhere(world_size: int, target: tuple[int, int], reports: dict[int, Holdings]) -> bool:
+    """Whether every rank of a gang of ``world_size`` can restore ``target`` exactly, by the
+    reports of its ranks' sidecars: from its own memory, a buddy's copy, or parity over a group
+    whose other ranks hold their own."""
+    attempt, step = target
+    own = {r for r, h in reports.items() if [attempt, step] in h.own}
+    covered = set(own)
+    for h in reports.values():
+        covered.update(e[0] for e in h.copies if e[1:] == [attempt, step])
+        for ranks, a, s in h.parity:
+            if (a, s) != target:
+                continue
+            missing = [r for r in ranks if r not in own]
+            if len(missing) == 1:  # XOR rebuilds one lost member's share, no more
+                covered.add(missing[0])
+    return all(r in covered for r in range(world_size))
 
 
 @dataclass
@@ -967,6 +1070,7 @@ def create_epoch(
     restore: tuple[int, int] | None,
     fences: Fences,
     reason: str = "",
+    restore_class: str = "",
 ) -> Epoch:
     """Create the next EPOCH record (create-only) naming ``generation`` and its restore point
     (and ``reason``, how it was chosen: see :attr:`Epoch.restore_reason`).
@@ -993,6 +1097,7 @@ def create_epoch(
         restore_reason=reason,
         # a damaged record's fence is carried on as unknown, never dropped
         unknown_restores=sorted(fences.unknown),
+        restore_class=restore_class if restore is not None else "",
     )
     store.put(epoch_key(namespace, job, attempt), epoch.to_json(), if_none_match=True)
     log.info(

@@ -80,6 +80,13 @@ class Metrics(Served):
             ["training_job", "source"],
             registry=r,
         )
+        self.restore_classes = Counter(
+            "strata_restore_classes_total",
+            "Restores served, by class: exact (every tensor as saved) or stored (lossy tensors as "
+            "storage holds them).",
+            ["training_job", "restore_class"],
+            registry=r,
+        )
         self.replica_reads = Counter(
             "strata_replica_reads_total",
             "Another rank's share of the replicated tensors read for a restoring rank, by source "

@@ -377,6 +377,11 @@ class Holdings:
                     return entry
         return None
 
+    def complete_of(self, ns: str, job: str) -> list[Entry]:
+        """The job's complete entries held now."""
+        with self._lock:
+            return [e for k, e in self.complete.items() if k[:2] == (ns, job) and not e.dead]
+
     def knows(self, ns: str, job: str) -> bool:
         with self._lock:
             return any(k[:2] == (ns, job) for k in self.complete) or any(

@@ -1251,6 +1251,9 @@ class CheckpointClient:
         self.last_restore = {
             "step": int(header.step),
             "source": header.source,
+            # exact: every tensor as saved (lossy ones included); stored: lossily stored tensors
+            # as storage holds them (the gang's attempt decided one class for every rank)
+            "restore_class": header.restore_class or "stored",
             "fallback_reason": header.fallback_reason,
             "bytes": int(header.total_bytes),
             # read straight from the shared segment the sidecar holds the snapshot in (no gRPC)

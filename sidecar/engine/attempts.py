@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 from sidecar import manifest as mf
 from sidecar.api import EXIT_LIMIT_SPENT, LIMIT_SPENT_MARKER, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
@@ -20,6 +21,7 @@ from sidecar.errors import (
     InvalidArgument,
     ObjectNotFound,
     PreconditionFailed,
+    StrataError,
 )
 from sidecar.gang import JobGang, Position
 
@@ -29,6 +31,10 @@ from .state import Shared
 from .types import Identity, JobKey, Slot
 
 log = logging.getLogger(__name__)
+
+#: The longest rank 0's sidecar waits for every rank's holdings report before it decides a
+#: restore class (stored, when one is missing: a rank still being scheduled, say).
+EXACT_WAIT_S = 60.0
 
 
 def check_protocol(version: int) -> None:
@@ -73,6 +79,8 @@ class Attempts:
         # Single ranks of protocol-1 clients (which declare no generation): slot -> the
         # generation this sidecar gave the trainer process at its handshake (see greet).
         self._v1_solo: dict[Slot, str] = {}
+        #: what this sidecar holds exactly for a rank as a generation starts (the engine sets it)
+        self.holdings_of: Callable[[Identity, str], mf.Holdings] | None = None
 
     def generation_of(self, identity: Identity) -> mf.Generation:
         """The generation file when the sidecar has one (the launcher or a downward-API volume
@@ -204,6 +212,7 @@ class Attempts:
         ns, job = identity.job_key
         deadline = time.monotonic() + self.settings.commit_timeout_s
         delay = 0.05
+        reported = not self.exact_classes
         if identity.rank == 0:
             self.held.settle(identity.job_key)
         while True:
@@ -230,11 +239,23 @@ class Attempts:
                         f"{ns}/{job}: generation {generation} was superseded by {there} (attempt "
                         f"{newest.attempt}); this trainer belongs to a gang that was restarted"
                     )
+            if not reported:
+                reported = True
+                self._report_holdings(identity, generation)
             if identity.rank == 0:
                 restore, reason = self.decide_restore(identity, fences)
+                restore_class = self._restore_class(identity, generation, restore)
                 try:
                     return mf.create_epoch(
-                        self.store, ns, job, generation, identity.world_size, restore, fences, reason
+                        self.store,
+                        ns,
+                        job,
+                        generation,
+                        identity.world_size,
+                        restore,
+                        fences,
+                        reason,
+                        restore_class,
                     )
                 except PreconditionFailed:
                     # Another writer took that attempt number: read again, decide again.
@@ -254,6 +275,77 @@ class Attempts:
             with gang.cond:
                 gang.cond.wait(delay)
             delay = min(delay * 1.5, 1.0)
+
+    @property
+    def exact_classes(self) -> bool:
+        """Whether attempts decide a restore class: lossy storage with --restore-class auto (else
+        every restore gives what storage holds, which is exact for lossless checkpoints)."""
+        quant = self.shared.quant
+        return quant.enabled and quant.exact
+
+    def _report_holdings(self, identity: Identity, generation: mf.Generation) -> None:
+        """Tell rank 0's sidecar, through storage, what this rank's sidecar holds exactly as a
+        generation starts. Best effort: a report that is not written makes the class stored."""
+        if self.holdings_of is None:
+            return
+        self.held.settle(identity.job_key)  # what a completed stream commits is held, then
+        report = self.holdings_of(identity, str(generation))
+        key = mf.holdings_key(*identity.job_key, str(generation), identity.rank)
+        try:
+            self.store.put(key, report.to_json())
+        except (StrataError, OSError) as exc:
+            log.warning(
+                "rank %d: holdings report not written (%s): the restore class is stored", identity.rank, exc
+            )
+
+    def _restore_class(self, identity: Identity, generation: mf.Generation, restore: Position | None) -> str:
+        """ "exact" when every rank's sidecar reports it can restore ``restore`` exactly, else "".
+        Waits for a report of every rank (the gang waits for every rank anyway), at most
+        EXACT_WAIT_S; a rank not heard from by then makes the class stored."""
+        if restore is None or not self.exact_classes:
+            return ""
+        ns, job = identity.job_key
+        prefix = mf.holdings_prefix(ns, job, str(generation))
+        world = identity.world_size
+        reports: dict[int, mf.Holdings] = {}
+        deadline = time.monotonic() + min(EXACT_WAIT_S, self.settings.commit_timeout_s)
+        delay = 0.05
+        while True:
+            try:
+                keys = [o.key for o in self.store.list(prefix).objects]
+            except (StrataError, OSError) as exc:
+                log.warning(
+                    "%s/%s: holdings reports unreadable (%s): the restore class is stored", ns, job, exc
+                )
+                return ""
+            for key in keys:
+                tail = key[len(prefix) :]
+                if not tail.isdigit() or int(tail) >= world or int(tail) in reports:
+                    continue
+                try:
+                    found = mf.Holdings.from_json(self.store.get(key), key)
+                except (StrataError, OSError) as exc:
+                    log.warning("%s/%s: %s unreadable (%s); ignored", ns, job, key, exc)
+                    continue
+                if found.generation == str(generation) and found.rank == int(tail):
+                    reports[found.rank] = found
+            if mf.exact_everywhere(world, restore, reports):
+                log.info(
+                    "%s/%s: every rank holds step %d exactly: the restore class is exact", ns, job, restore[1]
+                )
+                return "exact"
+            if len(reports) >= world or time.monotonic() > deadline or self.shared.stopping.is_set():
+                missing = world - len(reports)
+                log.info(
+                    "%s/%s: step %d is not held exactly for every rank (%s): the restore class is stored",
+                    ns,
+                    job,
+                    restore[1],
+                    f"{missing} rank(s) not heard from" if missing else "some rank lost its copy",
+                )
+                return ""
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
 
     def reattempt(self, identity: Identity) -> mf.Epoch:
         """A new attempt for the same generation (world size 1 only), deciding its restore again."""

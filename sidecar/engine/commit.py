@@ -161,6 +161,7 @@ class Commits:
                     required_commits=[refs[s] for s in out.requires],
                     policy=self.settings.policy,
                     restores=snap.restores,
+                    storage_restores=snap.storage_restores,
                     generation=snap.generation,
                     replicas=snap.replicas,
                 )
@@ -294,6 +295,7 @@ class Commits:
             max_diffs=self.settings.max_diffs,
             quant=self.shared.quant,
             restores=snap.restores,
+            storage_restores=snap.storage_restores,
             chain=chain,
             previous=previous,
             touched=snap.touched,

@@ -47,9 +47,14 @@ class Engine:
         self.attempts = Attempts(shared, self.held, self.reports)
         self.commits = Commits(shared, self.held, self.reports, self.redundancy)
         self.restorer = Restorer(shared, self.held, self.attempts, self.redundancy)
+        self.attempts.holdings_of = self._holdings
         self.admission = Admission(
             shared, self.held, self.attempts, self.commits, self.restorer, self.reports
         )
+
+    def _holdings(self, identity: Identity, generation: str) -> mf.Holdings:
+        copies, parity = self.redundancy.exact_copies(identity.job_key)
+        return mf.Holdings(generation, identity.rank, self.held.exact_positions(identity), copies, parity)
 
     def set_peers(self, peers: Peers) -> None:
         """The job's other sidecars (known once the members are parsed)."""

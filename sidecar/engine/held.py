@@ -45,8 +45,10 @@ class Held:
         # Per rank: the step its trainer restored from memory with lossy tensors decoded: until its
         # next commit the trainer holds that step as storage gives it, not the exact bytes held.
         self.decoded: dict[Slot, int] = {}
-        # Per job: restores seen, carried forward in manifests (bit-width escalation).
+        # Per job: restores seen, and those that gave lossy values, carried forward in manifests
+        # (bit-width escalation).
         self.restores: dict[JobKey, int] = {}
+        self.storage_restores: dict[JobKey, int] = {}
 
     # --- snapshots ---------------------------------------------------------------------------
 
@@ -208,6 +210,16 @@ class Held:
             return None
         return found, buf, layers
 
+    def exact_positions(self, identity: Identity) -> list[list[int]]:
+        """The commits of ``identity``'s rank held in memory as its trainer saved them (same world
+        size): what a holdings report lists as its own."""
+        with self.shared.lock:
+            return [
+                list(s.position)
+                for s in self.slots.get(identity.slot, [])
+                if s.state == "committed" and s.identity.world_size == identity.world_size
+            ]
+
     def world_size_of(self, job_key: JobKey, position: Position) -> int | None:
         """The number of ranks that saved the commit ``position`` of the job, when this sidecar holds
         one of its committed snapshots (else None)."""
@@ -244,6 +256,7 @@ class Held:
         with self.shared.lock:
             chain = self.chains.get(ident.slot)
             snap.restores = self.restores.get(ident.job_key, 0)
+            snap.storage_restores = min(snap.restores, self.storage_restores.get(ident.job_key, 0))
             for held in self.slots.get(ident.slot, []):
                 if chain is not None and held.state == "committed" and held.step == chain.steps[-1]:
                     previous = memoryview(held.buffer)
@@ -281,15 +294,25 @@ class Held:
             self.layers[slot] = layers if any(h for _, _, h in layers) else []
             self.account(slot)
 
-    def restored(self, identity: Identity, keep_chain: bool, restores: int) -> None:
-        """The trainer of ``identity`` restored a checkpoint saved after ``restores`` restores.
-        Unless ``keep_chain``, the rank's chain ends: the next checkpoint is full. If it is kept
-        and holds lossy forms, the restore handed them out decoded: the next diff compares with
-        those values, else every row of a quantized table would differ from the exact bytes held."""
+    def restored(
+        self,
+        identity: Identity,
+        keep_chain: bool,
+        restores: int,
+        storage_restores: int = 0,
+        exact: bool = False,
+    ) -> None:
+        """The trainer of ``identity`` restored a checkpoint saved after ``restores`` restores
+        (``storage_restores`` of them lossy), ``exact``ly as saved or with lossy tensors as
+        storage holds them. Unless ``keep_chain``, the rank's chain ends: the next checkpoint is
+        full. If it is kept, holds lossy forms and the restore handed them out decoded, the next
+        diff compares with those values, else every row of a quantized table would differ from
+        the exact bytes held; after an exact restore it compares with the exact bytes, as if
+        training had never stopped (storage's forms of the rows it skips are those values')."""
         key = identity.job_key
         with self.shared.lock:
             chain = self.chains.get(identity.slot)
-            if keep_chain and chain is not None and self.layers.get(identity.slot):
+            if keep_chain and not exact and chain is not None and self.layers.get(identity.slot):
                 self.decoded[identity.slot] = chain.steps[-1]
             else:
                 self.decoded.pop(identity.slot, None)
@@ -301,6 +324,9 @@ class Held:
             # Every rank of a gang restart restores once: count the restart, not the ranks.
             if restores + 1 > self.restores.get(key, 0):
                 self.restores[key] = restores + 1
+            lossy = storage_restores + (0 if exact else 1)
+            if lossy > self.storage_restores.get(key, 0):
+                self.storage_restores[key] = lossy
 
     def account(self, slot: Slot) -> None:
         """Charge a rank's held lossy forms to the budget (caller holds the shared lock). When

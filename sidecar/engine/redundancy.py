@@ -205,8 +205,9 @@ class Redundancy:
             return
         kind = "replica" if self.mode == "buddy" else "parity"
         for snap in snaps:
-            if any(t.lossy or not (t.xxh3 or t.crc32) for t in snap.stored):
-                # A lossy tensor's restored values come from its stored form: read storage.
+            if any((t.lossy and not self.shared.quant.exact) or not (t.xxh3 or t.crc32) for t in snap.stored):
+                # Under the stored class a lossy tensor's restored values come from its stored
+                # form: read storage. Under the exact class the copy is of the bytes as saved.
                 log.info(
                     "rank %d step %d: lossy or undigested tensors; not protected",
                     snap.identity.rank,
@@ -233,6 +234,7 @@ class Redundancy:
                     None,
                     [r for r in snap.replicas if r.owner != rank],
                     snap.attempt,
+                    restore_class="exact",
                 )
                 blob = restore_header(data).SerializeToString()
             ranks.append(pb.ShareRank(rank=rank, nbytes=snap.total_bytes, restore_header=blob))
@@ -484,6 +486,22 @@ class Redundancy:
         header = pb.RestoreHeader()
         header.ParseFromString(rank.restore_header)
         return header, rd.read_chunks(entry.data, offset, rank.nbytes, DEFAULT_CHUNK_BYTES)
+
+    def exact_copies(self, job_key: JobKey) -> tuple[list[list[int]], list[list[object]]]:
+        """What this member holds complete for the job's other members, as a holdings report
+        lists it: buddy copies ``[rank, attempt, step]`` and parity ``[[ranks], attempt, step]``
+        (every copy is of the bytes as saved, exact)."""
+        copies: list[list[int]] = []
+        parity: list[list[object]] = []
+        if self.holdings is None:
+            return copies, parity
+        for e in self.holdings.complete_of(*job_key):
+            ranks = sorted({r.rank for h in e.headers for r in h.ranks})
+            if e.kind == "replica":
+                copies.extend([r, *e.position] for r in ranks)
+            else:
+                parity.append([ranks, *e.position])
+        return copies, parity
 
     def knows(self, namespace: str, job: str) -> bool:
         return self.holdings is not None and self.holdings.knows(namespace, job)

@@ -82,15 +82,18 @@ class Reports:
             if beat is not None:
                 beat["step"] = step
 
-    def note_restore(self, slot: Slot, step: int, source: str) -> None:
-        """``slot`` restored ``step`` from ``source`` (memory, peer or storage): its heartbeats say
-        so, and the operator writes it on that step's Checkpoint. Called once a restore was served
-        whole (a replica fetch for another rank does not count)."""
+    def note_restore(self, slot: Slot, step: int, source: str, restore_class: str = "") -> None:
+        """``slot`` restored ``step`` from ``source`` (memory, peer or storage), of
+        ``restore_class`` (exact or stored): its heartbeats say so, and the operator writes it on
+        that step's Checkpoint. Called once a restore was served whole (a replica fetch for
+        another rank does not count)."""
         with self.shared.lock:
             beat = self._beats.get(slot)
             if beat is not None:
                 beat["restore_source"] = source
                 beat["restored_step"] = step
+                if restore_class:
+                    beat["restore_class"] = restore_class
 
     # --- in-place restarts ------------------------------------------------------------------
 

@@ -84,7 +84,9 @@ class Restorer:
             attempts = [a for a in mf.step_commits(self.store, ns, job, step) if fences.valid(a, step)]
             if not attempts:
                 raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
-            return self._served(identity, self._retrying(identity, (attempts[-1], step), self._load))
+            chosen = (attempts[-1], step)
+            wanted = self._wanted_class(identity, None, chosen)
+            return self._served(identity, self._retrying(identity, chosen, self._loader(wanted)))
         try:
             epoch = self.attempts.epoch_for(identity)
         except StorageError as exc:
@@ -94,7 +96,7 @@ class Restorer:
             if held is None:
                 raise
             log.warning("storage unreachable (%s); restoring step %d from memory", exc, held[1])
-            memory = self._from_memory(identity, held)
+            memory = self._from_memory(identity, held, exact=self.attempts.exact_classes)
             if memory is None:
                 raise
             return self._served(identity, memory)
@@ -102,7 +104,7 @@ class Restorer:
         if target is None:
             raise NotFound(f"no committed checkpoint for {ns}/{job}")
         try:
-            data = self._retrying(identity, target, self._load)
+            data = self._retrying(identity, target, self._loader(self._wanted_class(identity, epoch, target)))
         except (CorruptObject, NotFound) as exc:
             first_error = exc
         else:
@@ -188,7 +190,20 @@ class Restorer:
             own = [p for p, news in gang.steps.items() if p[0] == epoch.attempt and news.committed]
         return max(own) if own else epoch.restore
 
-    def _load(self, identity: Identity, target: Position) -> RestoreData:
+    def _wanted_class(self, identity: Identity, epoch: mf.Epoch | None, target: Position) -> str:
+        """The restore class of ``target`` for ``identity``: "exact" or "stored" as the attempt's
+        EPOCH decided for its restore step (every rank alike); "either" (exact when held, else
+        stored) where one rank alone restores; "stored" for other restores of a gang."""
+        if not self.attempts.exact_classes:
+            return "stored"
+        if epoch is not None and target == epoch.restore and identity.world_size > 1:
+            return "exact" if epoch.restore_class == "exact" else "stored"
+        return "either" if identity.world_size == 1 else "stored"
+
+    def _loader(self, wanted: str) -> Callable[[Identity, Position], RestoreData]:
+        return lambda identity, target: self._load(identity, target, wanted)
+
+    def _load(self, identity: Identity, target: Position, wanted: str = "stored") -> RestoreData:
         world = self._saved_by(identity.job_key, target)
         if world != identity.world_size:
             # Before any path that serves "this rank's" snapshot (memory, peers, parity, storage):
@@ -196,8 +211,24 @@ class Restorer:
             # saved it instead (open_rank), when its state allows.
             raise FailedPrecondition(_other_world(target, world, identity.world_size))
         ahead = self._take_prefetched(identity, target)
-        if ahead is not None:
+        if ahead is not None and (wanted != "exact" or ahead.restore_class == "exact"):
             return ahead
+        if wanted != "stored":
+            exact = (
+                self._from_memory(identity, target, exact=True)
+                or self._from_peer(identity, target, own=True, exact=True)
+                or self._from_parity(identity, target, exact=True)
+            )
+            if exact is not None:
+                return exact
+            if wanted == "exact":
+                ns, job = identity.job_key
+                raise FailedPrecondition(
+                    f"rank {identity.rank} of {ns}/{job}: this attempt restores step {target[1]} exactly "
+                    "on every rank (its EPOCH's restore class), but this rank's exact copy is gone (not "
+                    "in this sidecar's memory, and no peer holds it); the gang restarts, and the next "
+                    "attempt restores what storage holds on every rank"
+                )
         memory = self._from_memory(identity, target)
         if memory is not None:
             return memory
@@ -211,10 +242,17 @@ class Restorer:
     def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
         """Count a restore; later checkpoints of the job carry the count (bit-width escalation)."""
         self.metrics.restores.labels(identity.job, data.source).inc()
+        self.metrics.restore_classes.labels(identity.job, data.restore_class).inc()
         # Unless it is from memory as saved, the trainer now holds something other than the
         # snapshot this rank's chain ends with (an older step, or a stored chain that may be
         # damaged): start a new one.
-        self.held.restored(identity, data.source == "memory" and not data.fallback_reason, data.restores)
+        self.held.restored(
+            identity,
+            data.source == "memory" and not data.fallback_reason,
+            data.restores,
+            data.storage_restores,
+            exact=data.restore_class == "exact",
+        )
         return data
 
     def open_rank(
@@ -245,10 +283,18 @@ class Restorer:
             )
         of = dataclasses.replace(identity, rank=owner, world_size=world)
         if header_only:
-            data = self._header(of, target)
-            data.world_size = world
-            return data
-        data = self._from_memory(of, target) or self._from_peer(of, target) or self._from_storage(of, target)
+            head = self._header(of, target)
+            head.world_size = world
+            return head
+        found: RestoreData | None = None
+        if world == identity.world_size and self._wanted_class(
+            identity, self.attempts.epoch_for(identity), target
+        ) in ("exact", "either"):
+            # the owner's replicated tensors as the rest of this restore gives them: exactly
+            found = self._from_memory(of, target, exact=True) or self._from_peer(of, target, exact=True)
+        if found is None:
+            found = self._from_memory(of, target) or self._from_peer(of, target)
+        data = found if found is not None else self._from_storage(of, target)
         data.world_size = world
         if world == identity.world_size:
             reads, read_bytes = self.metrics.replica_reads, self.metrics.replica_read_bytes
@@ -360,10 +406,10 @@ class Restorer:
         key = self.shared.authenticate(
             identity.job_key, req.protocol, req.issued_at, req.nonce, lambda k: fetch_mac(k, req), req.mac
         )
-        data = self._from_memory(identity, target)
-        if data is None or data.memory is not None:  # not held, or lossy (decoded into a copy)
-            if data is not None and data.memory is not None:
-                data.memory.release()
+        # the bytes as saved, lossy tensors included: a stored form is decoded from storage by
+        # whoever needs it
+        data = self._from_memory(identity, target, exact=True)
+        if data is None:
             copy = self.redundancy.replica_fetch(req)  # a buddy's copy held here
             if copy is not None:
                 return copy[0], copy[1], key
@@ -373,9 +419,12 @@ class Restorer:
         data.source = "peer"
         return restore_header(data), data.chunks, key
 
-    def _checkable(self, identity: Identity, target: Position) -> tuple[mf.Manifest, bytes] | None:
+    def _checkable(
+        self, identity: Identity, target: Position, exact: bool = False
+    ) -> tuple[mf.Manifest, bytes] | None:
         """The rank's MANIFEST of ``target`` and the job's peer key, when what a peer sends can be
-        checked against it: lossless, every tensor digested (else None: storage then)."""
+        checked against it: every tensor digested, lossless unless ``exact`` (a lossy tensor's
+        digest is of the bytes as saved, which peers hold) (else None: storage then)."""
         ns, job = identity.job_key
         try:
             key = mf.commit_key(ns, job, target[1], target[0])
@@ -386,16 +435,16 @@ class Restorer:
         except (StrataError, OSError) as exc:
             log.info("rank %d: no peer fetch (%s)", identity.rank, exc)
             return None
-        if any(t.lossy or not (t.xxh3 or t.crc32) for t in manifest.tensors):
+        if any((t.lossy and not exact) or not (t.xxh3 or t.crc32) for t in manifest.tensors):
             return None  # lossy forms are decoded from storage; bytes without a digest stay unchecked
         return manifest, secret
 
-    def _from_parity(self, identity: Identity, target: Position) -> RestoreData | None:
+    def _from_parity(self, identity: Identity, target: Position, exact: bool = False) -> RestoreData | None:
         """This member's share rebuilt from its group's parity and survivors, checked against the
         rank's MANIFEST, or None (storage then)."""
         if self.redundancy.mode != "parity":
             return None
-        checkable = self._checkable(identity, target)
+        checkable = self._checkable(identity, target, exact)
         if checkable is None:
             return None
         manifest, _ = checkable
@@ -427,7 +476,9 @@ class Restorer:
         )
         return _peer_data(manifest, target, view, None)
 
-    def _from_peer(self, identity: Identity, target: Position, own: bool = False) -> RestoreData | None:
+    def _from_peer(
+        self, identity: Identity, target: Position, own: bool = False, exact: bool = False
+    ) -> RestoreData | None:
         """The rank's tensors from the peer sidecar that holds them in memory (or, with ``own``,
         a buddy's copy of this member's own rank), checked against the rank's MANIFEST (every
         tensor's digest), or None (no peers, none holds it, a lossy step, or what came back does
@@ -440,7 +491,7 @@ class Restorer:
             if self.redundancy.mode != "buddy" or members is None:
                 return None
             first = members.addresses[members.buddy(members.index)]
-        checkable = self._checkable(identity, target)
+        checkable = self._checkable(identity, target, exact)
         if checkable is None:
             return None
         manifest, secret = checkable
@@ -559,12 +610,23 @@ class Restorer:
                         identity.rank,
                         target[1],
                     )
-                elif target is not None and self._from_memory(identity, target) is None:
-                    data = (
-                        self._from_peer(identity, target, own=True)
-                        or self._from_parity(identity, target)
-                        or self._from_storage(identity, target, "prefetch")
+                elif (
+                    target is not None
+                    and (wanted := self._wanted_class(identity, epoch, target))
+                    and self._from_memory(identity, target, exact=wanted != "stored") is None
+                ):
+                    exact = wanted != "stored"
+                    data = self._from_peer(identity, target, own=True, exact=exact) or self._from_parity(
+                        identity, target, exact
                     )
+                    if data is None and wanted != "exact":
+                        data = (
+                            self._from_peer(identity, target, own=True)
+                            or self._from_parity(identity, target)
+                            or self._from_storage(identity, target, "prefetch")
+                        )
+                    if data is None:
+                        raise NotFound(f"step {target[1]}: no exact copy to read ahead")
                     log.info(
                         "rank %d: prefetched step %d (%d bytes) from %s",
                         identity.rank,
@@ -593,14 +655,21 @@ class Restorer:
             got, _, data = self.prefetched.pop(identity.slot, (None, entry[1], None))
         return data if got == target else None
 
-    def _from_memory(self, identity: Identity, target: Position) -> RestoreData | None:
+    def _from_memory(self, identity: Identity, target: Position, exact: bool = False) -> RestoreData | None:
+        """The committed snapshot held here, checked against its digests: with ``exact``, as its
+        trainer saved it (lossy tensors too); else lossy tensors decoded from their held stored
+        forms, as storage gives them."""
         copy = self.held.committed_copy(identity, target)
         if copy is None:
             return None
         found, buf, layers = copy
-        if not self._intact(found, buf):
+        if not self._intact(found, buf, exact):
+            if exact:  # gone for good: the next holdings report must not list it
+                with self.shared.lock:
+                    self.held.drop_committed_locked(identity, "a changed shared segment")
             return None
-        if layers or any(t.lossy for t in found.stored):
+        lossy = bool(layers) or any(t.lossy for t in found.stored)
+        if lossy and not exact:
             # Lossy tensors come back as storage gives them: the held stored forms, decoded the
             # same way (ranks restored from memory and from storage agree bit for bit).
             if not layers or layers[-1][0] != found.step:
@@ -631,13 +700,15 @@ class Restorer:
             [r for r in found.replicas if r.owner != identity.rank],
             target[0],
             segment,
+            storage_restores=found.storage_restores,
+            restore_class="exact" if exact or not lossy else "stored",
         )
 
-    def _intact(self, snap: Snapshot, buf: memoryview) -> bool:
+    def _intact(self, snap: Snapshot, buf: memoryview, exact: bool = False) -> bool:
         """A shared segment is writable by its trainer: check every tensor still holds what was
         saved (the same digest a storage restore checks) before serving it."""
         for t in snap.stored:
-            if t.lossy:
+            if t.lossy and not exact:
                 continue  # its restored values come from the held stored form, not these bytes
             why = mf.check_digest(t, buf[t.offset : t.offset + t.nbytes])
             if why is not None:
@@ -688,6 +759,8 @@ class Restorer:
             memory,
             manifest.foreign(),
             target[0],
+            storage_restores=manifest.storage_restores,
+            restore_class="stored" if any(t.lossy for t in manifest.tensors) else "exact",
         )
 
     # --- queries -----------------------------------------------------------------------------
@@ -740,7 +813,8 @@ def _with_digests(tensors: list[mf.TensorEntry], stored: list[mf.TensorEntry]) -
 def _peer_data(
     manifest: mf.Manifest, target: Position, view: memoryview, memory: Reservation | None
 ) -> RestoreData:
-    """A rank's snapshot of ``target`` that came from other members, as its MANIFEST describes it."""
+    """A rank's snapshot of ``target`` that came from other members, as its MANIFEST describes it:
+    the bytes as saved (peers hold and serve nothing else), every digest checked."""
     return RestoreData(
         target[1],
         manifest.tensors,
@@ -753,4 +827,6 @@ def _peer_data(
         memory,
         manifest.foreign(),
         target[0],
+        storage_restores=manifest.storage_restores,
+        restore_class="exact",
     )

@@ -92,8 +92,9 @@ class Snapshot:
     segment: str = ""
     #: The objects as uploaded, when they are ``buffer`` itself cut in slices (a lossless full).
     objects: list[mf.ObjectEntry] = field(default_factory=list)
-    #: Restores the job had seen when this was saved.
+    #: Restores the job had seen when this was saved, and those of them that gave lossy values.
     restores: int = 0
+    storage_restores: int = 0
     #: tensor name -> packed bitmap of rows the client tracked as looked up
     touched: dict[str, bytes] = field(default_factory=dict)
     state: str = "receiving"  # receiving -> uploading -> committed | failed | aborted
@@ -136,6 +137,11 @@ class RestoreData:
     #: the ranks that saved the commit served (set for reads of any rank: it may differ from the
     #: reader's world size)
     world_size: int = 0
+    #: of the restores counted in ``restores``, those that gave lossy values (the stored class)
+    storage_restores: int = 0
+    #: "exact": every tensor as the trainer saved it (lossy ones included); "stored": lossy
+    #: tensors as storage holds them
+    restore_class: str = "stored"
 
 
 def drop_buffer(snap: Snapshot) -> None:
@@ -176,9 +182,9 @@ def zeroed(size: int, shareable: bool = False) -> bytearray | memoryview:
     return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
 
 
-def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:
-    # The saved bytes' digest, which the reader checks while it copies; a lossy tensor comes
-    # back decoded, other bytes than the digest was taken of.
+def _metas(tensors: list[mf.TensorEntry], exact: bool) -> list[pb.TensorMeta]:
+    # The saved bytes' digest, which the reader checks while it copies; under the stored class a
+    # lossy tensor comes back decoded, other bytes than the digest was taken of.
     return [
         pb.TensorMeta(
             name=t.name,
@@ -186,7 +192,7 @@ def _metas(tensors: list[mf.TensorEntry]) -> list[pb.TensorMeta]:
             shape=t.shape,
             nbytes=t.nbytes,
             offset=t.offset,
-            xxh3="" if t.lossy else t.xxh3,
+            xxh3="" if t.lossy and not exact else t.xxh3,
         )
         for t in tensors
     ]
@@ -208,7 +214,8 @@ def restore_header(data: RestoreData) -> pb.RestoreHeader:
     """What a restore stream (or a peer's fetch) starts with."""
     return pb.RestoreHeader(
         step=data.step,
-        tensors=_metas(data.tensors),
+        tensors=_metas(data.tensors, data.restore_class == "exact"),
+        restore_class=data.restore_class,
         tree=json.dumps(data.tree).encode(),
         total_bytes=data.total_bytes,
         source=data.source,

@@ -372,9 +372,19 @@ def _heartbeat(item: Mapping[str, Any]) -> dict[str, Any]:
         ("time", (int, float), False),
     ):
         _field(item, key, kind, nullable=nullable)
-    for key, kind in (("restore_source", str), ("restored_step", int), ("restart_generation", str)):
+    for key, kind in (
+        ("restore_source", str),
+        ("restored_step", int),
+        ("restart_generation", str),
+        ("restore_class", str),
+    ):
         if key in item:
             _field(item, key, kind, nullable=True)
+    if item.get("restore_class") not in (None, *RESTORE_CLASSES):
+        raise ValueError(
+            f"heartbeat key 'restore_class' must be one of {', '.join(RESTORE_CLASSES)}, "
+            f"got {item['restore_class']!r}"
+        )
     if item.get("restore_source") not in (None, *RESTORE_SOURCES):
         raise ValueError(
             f"heartbeat key 'restore_source' must be one of {', '.join(RESTORE_SOURCES)}, "
@@ -385,6 +395,8 @@ def _heartbeat(item: Mapping[str, Any]) -> dict[str, Any]:
 
 #: Where a rank's restore may come from (the sidecar's RestoreData.source).
 RESTORE_SOURCES = ("memory", "peer", "storage")
+#: exact: every tensor as saved; stored: lossy tensors as storage holds them
+RESTORE_CLASSES = ("exact", "stored")
 #: A Checkpoint's lastRestore is written at most this often while ranks keep reporting.
 RESTORE_WRITE_S = 5.0
 
@@ -406,6 +418,7 @@ class _Restores:
     attempt: int
     sources: dict[int, str] = dataclasses.field(default_factory=dict)
     written: dict[int, str] = dataclasses.field(default_factory=dict)
+    classes: dict[int, str] = dataclasses.field(default_factory=dict)
     at: float = 0.0
 
 
@@ -639,6 +652,8 @@ class CheckpointWriter:
         elif attempt < state.attempt:
             return
         state.sources[int(beat["rank"])] = str(source)
+        if beat.get("restore_class") in RESTORE_CLASSES:
+            state.classes[int(beat["rank"])] = str(beat["restore_class"])
         if state.sources == state.written:
             return
         now = time.monotonic()
@@ -650,6 +665,11 @@ class CheckpointWriter:
             "source": next(iter(counts)) if len(counts) == 1 else "mixed",
             "ranks": len(state.sources),
             **{s: counts.get(s, 0) for s in RESTORE_SOURCES},
+        }
+        classes = set(state.classes.values())
+        if classes:  # one class for the gang by design; "mixed" would be a fault to see
+            body["restoreClass"] = classes.pop() if len(classes) == 1 else "mixed"
+        body |= {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         name = objects.checkpoint_name(beat["job"], step)

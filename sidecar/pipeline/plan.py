@@ -126,6 +126,7 @@ class SnapshotEncoder:
         max_diffs: int,
         quant: Quantization,
         restores: int,
+        storage_restores: int = 0,
         chain: Chain | None = None,
         previous: memoryview | None = None,
         touched: dict[str, bytes] | None = None,
@@ -156,7 +157,7 @@ class SnapshotEncoder:
         self.buffer = buffer
         self.policy = policy
         self.quant = quant
-        self.bits = quant.bits(restores)
+        self.bits = quant.bits(restores, storage_restores)
         self.workers = workers
         self.pool = pool
         self.outcome = Outcome()

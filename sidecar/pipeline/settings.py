@@ -11,6 +11,8 @@ from sidecar.pipeline import quantize as qz
 from sidecar.pipeline.policy import check_policy
 
 CASTS = ("float16", "bfloat16")
+#: --restore-class values
+RESTORE_CLASSES = ("auto", "stored")
 #: the role the client gives embedding-table weights (TensorMeta.role)
 EMBEDDING_ROLE = "embedding"
 
@@ -23,6 +25,10 @@ class Quantization:
     patterns: tuple[str, ...]
     expected_restores: int
     table: tuple[tuple[int, int], ...]
+    #: --restore-class auto: restores served exactly (memory, peers) add no error, so ``auto``
+    #: sizes bits for the restores expected from storage only.
+    exact: bool = False
+    expected_storage_restores: int = 1
 
     @property
     def enabled(self) -> bool:
@@ -35,14 +41,18 @@ class Quantization:
             return role == EMBEDDING_ROLE
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
-    def bits(self, restores_so_far: int) -> int:
-        """Bit width for the next checkpoint (0 for a cast or off); escalates to 8 once
-        restores exceed the plan, since error accumulates per restore."""
+    def bits(self, restores_so_far: int, storage_restores_so_far: int = 0) -> int:
+        """Bit width for the next checkpoint (0 for a cast or off); escalates to 8 once the
+        restores that gave lossy values (every restore under the stored class, storage's under
+        the exact one) exceed the plan, since error accumulates per such restore."""
         if self.mode in ("off", *CASTS):
             return 0
         if self.mode == "auto":
-            planned = qz.bits_for_restores(self.expected_restores, self.table)
-            return qz.escalate(planned, restores_so_far, self.expected_restores)
+            if self.exact:
+                expected, seen = self.expected_storage_restores, storage_restores_so_far
+            else:
+                expected, seen = self.expected_restores, restores_so_far
+            return qz.escalate(qz.bits_for_restores(expected, self.table), seen, expected)
         return int(self.mode)
 
     @property
@@ -70,8 +80,21 @@ def quantization(settings: Any) -> Quantization:
         raise ValueError(f"--quantize {settings.quantize!r} is not one of {', '.join(allowed)}")
     if settings.expected_restores < 0:
         raise ValueError(f"--expected-restores must be >= 0, got {settings.expected_restores}")
+    storage = getattr(settings, "expected_storage_restores", 1)
+    if storage < 0:
+        raise ValueError(f"--expected-storage-restores must be >= 0, got {storage}")
+    restore_class = str(getattr(settings, "restore_class", "stored")).strip().lower()
+    if restore_class not in RESTORE_CLASSES:
+        raise ValueError(f"--restore-class {restore_class!r} is not one of {', '.join(RESTORE_CLASSES)}")
     patterns = tuple(filter(None, (p.strip() for p in str(settings.quantize_match).split(","))))
-    return Quantization(mode, patterns, settings.expected_restores, parse_table(settings.restore_bits))
+    return Quantization(
+        mode,
+        patterns,
+        settings.expected_restores,
+        parse_table(settings.restore_bits),
+        exact=restore_class == "auto",
+        expected_storage_restores=storage,
+    )
 
 
 def check_encoding_settings(settings: Any) -> None:

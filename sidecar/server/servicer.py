@@ -170,7 +170,9 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
                 for start in range(0, len(blob), self.chunk_bytes):
                     yield pb.RestoreResponse(chunk=bytes(blob[start : start + self.chunk_bytes]))
         if not request.HasField("of_rank"):  # served whole: the heartbeats say where it came from
-            self.engine.reports.note_restore(_identity(request.identity).slot, data.step, data.source)
+            self.engine.reports.note_restore(
+                _identity(request.identity).slot, data.step, data.source, data.restore_class
+            )
 
     def _until_taken(self, name: str, context: grpc.ServicerContext) -> None:
         """Keep the call open until the client took a handed-over segment (fetched the lent

@@ -449,11 +449,13 @@ def restore_stored(make_sidecar: Any, make_client: Any, storage: str, job: str, 
 def test_the_first_diff_after_a_restore_of_a_lossy_step_holds_only_the_rows_changed(
     make_sidecar, make_client, job_name, short_tmp, bits, policy
 ):
-    """A restore from memory hands back the table as storage holds it (dequantized), so the
-    trainer no longer holds the exact snapshot the sidecar kept: the next diff must compare
-    against what was restored, or every row of the table differs."""
+    """Under --restore-class stored a restore from memory hands back the table as storage holds
+    it (dequantized), so the trainer no longer holds the exact snapshot the sidecar kept: the next
+    diff must compare against what was restored, or every row of the table differs."""
     storage = f"file://{short_tmp}/lossy"
-    server = make_sidecar(storage, quantize=bits, quantize_match="table", policy=policy)
+    server = make_sidecar(
+        storage, quantize=bits, quantize_match="table", policy=policy, restore_class="stored"
+    )
     client = make_client(server, job_name, capture_rng=False)
     state = new_state()
     written = set(touch(state, 0, rows=0))
@@ -461,6 +463,7 @@ def test_the_first_diff_after_a_restore_of_a_lossy_step_holds_only_the_rows_chan
     written |= set(touch(state, 1, rows=40))
     client.save(1, state).durable.result(30)
     assert client.restore(state) == 1 and client.last_restore["source"] == "memory"
+    assert client.last_restore["restore_class"] == "stored"
     now = touch(state, 2, rows=25)
     written |= set(now)
     client.save(2, state).durable.result(30)
@@ -476,3 +479,48 @@ def test_the_first_diff_after_a_restore_of_a_lossy_step_holds_only_the_rows_chan
     mem = new_state(seed=7)
     assert client.restore(mem) == 2 and client.last_restore["source"] == "memory"
     assert torch.equal(mem["table"], out["table"])  # memory and storage agree bit for bit
+
+
+@pytest.mark.parametrize(("bits", "policy"), [("4", "one-shot"), ("bfloat16", "consecutive")])
+def test_an_exact_restore_after_lossy_checkpoints_diffs_against_what_storage_holds(
+    make_sidecar, make_client, job_name, short_tmp, bits, policy
+):
+    """Under --restore-class auto a lone rank restores the exact snapshot held in memory, lossy
+    table included; the next diff holds only the rows changed since (not every row), and what
+    storage then holds of each row is the stored form of its value at its last write: rows not
+    written since restore from storage as step 1's stored form did, the rest within the error."""
+    storage = f"file://{short_tmp}/exact"
+    server = make_sidecar(storage, quantize=bits, quantize_match="table", policy=policy)
+    client = make_client(server, job_name, capture_rng=False)
+    state = new_state()
+    written = set(touch(state, 0, rows=0))
+    client.save(0, state).durable.result(30)
+    written |= set(touch(state, 1, rows=40))
+    client.save(1, state).durable.result(30)
+    saved = {k: v.clone() for k, v in state.items()}
+    scratch = new_state(seed=5)
+    assert client.restore(scratch) == 1 and client.last_restore["source"] == "memory"
+    assert client.last_restore["restore_class"] == "exact"
+    assert client.last_restore["unverified_tensors"] == 0  # the lossy table's exact digest checked
+    for name in saved:
+        assert torch.equal(scratch[name], saved[name]), name  # bitwise as saved, the table too
+    for name in state:
+        state[name].copy_(scratch[name])
+    now = touch(state, 2, rows=25)
+    written |= set(now)
+    client.save(2, state).durable.result(30)
+    entry = {t.name: t for t in manifest(server, job_name, 2).tensors}["table"]
+    assert manifest(server, job_name, 2).checkpoint == "diff"
+    want = len(written) if policy == "one-shot" else len(now)
+    assert entry.changed_rows == want, (entry.changed_rows, want)  # not all 4096
+    out, fresh = restore_from_storage(make_sidecar, make_client, storage, job_name, 2)
+    assert fresh.last_restore["restore_class"] == "stored"
+    step1, _ = restore_from_storage(make_sidecar, make_client, storage, job_name, 1)
+    assert not torch.equal(step1["table"], saved["table"])  # storage's form is lossy
+    kept = torch.ones(ROWS, dtype=torch.bool)
+    kept[sorted(written)] = False
+    assert torch.equal(out["table"][kept], step1["table"][kept])  # storage's form of their last write
+    assert torch.allclose(out["table"][~kept], state["table"][~kept], atol=0.5)
+    mem = new_state(seed=7)
+    assert client.restore(mem) == 2 and client.last_restore["restore_class"] == "exact"
+    assert torch.equal(mem["table"], state["table"])  # memory gives the exact step 2

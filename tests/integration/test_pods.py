@@ -107,9 +107,17 @@ def test_a_preempted_pod_does_not_abort_a_step_the_others_completed(two_pods, ma
     store.close()
 
 
-@pytest.mark.parametrize("quantize", ["4", "float16"])
-def test_quantized_restores_agree_between_memory_and_storage(make_sidecar, make_client, job_name, quantize):
-    server = make_sidecar(quantize=quantize, quantize_match="emb", policy="intermittent")
+@pytest.mark.parametrize(
+    ("quantize", "restore_class"), [("4", "stored"), ("float16", "stored"), ("4", "auto")]
+)
+def test_quantized_restores_agree_between_memory_and_storage(
+    make_sidecar, make_client, job_name, quantize, restore_class
+):
+    """Stored class: memory gives the lossy values storage gives, bit for bit. Auto: a lone rank
+    restores the exact snapshot from memory; storage still gives the lossy values."""
+    server = make_sidecar(
+        quantize=quantize, quantize_match="emb", policy="intermittent", restore_class=restore_class
+    )
     client = make_client(server, job_name, capture_rng=False)
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(4096, 32, generator=gen)
@@ -125,10 +133,18 @@ def test_quantized_restores_agree_between_memory_and_storage(make_sidecar, make_
     reader = make_client(server, job_name, capture_rng=False, generation=same_gang)
     assert reader.restore(from_memory) == 3 and reader.last_restore["source"] == "memory"
     from_storage = {"emb": torch.empty(4096, 32), "dense": torch.empty(300, 64)}
-    fresh = make_sidecar(server.settings.storage, quantize=quantize, quantize_match="emb")
-    assert make_client(fresh, job_name, capture_rng=False).restore(from_storage) == 3
-    assert torch.equal(from_memory["emb"], from_storage["emb"])  # bit for bit, lossy values alike
+    fresh = make_sidecar(
+        server.settings.storage, quantize=quantize, quantize_match="emb", restore_class=restore_class
+    )
+    stored = make_client(fresh, job_name, capture_rng=False)
+    assert stored.restore(from_storage) == 3 and stored.last_restore["restore_class"] == "stored"
     assert torch.equal(from_memory["dense"], state["dense"]) and torch.equal(
         from_storage["dense"], state["dense"]
     )
-    assert not torch.equal(from_memory["emb"], table)  # the lossy values, not the exact ones
+    assert not torch.equal(from_storage["emb"], table)  # storage holds the lossy values
+    if restore_class == "stored":
+        assert reader.last_restore["restore_class"] == "stored"
+        assert torch.equal(from_memory["emb"], from_storage["emb"])  # bit for bit, lossy values alike
+    else:
+        assert reader.last_restore["restore_class"] == "exact"
+        assert torch.equal(from_memory["emb"], table)  # as saved

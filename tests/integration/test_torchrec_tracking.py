@@ -77,7 +77,7 @@ def test_tracked_torchrec_tables_diff_exactly_the_rows_training_changed(
 def test_quantize_without_a_glob_quantizes_the_torchrec_tables_only(
     make_sidecar, make_client, job_name, kind
 ):
-    server = make_sidecar(quantize="4", policy="full")
+    server = make_sidecar(quantize="4", policy="full", restore_class="stored")  # restores give storage's form
     model, opt = dlrm.build(kind, SHAPE)
     dlrm.train_step(model, opt, dlrm.batch(SHAPE, 0, 0))
     client = make_client(server, job_name, capture_rng=False)

@@ -563,6 +563,7 @@ class RestoreHeader(_message.Message):
     SHM_FIELD_NUMBER: _builtins.int
     SHM_HANDOFF_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    RESTORE_CLASS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     tree: _builtins.bytes
     total_bytes: _builtins.int
@@ -579,6 +580,11 @@ class RestoreHeader(_message.Message):
     world_size: _builtins.int
     """The number of ranks that saved this commit (set for of_rank restores; may differ from the
     reader's world size).
+    """
+    restore_class: _builtins.str
+    """"exact": every tensor as the trainer saved it, lossy ones included (memory or a peer's
+    exact copy; the gang's attempt decided this class for every rank); "stored": lossily stored
+    tensors as storage holds them (decoded). Empty from older sidecars: stored.
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMeta]: ...
@@ -607,10 +613,11 @@ class RestoreHeader(_message.Message):
         shm: Global___SharedSegment | None = ...,
         shm_handoff: _builtins.bool = ...,
         world_size: _builtins.int = ...,
+        restore_class: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "shm", b"shm", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "restore_class", b"restore_class", "shm", b"shm", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
