@@ -245,6 +245,8 @@ class Attempts:
             if identity.rank == 0:
                 restore, reason = self.decide_restore(identity, fences)
                 restore_class = self._restore_class(identity, generation, restore)
+                if self.exact_classes:
+                    self._forget_older_holdings(identity, mf.holdings_prefix(ns, job, str(generation)))
                 try:
                     return mf.create_epoch(
                         self.store,
@@ -346,6 +348,17 @@ class Attempts:
                 return ""
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+
+    def _forget_older_holdings(self, identity: Identity, current: str) -> None:
+        """Delete the holdings reports of earlier generations (best effort: they are small, and
+        a report of another generation is never read)."""
+        root = mf.job_prefix(*identity.job_key) + "HOLDS/"
+        try:
+            old = [o.key for o in self.store.list(root).objects if not o.key.startswith(current)]
+            if old:
+                self.store.delete(old)
+        except (StrataError, OSError) as exc:
+            log.info("%s/%s: older holdings reports not deleted (%s)", *identity.job_key, exc)
 
     def reattempt(self, identity: Identity) -> mf.Epoch:
         """A new attempt for the same generation (world size 1 only), deciding its restore again."""

@@ -211,8 +211,11 @@ class Restorer:
             # saved it instead (open_rank), when its state allows.
             raise FailedPrecondition(_other_world(target, world, identity.world_size))
         ahead = self._take_prefetched(identity, target)
-        if ahead is not None and (wanted != "exact" or ahead.restore_class == "exact"):
-            return ahead
+        if ahead is not None:
+            if wanted != "exact" or ahead.restore_class == "exact":
+                return ahead
+            if ahead.memory is not None:
+                ahead.memory.release()
         if wanted != "stored":
             exact = (
                 self._from_memory(identity, target, exact=True)
@@ -287,9 +290,13 @@ class Restorer:
             head.world_size = world
             return head
         found: RestoreData | None = None
-        if world == identity.world_size and self._wanted_class(
-            identity, self.attempts.epoch_for(identity), target
-        ) in ("exact", "either"):
+        wanted = "stored"
+        if world == identity.world_size and self.attempts.exact_classes:
+            try:
+                wanted = self._wanted_class(identity, self.attempts.epoch_for(identity), target)
+            except StrataError:
+                wanted = "stored"
+        if wanted != "stored":
             # the owner's replicated tensors as the rest of this restore gives them: exactly
             found = self._from_memory(of, target, exact=True) or self._from_peer(of, target, exact=True)
         if found is None:

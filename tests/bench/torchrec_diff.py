@@ -154,7 +154,7 @@ def _consecutive(tmp: Path, dlrm: Any, shape: Any, steps: int, tracked: bool) ->
 def _after_restore(tmp: Path, dlrm: Any, shape: Any, steps: int) -> tuple[float, float]:
     from trainer_client import CheckpointClient
 
-    server = _sidecar(tmp, policy="one-shot", quantize="4")
+    server = _sidecar(tmp, policy="one-shot", quantize="4", restore_class="stored")  # comes back decoded
     job = "trec-restored"
     client = CheckpointClient(job=job, socket=server.socket_path, capture_rng=False, resume="never")
     try:

@@ -142,6 +142,7 @@ def test_crd_names_and_printer_columns() -> None:
         "Bits",
         "Ready",
         "Restored",
+        "Class",
         "Age",
     ]
     stratajobs = load_crd("stratajobs.strata.dev")["spec"]

@@ -311,6 +311,23 @@ async def test_commit_report_creates_ready_checkpoint_shown_by_kubectl(
     assert sample(op.metrics, "strata_operator_api_calls_total") == op.api.calls > 0
 
 
+async def test_the_restore_class_the_ranks_report_is_written_on_the_checkpoint(
+    k8s: K8s, op: Operator, token: str
+) -> None:
+    assert (await op.post(token, [report(1200)]))[1]["accepted"] == 1
+    beat = heartbeat(restore_source="memory", restored_step=1200, restore_class="exact")
+    assert (await op.post(token, [beat]))[1]["accepted"] == 1
+    stored = await op.checkpoint(1200)
+    assert stored is not None
+    validator("checkpoints.strata.dev").validate(stored)
+    last = stored["status"]["lastRestore"]
+    assert (last["source"], last["restoreClass"], last["memory"]) == ("memory", "exact", 1)
+    wide = rows(await kubectl(k8s, "get", "checkpoints", "-o", "wide"))
+    assert wide[1][wide[0].index("CLASS")] == "exact"
+    _, answer = await op.post(token, [{**beat, "restore_class": "lossy"}])
+    assert answer["accepted"] == 0 and "restore_class" in json.dumps(answer["rejected"])
+
+
 async def test_partial_commit_is_not_ready_then_recommit_by_newer_attempt_updates_it(
     op: Operator, token: str
 ) -> None:

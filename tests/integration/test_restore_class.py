@@ -1,0 +1,127 @@
+"""The gang's restore class over real gRPC and storage: when every rank can restore the attempt's
+step exactly (its own sidecar's memory, or a buddy's copy after its pod was lost) every rank
+restores it as saved, quantized tables included, and the EPOCH records the class; when one rank
+cannot (its pod lost with no copy anywhere), every rank restores what storage holds, so the ranks
+never mix exact and lossy state. Later checkpoints carry which restores were lossy, and ``auto``
+sizes its bits by those."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sidecar import manifest as mf
+from sidecar.store import open_store
+from tests.fixtures.member_pods import Pods, data_gets, restore_all, save_all, settled
+
+ROWS, DIM = 4096, 32
+
+
+@pytest.fixture
+def pods(short_tmp):
+    made: list[Pods] = []
+
+    def make(n: int, mode: str, **options: Any) -> Pods:
+        made.append(Pods(short_tmp, n, mode, quantize="auto", quantize_match="table", **options))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {"table": torch.randn(ROWS, DIM, generator=g), "dense": torch.randn(999, generator=g)}
+
+
+def blank() -> dict[str, Any]:
+    return {"table": torch.zeros(ROWS, DIM), "dense": torch.zeros(999)}
+
+
+def epoch(p: Pods, job: str) -> mf.Epoch:
+    store = open_store(p.storage)
+    try:
+        return mf.read_fences(store, "default", job).newest  # type: ignore[return-value]
+    finally:
+        store.close()
+
+
+def rank_manifest(p: Pods, job: str, step: int, rank: int) -> mf.Manifest:
+    server = p.servers[rank]
+    assert server is not None
+    return mf.Manifest.from_json(server.engine.describe("default", job, step, rank)[1])
+
+
+def test_a_gang_whose_ranks_all_hold_the_step_restores_it_exactly(pods, job_name):
+    p = pods(2, "off")
+    saved = [state(r, 5) for r in range(2)]
+    clients = save_all(p, job_name, 5, states=saved)
+    table = next(t for t in rank_manifest(p, job_name, 5, 0).tensors if t.name == "table")
+    assert table.bits == 4  # auto: 1 restore expected from storage -> 4 bits
+    results = restore_all(p, job_name, "run/1", [blank(), blank()])
+    for r, (got, info) in enumerate(results):
+        assert (info["source"], info["restore_class"]) == ("memory", "exact"), (r, info)
+        assert info["unverified_tensors"] == 0  # the quantized table too: checked against its digest
+        for name in saved[r]:
+            assert torch.equal(got[name], saved[r][name]), (r, name)
+    assert epoch(p, job_name).restore_class == "exact"
+    save_all(p, job_name, 6, "run/1", [state(r, 6) for r in range(2)])
+    after = rank_manifest(p, job_name, 6, 0)
+    assert (after.restores, after.storage_restores) == (1, 0)
+    for c in clients:
+        c.close()
+
+
+def test_a_lost_member_with_a_buddys_copy_keeps_the_gang_exact(pods, job_name):
+    p = pods(3, "buddy")
+    saved = [state(r, 5) for r in range(3)]
+    for c in save_all(p, job_name, 5, states=saved):
+        c.close()
+    assert settled(lambda: p.pushed(job_name, "replica"), [1.0] * 3) == [1.0] * 3
+    p.stop(1, wipe=True)
+    p.start(1)  # the replacement pod: its memory and emptyDir are empty
+    results = restore_all(p, job_name, "run/1", [blank() for _ in range(3)])
+    for r, (got, info) in enumerate(results):
+        assert info["restore_class"] == "exact", (r, info)
+        assert info["source"] == ("peer" if r == 1 else "memory"), (r, info)
+        for name in saved[r]:
+            assert torch.equal(got[name], saved[r][name]), (r, name)
+    assert data_gets(p, 1, job_name) == []  # nothing of its snapshot read from storage
+    assert epoch(p, job_name).restore_class == "exact"
+
+
+def test_a_member_lost_without_a_copy_makes_every_rank_restore_what_storage_holds(pods, job_name):
+    p = pods(2, "off")
+    saved = [state(r, 5) for r in range(2)]
+    for c in save_all(p, job_name, 5, states=saved):
+        c.close()
+    p.stop(1, wipe=True)
+    p.start(1)
+    results = restore_all(p, job_name, "run/1", [blank(), blank()])
+    for r, (got, info) in enumerate(results):
+        assert info["restore_class"] == "stored", (r, info)
+        assert info["source"] == ("storage" if r == 1 else "memory"), (r, info)
+        assert torch.equal(got["dense"], saved[r]["dense"])  # lossless tensors stay exact
+        assert not torch.equal(got["table"], saved[r]["table"])  # rank 0 too: not its exact copy
+        assert torch.allclose(got["table"], saved[r]["table"], atol=0.5)
+    assert epoch(p, job_name).restore_class == ""
+    save_all(p, job_name, 6, "run/1", [state(r, 6) for r in range(2)])
+    after = rank_manifest(p, job_name, 6, 0)
+    assert (after.restores, after.storage_restores) == (1, 1)
+
+
+def test_the_stored_class_restores_storage_form_from_memory_and_sizes_bits_for_every_restore(pods, job_name):
+    p = pods(2, "off", restore_class="stored")
+    saved = [state(r, 5) for r in range(2)]
+    for c in save_all(p, job_name, 5, states=saved):
+        c.close()
+    table = next(t for t in rank_manifest(p, job_name, 5, 0).tensors if t.name == "table")
+    assert table.bits == 8  # 20 restores expected, all lossy -> 8 bits
+    results = restore_all(p, job_name, "run/1", [blank(), blank()])
+    for r, (got, info) in enumerate(results):
+        assert (info["source"], info["restore_class"]) == ("memory", "stored"), (r, info)
+        assert not torch.equal(got["table"], saved[r]["table"])
+    assert epoch(p, job_name).restore_class == ""

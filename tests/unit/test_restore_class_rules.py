@@ -1,0 +1,113 @@
+"""The pieces of the gang's restore class: the holdings reports ranks' sidecars write (bounded and
+checked: the bucket is distrusted), the rule that decides "exact" from them, the EPOCH field, the
+manifests' count of lossy restores, and ``auto``'s bit width under each class."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sidecar import manifest as mf
+from sidecar.errors import CorruptObject
+from sidecar.pipeline.settings import Quantization, parse_table, quantization
+
+R = (3, 40)  # (attempt, step)
+
+
+def report(rank: int, own=(), copies=(), parity=()) -> mf.Holdings:
+    return mf.Holdings("run/1", rank, [list(o) for o in own], [list(c) for c in copies], list(parity))
+
+
+def test_every_rank_holding_its_own_is_exact_and_one_missing_is_not():
+    reports = {r: report(r, own=[R]) for r in range(3)}
+    assert mf.exact_everywhere(3, R, reports)
+    reports[2] = report(2)  # its pod was lost: a fresh sidecar holds nothing
+    assert not mf.exact_everywhere(3, R, reports)
+    del reports[2]  # or it was never heard from
+    assert not mf.exact_everywhere(3, R, reports)
+
+
+def test_a_buddys_copy_or_parity_with_one_member_missing_covers_a_lost_rank():
+    base = {0: report(0, own=[R]), 1: report(1), 2: report(2, own=[R])}
+    assert not mf.exact_everywhere(3, R, base)
+    assert mf.exact_everywhere(3, R, {**base, 2: report(2, own=[R], copies=[[1, *R]])})
+    assert not mf.exact_everywhere(3, R, {**base, 2: report(2, own=[R], copies=[[1, 3, 39]])})  # another step
+    parity = [[0, 1, 2], *R]
+    assert mf.exact_everywhere(3, R, {**base, 2: report(2, own=[R], parity=[parity])})
+    two_lost = {0: report(0, own=[R]), 1: report(1), 2: report(2, parity=[parity])}
+    assert not mf.exact_everywhere(3, R, two_lost)  # XOR rebuilds one member, not two
+
+
+def test_a_holdings_report_round_trips_and_a_damaged_or_oversized_one_is_refused():
+    good = report(1, own=[R], copies=[[0, *R]], parity=[[[0, 1], *R]])
+    assert mf.Holdings.from_json(good.to_json()) == good
+    raw = json.loads(good.to_json())
+    for field, value in [
+        ("own", [[1]]),
+        ("own", [[-5, 3]]),
+        ("copies", [["x", 1, 2]]),
+        ("parity", [[[0, 1] * 200, 3, 40]]),
+        ("own", [[1, 2]] * (mf.MAX_HOLDINGS + 1)),
+        ("rank", -1),
+        ("extra", 1),
+    ]:
+        bad = {**raw, field: value}
+        with pytest.raises(CorruptObject, match="holdings report"):
+            mf.Holdings.from_json(json.dumps(bad).encode(), "HOLDS/x/000001")
+
+
+def test_the_epoch_records_exact_and_leaves_the_stored_class_out():
+    exact = mf.Epoch(4, "run/1", 2, 40, 3, [], restore_class="exact")
+    assert mf.Epoch.from_json(exact.to_json()).restore_class == "exact"
+    stored = mf.Epoch(4, "run/1", 2, 40, 3, [])
+    assert "restore_class" not in json.loads(stored.to_json())  # older sidecars still read it
+    body = json.loads(exact.to_json())
+    body["restore_class"] = "lossy"
+    with pytest.raises(CorruptObject, match="restore_class"):
+        mf.Epoch.from_json(json.dumps(body).encode())
+
+
+def test_a_manifest_counts_lossy_restores_within_its_restores():
+    m = mf.Manifest("ns", "job", 5, 0, 1, 1, "s1", 0, {}, [], [], restores=3, storage_restores=1)
+    assert mf.Manifest.from_json(m.to_json()).storage_restores == 1
+    m.storage_restores = 0
+    assert "storage_restores" not in json.loads(m.to_json())
+    body = json.loads(m.to_json())
+    body["storage_restores"] = 4  # more lossy restores than restores
+    with pytest.raises(CorruptObject, match="storage_restores"):
+        mf.Manifest.from_json(json.dumps(body).encode())
+
+
+def settings(**over: object) -> SimpleNamespace:
+    base = dict(
+        quantize="auto",
+        quantize_match="",
+        expected_restores=20,
+        restore_bits="1:4",
+        restore_class="auto",
+        expected_storage_restores=1,
+    )
+    return SimpleNamespace(**{**base, **over})
+
+
+def test_auto_sizes_bits_for_storage_restores_under_the_exact_class_and_escalates_on_them():
+    exact = quantization(settings())
+    assert exact.bits(0, 0) == 4 and exact.bits(19, 1) == 4  # exact restores add no error
+    assert exact.bits(5, 2) == 8  # more lossy restores than planned: 8 bits
+    stored = quantization(settings(restore_class="stored"))
+    assert stored.bits(0, 0) == 8  # every one of 20 restores lossy
+    assert Quantization("auto", (), 1, parse_table("1:4")).bits(2) == 8
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"restore_class": "lossy"}, "--restore-class"),
+        ({"expected_storage_restores": -1}, "--expected-storage-restores"),
+    ],
+)
+def test_a_bad_restore_setting_is_refused_naming_it(over, named):
+    with pytest.raises(ValueError, match=named):
+        quantization(settings(**over))
