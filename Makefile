@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench chaos fuzz proto lint e2e e2e-matrix clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -43,6 +43,27 @@ BENCH_ARGS ?=
 bench: setup  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
 	$(PY) -m pytest -q -m bench tests/integration/test_bench_quick.py
 	$(PY) -m tests.bench.run $(BENCH_ARGS)
+
+# gpu-check runs under GPU_PYTHON: the first of $(PYTHON) and the .venv's python whose torch sees a
+# GPU (a GPU image's own python3; `make setup` installs CPU torch), else the .venv's, where the check
+# prints one skip line and exits 0. It installs nothing from a registry (a GPU machine may reach
+# none): with a GPU, wheels that `make gpu-wheels` put in .whl go first on its path. GPU_FOUND is
+# looked up once, when first used.
+GPU_FOUND = $(eval GPU_FOUND := $(firstword $(foreach p,$(PYTHON) $(PY),$(if $(shell $(p) -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' >/dev/null 2>&1 && echo y),$(p)))))$(GPU_FOUND)
+GPU_PYTHON ?= $(or $(GPU_FOUND),$(wildcard $(PY)),$(PYTHON))
+GPU_ARGS ?=
+gpu-check:  ## GPU staging stall vs cudaMemcpy, overlapped step cost (GPU_ARGS=--size-gib 10); skips without CUDA
+	$(if $(and $(GPU_FOUND),$(wildcard .whl/*.whl)),$(GPU_PYTHON) -m pip install -q --no-index --no-deps \
+	  --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl)
+	PYTHONPATH=$(CURDIR)/.whl/site:$(CURDIR) $(GPU_PYTHON) -m tests.bench.gpu_check $(GPU_ARGS)
+
+# grpcio and protobuf as new as sidecar/api's generated code needs, for a GPU image's Python 3.12
+# whose own are older (make gpu-check installs them from .whl, offline).
+GPU_WHEELS := grpcio==1.85.3 protobuf==7.36.2
+gpu-wheels:  ## into .whl: grpcio/protobuf wheels for make gpu-check on a GPU image with older ones
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 test-slow: setup  ## the tests left out of make test for time (-m slow)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
