@@ -314,7 +314,8 @@ class Attempts:
         delay = 0.05
         while True:
             try:
-                keys = [o.key for o in self.store.list(prefix).objects]
+                # bounded: a bucket full of junk under the prefix makes the class stored, no more
+                keys = [o.key for o in self.store.list(prefix, limit=world + 64).objects]
             except (StrataError, OSError) as exc:
                 log.warning(
                     "%s/%s: holdings reports unreadable (%s): the restore class is stored", ns, job, exc
