@@ -16,11 +16,13 @@ calibrated so that 20-30% of each table's rows change per interval.
   fraction in ``FRACTIONS`` (1-50%; the lookups calibrated for each), on the 1M-row tables for
   10% and 25% and on 256k-row tables for the others. Every policy is priced at 4 bits, the
   intermittent one also at the bits ``--quantize auto`` picks for the sidecar's default
-  ``--expected-restores``; its rule is set beside a candidate rule (cycle length predicted from
-  the measured change rate), the best fixed cycle in hindsight and the offline optimum (a dynamic
-  program over where the full checkpoints go), over the run and over whole cycles only (the long
-  run: a 24-interval run that happens to end on a new full checkpoint reads ~7% worse). The plot
-  goes to ``docs/img/checknrun-regime.png``.
+  ``--expected-restores`` (every restore lossy: ``--restore-class stored``) and at the bits it
+  picks for the quality section's failure mix (``--restore-class auto``: only storage restores
+  lossy, the sidecar's default ``--expected-storage-restores``); its rule is set beside a
+  candidate rule (cycle length predicted from the measured change rate), the best fixed cycle
+  in hindsight and the offline optimum (a dynamic program over where the full checkpoints go),
+  over the run and over whole cycles only (the long run: a 24-interval run that happens to end
+  on a new full checkpoint reads ~7% worse). The plot goes to ``docs/img/checknrun-regime.png``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from sidecar.pipeline.policy import POLICIES, start_new_full
 from sidecar.pipeline.quantize import DEFAULT_RESTORE_TABLE, bits_for_restores
 from tests.bench.common import REPO_ROOT, Phases, Row
 from tests.bench.common import Options as BaseOptions
+from tests.bench.quality import FAILURE_MIX, FAILURES, auto_mix_plan
 
 TABLES = 4
 DIM = 64
@@ -501,6 +504,19 @@ def price_regime(runs: dict[float, Recording], figures: dict[str, Any]) -> list[
             writes, full
         ) / long_run(fixed[k_long], full)
     lines.append(f"     {f'intermittent @ auto {auto} bit':<26}" + "".join(f"{c:>16}" for c in cells))
+    # The same at the bits auto picks under the exact restore class for the failure mix (the
+    # quality section's FAILURE_MIX: only storage restores are lossy).
+    planned_storage, mix_bits = auto_mix_plan()
+    figures["auto_mix_bits_bytes"] = mix_bits
+    cells = []
+    for fraction, run in runs.items():
+        p = pct(fraction)
+        reference = TABLES * run.rows * DIM * 4 + run.dense
+        writes, storage = simulate("intermittent", run.masks, mix_bits, run.dense)
+        w = figures[f"write_reduction_auto_mix_at_{p}pct"] = reference / float(np.mean(writes))
+        s = figures[f"storage_reduction_auto_mix_at_{p}pct"] = reference / float(np.mean(storage))
+        cells.append(f"{w:7.1f} / {s:5.1f}")
+    lines.append(f"     {f'intermittent @ mix {mix_bits} bit':<26}" + "".join(f"{c:>16}" for c in cells))
     # The consecutive policy at auto's bits beside it: writes only the rows of one interval, at
     # the price of storage and of restores that replay the chain (up to MAX_DIFFS diffs).
     cells = []
@@ -528,6 +544,12 @@ def price_regime(runs: dict[float, Recording], figures: dict[str, Any]) -> list[
             )
             cells.append(f"{w:7.1f}")
         lines.append(f"     {f'  priced: diffs @ {b} bit':<26}" + "".join(f"{c:>16}" for c in cells))
+    lines.append(
+        f"     auto's bits: {auto} for {planned} planned restores, every restore lossy (--restore-class "
+        f"stored); {mix_bits} for the failure mix ({FAILURES} failures: "
+        + ", ".join(f"{n} {name}" for name, n in FAILURE_MIX)
+        + f"; --restore-class auto, --expected-storage-restores {planned_storage})"
+    )
     lines.append(
         f"     the intermittent policy's rule, writes x at auto's {auto} bits ({planned} planned restores): "
         "over the run / over whole cycles (the long run); k: diffs per cycle"
@@ -565,6 +587,15 @@ def plot_regime(runs: dict[float, Recording], figures: dict[str, Any], path: Pat
                     color="black",
                     linestyle="none",
                     label=f"intermittent @ auto ({auto} bit)",
+                )
+                ax.plot(
+                    [100 * runs[0.10].changed],
+                    [figures["write_reduction_auto_mix_at_10pct"]],
+                    marker="*",
+                    markersize=12,
+                    color="tab:purple",
+                    linestyle="none",
+                    label=f"intermittent @ auto, failure mix ({figures['auto_mix_bits_bytes']} bit)",
                 )
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -628,6 +659,9 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         at_least("write_reduction_auto_at_10pct", 17),
         Row("storage_reduction_auto_at_10pct", get("storage_reduction_auto_at_10pct"), "x"),
         Row("auto_bits_bytes", get("auto_bits_bytes"), "bits"),
+        at_least("write_reduction_auto_mix_at_10pct", 17),
+        Row("storage_reduction_auto_mix_at_10pct", get("storage_reduction_auto_mix_at_10pct"), "x"),
+        Row("auto_mix_bits_bytes", get("auto_mix_bits_bytes"), "bits"),
         Row("write_reduction_auto_longrun_at_10pct", get("write_reduction_auto_longrun_at_10pct"), "x"),
         Row("write_reduction_auto_oracle_at_10pct", get("write_reduction_auto_oracle_at_10pct"), "x"),
         *(

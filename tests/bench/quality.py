@@ -29,6 +29,15 @@ value), and keeps the dense MLP and the optimizer state exactly (the sidecar qua
 embedding-role tensors; optimizer state is stored raw). Runs share the reference's prefix up
 to their first restore (a copy of model and optimizers).
 
+The failure mix (issue 31): per seed, FAILURES restores on the same schedule, each served by
+the source its failure leaves (``FAILURE_MIX``: a trainer crash restores from its sidecar's
+memory, a lost pod from a peer's copy, both exact; a lost gang from storage, lossy). An exact
+restore hands back the state and data position of the step exactly, so training goes on as if
+nothing happened; a storage restore is the quantization above at the bits ``auto`` picks under
+the exact restore class for the sidecar's default ``--expected-storage-restores``. Which
+failure reads storage is drawn per seed (the same for every run of it). Beside it, the
+all-storage worst case: all FAILURES restores from storage at those bits (the curve's cell).
+
 Figures: per (k restores, bits) the median over seeds of the paired relative change
 ``(loss_restored - loss_reference) / loss_reference`` and the 95% upper bound of its absolute
 value (``median_ci``, the distribution-free interval of the median: with <= 8 seeds it is the
@@ -78,6 +87,20 @@ ANNEAL = 1.0
 TARGET = 1e-4
 #: the paper's bit table (Check-N-Run, NSDI 2022): the diagnostics run at its bits for the plan
 PAPER_TABLE = ((1, 2), (3, 3), (20, 4))
+#: The failure model of the mix (README, "the failure mix"), a model and not a measurement:
+#: FAILURES failures per run, counted per kind by the source that serves its restore. Llama 3
+#: (Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.4) had 419 unexpected
+#: interruptions in a 54-day snapshot of 16k GPUs, about 78% of them confirmed or suspected
+#: hardware issues (a node lost: its peers' exact copy serves the restore), the rest software or
+#: host issues that leave the node up (the trainer crashes: its sidecar's memory serves). A lost
+#: gang needs a correlated loss (a power or network domain, the job preempted whole, a second
+#: loss in one redundancy group before re-protection): taken as 1 in 20, read from storage in
+#: its lossy stored form. Of 20: 1 storage, and the other 19 split 78/22 (14.8 / 4.2). A cluster
+#: whose jobs are often preempted whole sets the sidecar's --expected-storage-restores higher.
+FAILURES = 20
+FAILURE_MIX = (("memory", 4), ("peer", 15), ("storage", 1))
+#: the sources that restore the exact snapshot (the gang's restore class "exact")
+EXACT_SOURCES = ("memory", "peer")
 PLOT = REPO_ROOT / "docs" / "img" / "checknrun-logloss.png"
 #: popularity buckets of the "which rows carry the change" diagnostic: rank ranges as fractions
 BUCKETS = (("head", 0.0, 0.01), ("torso", 0.01, 0.1), ("tail", 0.1, 1.0))
@@ -122,6 +145,29 @@ def auto_plan() -> tuple[int, int, tuple[tuple[int, int], ...]]:
     planned = int(defaults["expected_restores"])
     table = parse_table(str(defaults["restore_bits"]))
     return planned, Quantization("auto", (), planned, table).bits(0), table
+
+
+def auto_mix_plan() -> tuple[int, int]:
+    """(planned storage restores, bits): what ``--quantize auto`` picks for a fresh chain under
+    the exact restore class (``--restore-class auto``: restores from memory or peers add no
+    error) with the sidecar's default --expected-storage-restores and --restore-bits, parsed
+    as the sidecar does."""
+    from types import SimpleNamespace
+
+    from sidecar.config import SidecarSettings
+    from sidecar.pipeline.settings import quantization
+
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SidecarSettings)}
+    q = quantization(SimpleNamespace(**{**defaults, "quantize": "auto", "restore_class": "auto"}))
+    return q.expected_storage_restores, q.bits(0, 0)
+
+
+def failure_sources(seed: int) -> list[str]:
+    """The seed's FAILURES failures in order of arrival, each named by the source its restore
+    reads: FAILURE_MIX's counts in an order drawn per seed (the same for every run of it)."""
+    kinds = [name for name, n in FAILURE_MIX for _ in range(n)]
+    order = np.random.default_rng([seed, 2]).permutation(len(kinds))
+    return [kinds[i] for i in order]
 
 
 # --- the world: a hidden teacher, Zipf ids ---------------------------------------------------------
@@ -300,12 +346,16 @@ def restore(
     return w.copy()
 
 
-def run_plan(snapshot: Trainer, plan: Plan, data: Stream, steps: int) -> Trainer:
-    """Continue a copy of ``snapshot`` (taken at the plan's first restore) through the plan."""
+def run_plan(
+    snapshot: Trainer, plan: Plan, data: Stream, steps: int, lossy: list[int] | None = None
+) -> Trainer:
+    """Continue a copy of ``snapshot`` (taken at the first lossy restore) through the plan.
+    ``lossy``: the steps whose restores read the quantized checkpoint (default: all the plan's);
+    the others restore the exact snapshot, which leaves training as if nothing happened."""
     trainer = copy.deepcopy(snapshot)
     previous: np.ndarray | None = None
     last = 0
-    for at in plan.at(steps):
+    for at in plan.at(steps) if lossy is None else lossy:
         trainer.train(data, at)
         touched = data.touched(last, at) if previous is not None and plan.mode != "all" else None
         previous = restore(trainer, plan, previous, touched)
@@ -323,6 +373,9 @@ class Results:
     changes: dict[Plan, list[float]] = dataclasses.field(default_factory=dict)
     buckets: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     touched_identical: list[bool] = dataclasses.field(default_factory=list)
+    #: per seed: the failure mix's change, and the fraction of its restores of exact class
+    mix: list[float] = dataclasses.field(default_factory=list)
+    mix_exact: list[float] = dataclasses.field(default_factory=list)
 
     def add(self, plan: Plan, change: float) -> None:
         self.changes.setdefault(plan, []).append(change)
@@ -348,6 +401,7 @@ def measure_seed(
     todo: list[Plan],
     auto_cell: Plan,
     diag_cell: Plan,
+    mix_bits: int,
     results: Results,
     figures: dict[str, Any],
     diagnose: bool,
@@ -361,8 +415,15 @@ def measure_seed(
     held_ids, held_labels = held
     t_data = time.perf_counter() - t0
 
+    # The failure mix: FAILURES restores spread like the plans', the storage ones lossy at the
+    # bits auto picks for the mix, the exact ones (memory, peers) leaving training untouched.
+    mix_plan = Plan(FAILURES, mix_bits)
+    sources = failure_sources(seed)
+    lossy = [at for at, src in zip(mix_plan.at(steps), sources, strict=True) if src not in EXACT_SOURCES]
+    results.mix_exact.append(1 - len(lossy) / len(sources))
+
     # The reference, with a snapshot at every plan's first restore (and its loss per quarter).
-    firsts = sorted({p.at(steps)[0] for p in todo})
+    firsts = sorted({p.at(steps)[0] for p in todo} | set(lossy[:1]))
     quarters = [steps * q // 4 for q in (1, 2, 3)]
     snapshots: dict[int, Trainer] = {}
     curve: list[float] = []
@@ -396,6 +457,12 @@ def measure_seed(
         results.add(plan, (loss - ref_loss) / ref_loss)
         if diagnose and plan in (diag_cell, dataclasses.replace(diag_cell, bits=2)):
             finals[plan] = trained
+    if lossy:
+        trained = run_plan(snapshots[lossy[0]], mix_plan, data, steps, lossy=lossy)
+        loss = bce(trained.logits(held_ids), held_labels)
+        results.mix.append((loss - ref_loss) / ref_loss)
+    else:  # every restore exact: the run is the reference
+        results.mix.append(0.0)
     touched = dataclasses.replace(diag_cell, mode="touched")
     if touched in losses:
         results.touched_identical.append(losses[touched] == losses[diag_cell])
@@ -419,8 +486,10 @@ def measure_seed(
         loss = bce(hybrid.logits(held_ids), held_labels)
         results.buckets.setdefault(f"dense{name}", []).append((loss - ref_loss) / ref_loss)
     cell = results.changes[auto_cell][-1]
+    storage = ", ".join(f"#{i + 1}" for i, src in enumerate(sources) if src not in EXACT_SOURCES)
     print(
-        f"     seed {seed}: reference {ref_loss:.5f}; {auto_cell.label}: {cell:+.4%} "
+        f"     seed {seed}: reference {ref_loss:.5f}; {auto_cell.label}: {cell:+.4%}; mix at "
+        f"{mix_bits} bit (storage: failure {storage or 'none'} of {FAILURES}): {results.mix[-1]:+.4%} "
         f"(data {t_data:.1f} s, runs {time.perf_counter() - t_runs:.1f} s)",
         flush=True,
     )
@@ -448,7 +517,13 @@ def key(plan: Plan) -> str:
 
 
 def summarize(
-    opts: Options, results: Results, planned: int, auto: int, diag_bits: int, figures: dict[str, Any]
+    opts: Options,
+    results: Results,
+    planned: int,
+    auto: int,
+    diag_bits: int,
+    mix: tuple[int, int],
+    figures: dict[str, Any],
 ) -> list[str]:
     ref = results.reference
     figures["quality_seeds"] = len(ref)
@@ -492,6 +567,32 @@ def summarize(
         f"     auto ({planned} planned restores -> {auto} bits): median {median(values):+.4%}, "
         f"95% bound of |change| {upper_bound(values):.4%} (t-interval {t_bound(values):.4%}); "
         f"per seed {', '.join(f'{v:+.4%}' for v in values)}"
+    )
+    # The failure mix at the bits auto picks for it, beside the all-storage worst case at those
+    # bits (no escalation: the sidecar would move to 8 bits past the planned storage restores).
+    planned_storage, mix_bits = mix
+    worst = results.changes[Plan(FAILURES, mix_bits)]
+    figures["auto_mix_bits"] = mix_bits
+    figures["auto_mix_planned_storage_restores"] = planned_storage
+    for name, n in FAILURE_MIX:
+        figures[f"failure_mix_{name}"] = n
+    figures["restore_class_exact_fraction"] = statistics.fmean(results.mix_exact)
+    figures["logloss_rel_change_auto_mix"] = median(results.mix)
+    figures["logloss_rel_change_auto_mix_ci_high"] = upper_bound(results.mix)
+    figures["logloss_rel_change_auto_mix_worst"] = median(worst)
+    figures["logloss_rel_change_auto_mix_worst_ci_high"] = upper_bound(worst)
+    lines.append(
+        f"     failure mix ({FAILURES} failures: "
+        + ", ".join(f"{n} {name}" for name, n in FAILURE_MIX)
+        + f"; {figures['restore_class_exact_fraction']:.0%} of restores exact; auto: "
+        f"{planned_storage} planned storage restore(s) -> {mix_bits} bits): "
+        f"median {median(results.mix):+.4%}, "
+        f"95% bound of |change| {upper_bound(results.mix):.4%}; per seed "
+        + ", ".join(f"{v:+.4%}" for v in results.mix)
+    )
+    lines.append(
+        f"     worst case, all {FAILURES} restores from storage at {mix_bits} bits: median "
+        f"{median(worst):+.4%}, 95% bound of |change| {upper_bound(worst):.4%}"
     )
     # Diagnostics, at the paper's bits for the plan (where there is an effect to take apart),
     # each beside the same seeds' plain cell.
@@ -606,18 +707,33 @@ def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
             f"{figures['logloss_teacher']:.5f}, constant predictor's {figures['logloss_constant']:.5f}",
             flush=True,
         )
+    planned_storage, mix_bits = auto_mix_plan()
+    storage = dict(FAILURE_MIX).get("storage", 0)
+    print(
+        f"     failure mix: {FAILURES} failures, "
+        + ", ".join(f"{n} {name}" for name, n in FAILURE_MIX)
+        + f"; --restore-class auto, --expected-storage-restores {planned_storage} -> {mix_bits} bits"
+        + (
+            " (the mix's storage restores exceed the plan: the sidecar would escalate)"
+            if storage > planned_storage
+            else ""
+        ),
+        flush=True,
+    )
     diag_bits = qz.bits_for_restores(planned, PAPER_TABLE)
     curve, diagnostics = plans(opts, planned, diag_bits)
+    if Plan(FAILURES, mix_bits) not in curve:  # the mix's worst case (--quick measures k <= 3)
+        curve.append(Plan(FAILURES, mix_bits))
     todo = [*curve, *(p for p in diagnostics if p not in curve)]
     results = Results()
-    runs = f"{len(curve) + 1} runs, {len(todo) + 1} for the first {opts.diagnostic_seeds}"
+    runs = f"{len(curve) + 2} runs, {len(todo) + 2} for the first {opts.diagnostic_seeds}"
     with phases(f"training runs ({opts.seeds} seeds x {runs})"):
         for seed in range(opts.seeds):
             diagnose = seed < opts.diagnostic_seeds
             of_seed = todo if diagnose else curve
             cells = Plan(planned, auto), Plan(planned, diag_bits)
-            measure_seed(opts, seed, world, held, of_seed, *cells, results, figures, diagnose)
-    for line in summarize(opts, results, planned, auto, diag_bits, figures):
+            measure_seed(opts, seed, world, held, of_seed, *cells, mix_bits, results, figures, diagnose)
+    for line in summarize(opts, results, planned, auto, diag_bits, (planned_storage, mix_bits), figures):
         print(line, flush=True)
     with phases("plot"):
         # --quick draws the plot too, into its scratch folder: the README's stays the full run's
@@ -637,6 +753,7 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         return Row(key, None if v is None else 100 * v, "%", None, "", target, passed)
 
     bound = get("logloss_rel_change_auto_ci_high")
+    mix_bound = get("logloss_rel_change_auto_mix_ci_high")
     restores = sorted(
         {
             int(k.split("_k")[1].split("_")[0])
@@ -650,6 +767,17 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         pct("logloss_rel_change_auto"),
         pct("logloss_rel_change_auto_ci_high", "< 0.01%", None if bound is None else bound < TARGET),
         pct("logloss_rel_change_auto_t_high"),
+        Row("auto_mix_bits", get("auto_mix_bits"), "bits"),
+        Row("auto_mix_planned_storage_restores", get("auto_mix_planned_storage_restores"), "restores"),
+        Row("restore_class_exact_fraction", get("restore_class_exact_fraction"), ""),
+        pct("logloss_rel_change_auto_mix"),
+        pct(
+            "logloss_rel_change_auto_mix_ci_high",
+            "<= 0.01%",
+            None if mix_bound is None else mix_bound <= TARGET,
+        ),
+        pct("logloss_rel_change_auto_mix_worst"),
+        pct("logloss_rel_change_auto_mix_worst_ci_high"),
         *(pct(f"logloss_rel_change_k{k}_{b}bit") for k in restores for b in BITS),
         pct("logloss_seed_spread_rel"),
         pct("logloss_seed_sd_rel"),

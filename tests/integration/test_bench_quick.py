@@ -128,8 +128,15 @@ def test_quick_checknrun_section_writes_its_figures(tmp_path: Path) -> None:
         "write_reduction_auto_longrun_at_10pct",
         "write_reduction_auto_rate_at_10pct",
         "write_reduction_auto_fixed_cycle_longrun_at_10pct",
+        "write_reduction_auto_mix_at_10pct",
+        "storage_reduction_auto_mix_at_10pct",
     ):
         assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
+    # The failure mix (issue 31): auto's bits when only storage restores are lossy, never more
+    # than when every restore is, so the mix writes no more than the all-lossy case.
+    assert data["auto_mix_bits_bytes"] in (2, 3, 4, 8)
+    assert data["auto_mix_bits_bytes"] <= data["auto_bits_bytes"]
+    assert data["write_reduction_auto_mix_at_10pct"] >= data["write_reduction_auto_at_10pct"]
     # the 25% run is the policy x bits table's
     assert data["write_reduction_4bit_intermittent_at_25pct"] == pytest.approx(
         data["write_reduction_4bit_intermittent"]
@@ -162,6 +169,22 @@ def test_quick_quality_section_writes_its_figures(tmp_path: Path) -> None:
     # restores the same values as quantizing every row.
     assert data["logloss_touched_equals_all"] == 1.0
     assert "logloss_rel_change_auto_ci_high" in proc.stdout
+    # The failure mix (issue 31): 20 failures, 19 restored exactly; its change and the
+    # all-storage worst case at the bits auto picks for it, each with its 95% bound.
+    for key in (
+        "logloss_rel_change_auto_mix",
+        "logloss_rel_change_auto_mix_ci_high",
+        "logloss_rel_change_auto_mix_worst",
+        "logloss_rel_change_auto_mix_worst_ci_high",
+        "restore_class_exact_fraction",
+    ):
+        value = data.get(key)
+        assert isinstance(value, float) and math.isfinite(value), f"{key}: {value!r}"
+    assert data["restore_class_exact_fraction"] == pytest.approx(19 / 20)
+    assert data["auto_mix_bits"] in (2, 3, 4, 8)
+    assert data["logloss_rel_change_auto_mix_ci_high"] >= abs(data["logloss_rel_change_auto_mix"])
+    assert data["logloss_rel_change_auto_mix_worst_ci_high"] >= abs(data["logloss_rel_change_auto_mix_worst"])
+    assert "logloss_rel_change_auto_mix_ci_high" in proc.stdout
 
 
 def test_quick_replicas_section_writes_the_issues_keys(tmp_path: Path) -> None:
