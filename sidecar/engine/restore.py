@@ -85,7 +85,9 @@ class Restorer:
             if not attempts:
                 raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
             chosen = (attempts[-1], step)
-            wanted = self._wanted_class(identity, None, chosen)
+            # the attempt's restore step named explicitly takes the attempt's class, as the ranks
+            # that restore it implicitly (or read it ahead) do
+            wanted = self._wanted_class(identity, self._epoch_if_any(identity), chosen)
             return self._served(identity, self._retrying(identity, chosen, self._loader(wanted)))
         try:
             epoch = self.attempts.epoch_for(identity)
@@ -200,6 +202,17 @@ class Restorer:
             return "exact" if epoch.restore_class == "exact" else "stored"
         return "either" if identity.world_size == 1 else "stored"
 
+    def _epoch_if_any(self, identity: Identity) -> mf.Epoch | None:
+        """The attempt ``identity`` runs as (its client's attach recorded it), or None when it
+        cannot be had now."""
+        if not self.attempts.exact_classes:
+            return None
+        try:
+            return self.attempts.epoch_for(identity)
+        except StrataError as exc:
+            log.info("rank %d: no attempt to take a restore class from (%s)", identity.rank, exc)
+            return None
+
     def _loader(self, wanted: str) -> Callable[[Identity, Position], RestoreData]:
         return lambda identity, target: self._load(identity, target, wanted)
 
@@ -212,7 +225,8 @@ class Restorer:
             raise FailedPrecondition(_other_world(target, world, identity.world_size))
         ahead = self._take_prefetched(identity, target)
         if ahead is not None:
-            if wanted != "exact" or ahead.restore_class == "exact":
+            lossy = any(t.lossy for t in ahead.tensors)
+            if wanted == "either" or ahead.restore_class == wanted or not lossy:
                 return ahead
             if ahead.memory is not None:
                 ahead.memory.release()

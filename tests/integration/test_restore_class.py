@@ -7,6 +7,7 @@ sizes its bits by those."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -125,3 +126,46 @@ def test_the_stored_class_restores_storage_form_from_memory_and_sizes_bits_for_e
         assert (info["source"], info["restore_class"]) == ("memory", "stored"), (r, info)
         assert not torch.equal(got["table"], saved[r]["table"])
     assert epoch(p, job_name).restore_class == ""
+
+
+def restore_step(p: Pods, job: str, generation: str, step: int) -> list[dict[str, Any]]:
+    """Every rank restores ``step`` explicitly, each once its sidecar's read-ahead of the attempt's
+    restore step (which every client starts) is done."""
+    infos: list[Any] = [None] * p.n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            client = p.client(i, job, generation)
+            server = p.servers[i]
+            assert server is not None
+            slot = ("default", job, i)
+            prefetched = server.engine.restorer.prefetched
+            assert settled(lambda: slot in prefetched and prefetched[slot][1].is_set(), True)
+            client.restore(blank(), step=step)
+            infos[i] = dict(client.last_restore or {})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(p.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return infos
+
+
+@pytest.mark.slow
+def test_an_explicit_restore_of_the_attempts_step_takes_the_attempts_class_on_every_rank(pods, job_name):
+    # The member that lost its pod reads its buddy's exact copy ahead; the explicit restore that
+    # follows must not hand it out while the other ranks restore another class.
+    p = pods(3, "buddy")
+    for c in save_all(p, job_name, 5, states=[state(r, 5) for r in range(3)]):
+        c.close()
+    assert settled(lambda: p.pushed(job_name, "replica"), [1.0] * 3) == [1.0] * 3
+    p.stop(1, wipe=True)
+    p.start(1)
+    infos = restore_step(p, job_name, "run/1", 5)
+    assert epoch(p, job_name).restore_class == "exact"
+    assert [i["restore_class"] for i in infos] == ["exact"] * 3, infos
