@@ -831,6 +831,12 @@ def holdings_key(namespace: str, job: str, generation: str, rank: int) -> str:
     return f"{holdings_prefix(namespace, job, generation)}{rank:06d}"
 
 
+def inexact_key(namespace: str, job: str, position: tuple[int, int]) -> str:
+    """``INEXACT/<attempt>-<step>``: some rank could not restore this commit exactly although
+    its attempt's EPOCH said every rank could; later attempts restore it in the stored class."""
+    return f"{job_prefix(namespace, job)}INEXACT/{position[0]}-{position[1]}"
+
+
 @dataclass
 class Holdings:
     """``HOLDS/<generation>/<rank>``: what the sidecar of ``rank`` holds exactly (as trainers

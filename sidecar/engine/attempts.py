@@ -333,6 +333,8 @@ class Attempts:
                 if found.generation == str(generation) and found.rank == int(tail):
                     reports[found.rank] = found
             if mf.exact_everywhere(world, restore, reports):
+                if self._inexact_before(identity, restore):
+                    return ""
                 log.info(
                     "%s/%s: every rank holds step %d exactly: the restore class is exact", ns, job, restore[1]
                 )
@@ -349,6 +351,34 @@ class Attempts:
                 return ""
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+
+    def note_inexact(self, identity: Identity, target: Position, why: str) -> None:
+        """``identity``'s rank could not restore ``target`` exactly, which its attempt promised
+        (its copy went, or what a peer sent did not match): recorded in storage, so the next
+        attempt restoring it takes the stored class instead of trusting the same reports again."""
+        key = mf.inexact_key(*identity.job_key, target)
+        try:
+            self.store.put(key, f"rank {identity.rank}: {why}\n".encode())
+        except (StrataError, OSError) as exc:
+            log.warning("rank %d: %s not written (%s)", identity.rank, key, exc)
+
+    def _inexact_before(self, identity: Identity, restore: Position) -> bool:
+        """Whether a rank of an earlier attempt failed to restore ``restore`` exactly (or that
+        cannot be read now): the class is stored then."""
+        key = mf.inexact_key(*identity.job_key, restore)
+        try:
+            found = self.store.head(key) is not None
+        except (StrataError, OSError) as exc:
+            log.warning("%s unreadable (%s): the restore class is stored", key, exc)
+            return True
+        if found:
+            log.info(
+                "%s: a rank of an earlier attempt could not restore step %d exactly: the "
+                "restore class is stored",
+                key,
+                restore[1],
+            )
+        return found
 
     def _forget_older_holdings(self, identity: Identity, current: str) -> None:
         """Delete the holdings reports of earlier generations (best effort: they are small, and

@@ -240,6 +240,7 @@ class Restorer:
                 return exact
             if wanted == "exact":
                 ns, job = identity.job_key
+                self.attempts.note_inexact(identity, target, "its exact copy is gone")
                 raise FailedPrecondition(
                     f"rank {identity.rank} of {ns}/{job}: this attempt restores step {target[1]} exactly "
                     "on every rank (its EPOCH's restore class), but this rank's exact copy is gone (not "

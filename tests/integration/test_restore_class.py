@@ -169,3 +169,53 @@ def test_an_explicit_restore_of_the_attempts_step_takes_the_attempts_class_on_ev
     infos = restore_step(p, job_name, "run/1", 5)
     assert epoch(p, job_name).restore_class == "exact"
     assert [i["restore_class"] for i in infos] == ["exact"] * 3, infos
+
+
+def restore_errors(p: Pods, job: str, generation: str) -> list[str]:
+    """A gang restart that may fail: each rank's error (or "")."""
+    errors = [""] * p.n
+
+    def one(i: int) -> None:
+        try:
+            p.client(i, job, generation).restore(blank())
+        except Exception as exc:
+            errors[i] = str(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(p.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors
+
+
+@pytest.mark.slow
+def test_an_exact_copy_that_cannot_be_served_sends_the_next_attempt_to_storage(pods, job_name):
+    # The buddy still reports its copy of the lost member, but the copy is damaged: the attempt
+    # that trusted it fails, and the next one must not trust it again (a restart loop until the
+    # restart limit is spent, where storage would have served).
+    p = pods(3, "buddy")
+    saved = [state(r, 5) for r in range(3)]
+    for c in save_all(p, job_name, 5, states=saved):
+        c.close()
+    assert settled(lambda: p.pushed(job_name, "replica"), [1.0] * 3) == [1.0] * 3
+    p.stop(1, wipe=True)
+    p.start(1)
+    buddy = p.servers[2]
+    assert buddy is not None and buddy.engine.redundancy.holdings is not None
+    (entry,) = buddy.engine.redundancy.holdings.complete_of("default", job_name)
+    with open(entry.data, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    errors = restore_errors(p, job_name, "run/1")
+    assert epoch(p, job_name).restore_class == "exact"
+    assert errors[1] and "exact copy is gone" in errors[1], errors
+    for c in p.clients:
+        c.close(wait=False)
+    results = restore_all(p, job_name, "run/2", [blank() for _ in range(3)])
+    assert epoch(p, job_name).restore_class == ""
+    for r, (got, info) in enumerate(results):
+        assert info["restore_class"] == "stored", (r, info)
+        assert torch.equal(got["dense"], saved[r]["dense"])
