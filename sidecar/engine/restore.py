@@ -313,7 +313,23 @@ class Restorer:
                 wanted = "stored"
         if wanted != "stored":
             # the owner's replicated tensors as the rest of this restore gives them: exactly
-            found = self._from_memory(of, target, exact=True) or self._from_peer(of, target, exact=True)
+            found = (
+                self._from_memory(of, target, exact=True)
+                or self._from_peer(of, target, exact=True)
+                # parity rebuilds this member's own ranks (another rank's read would rebuild a
+                # share no one here needs, and hold it)
+                or (self._from_parity(of, target, exact=True) if owner == identity.rank else None)
+            )
+            if found is None and wanted == "exact":
+                # Storage's form would differ from the owner's exact values: replicas would
+                # diverge. The gang restarts; the next attempt restores the stored class.
+                self.attempts.note_inexact(identity, target, f"rank {owner}'s exact copy is not held")
+                raise FailedPrecondition(
+                    f"rank {identity.rank}: this attempt restores step {target[1]} exactly on every "
+                    f"rank, but no member holds rank {owner}'s snapshot as saved (its member was "
+                    "rebuilt from parity, or its copy is gone); the gang restarts, and the next "
+                    "attempt restores what storage holds on every rank"
+                )
         if found is None:
             found = self._from_memory(of, target) or self._from_peer(of, target)
         data = found if found is not None else self._from_storage(of, target)

@@ -25,7 +25,7 @@ def pods(short_tmp):
     made: list[Pods] = []
 
     def make(n: int, mode: str, **options: Any) -> Pods:
-        made.append(Pods(short_tmp, n, mode, quantize="auto", quantize_match="table", **options))
+        made.append(Pods(short_tmp, n, mode, **{"quantize": "auto", "quantize_match": "table", **options}))
         return made[-1]
 
     yield make
@@ -219,3 +219,60 @@ def test_an_exact_copy_that_cannot_be_served_sends_the_next_attempt_to_storage(p
     for r, (got, info) in enumerate(results):
         assert info["restore_class"] == "stored", (r, info)
         assert torch.equal(got["dense"], saved[r]["dense"])
+
+
+def restore_replicated(p: Pods, job: str, generation: str) -> list[tuple[dict[str, Any] | None, str]]:
+    """A gang restart of state whose table every rank replicates: (state, error) per rank."""
+    out: list[Any] = [(None, "")] * p.n
+
+    def one(i: int) -> None:
+        target = blank()
+        try:
+            client = p.client(i, job, generation)
+            client.replicate(target["table"], group=list(range(p.n)))
+            client.restore(target)
+            out[i] = (target, (client.last_restore or {}).get("restore_class", ""))
+        except Exception as exc:
+            out[i] = (None, f"error: {exc}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(p.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+@pytest.mark.slow
+def test_replicated_lossy_tensors_never_mix_classes_when_their_owner_is_rebuilt_from_parity(pods, job_name):
+    # The owner's member is lost and rebuilt exactly from parity; the other ranks read the owner's
+    # replicated table (open_rank), which no member holds exactly: they must not fall back to
+    # storage's form silently while the owner restores the table as saved.
+    p = pods(3, "parity", quantize_match="*")  # a rank that owns no table saves lossy dense state
+    table = state(0, 5)["table"]
+    states = [{"table": table.clone(), "dense": state(r, 5)["dense"]} for r in range(3)]
+    clients = []
+    for r in range(3):
+        c = p.client(r, job_name, "run/0")
+        c.replicate(states[r]["table"], group=[0, 1, 2])
+        clients.append(c)
+    save_all(p, job_name, 5, states=states, clients=clients)
+    owner = next(x.owner for x in rank_manifest(p, job_name, 5, 1).replicas if x.name.endswith("table"))
+    assert settled(lambda: p.protected(job_name, 5), True)
+    for c in clients:
+        c.close()
+    p.stop(owner, wipe=True)
+    p.start(owner)
+    first = restore_replicated(p, job_name, "run/1")
+    if all(not e.startswith("error") for _, e in first):
+        tables = [s["table"] for s, _ in first if s is not None]
+        assert all(torch.equal(t, tables[owner]) for t in tables), [e for _, e in first]
+        return
+    for c in p.clients:
+        c.close(wait=False)
+    second = restore_replicated(p, job_name, "run/2")
+    assert epoch(p, job_name).restore_class == ""
+    assert not any(e.startswith("error") for _, e in second), second
+    tables = [s["table"] for s, _ in second if s is not None]
+    assert all(torch.equal(t, tables[0]) for t in tables)
+    assert not torch.equal(tables[0], table)  # storage's form, on every rank
