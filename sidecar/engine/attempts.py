@@ -212,7 +212,8 @@ class Attempts:
         ns, job = identity.job_key
         deadline = time.monotonic() + self.settings.commit_timeout_s
         delay = 0.05
-        reported = not self.exact_classes
+        # A lone rank's class is what it finds (see Restorer._wanted_class): no reports then.
+        reported = not self.exact_classes or identity.world_size == 1
         if identity.rank == 0:
             self.held.settle(identity.job_key)
         while True:
@@ -304,7 +305,7 @@ class Attempts:
         """ "exact" when every rank's sidecar reports it can restore ``restore`` exactly, else "".
         Waits for a report of every rank (the gang waits for every rank anyway), at most
         EXACT_WAIT_S; a rank not heard from by then makes the class stored."""
-        if restore is None or not self.exact_classes:
+        if restore is None or not self.exact_classes or identity.world_size == 1:
             return ""
         ns, job = identity.job_key
         prefix = mf.holdings_prefix(ns, job, str(generation))

@@ -276,3 +276,16 @@ def test_replicated_lossy_tensors_never_mix_classes_when_their_owner_is_rebuilt_
     tables = [s["table"] for s, _ in second if s is not None]
     assert all(torch.equal(t, tables[0]) for t in tables)
     assert not torch.equal(tables[0], table)  # storage's form, on every rank
+
+
+def test_a_lone_rank_restarts_without_holdings_reports(make_sidecar, make_client, job_name):
+    # A lone rank's class is decided by what it finds (exact when held): reports would only cost
+    # storage requests at every restart, and rank 0's wait (60 s) where one is not written.
+    server = make_sidecar(quantize="4", quantize_match="table", encode_workers=1)
+    saved = {"table": torch.randn(256, 8)}
+    make_client(server, job_name, capture_rng=False, generation="run/0").save(5, saved).durable.result(30)
+    client = make_client(server, job_name, capture_rng=False, generation="run/1")
+    got = {"table": torch.zeros(256, 8)}
+    assert client.restore(got) == 5 and client.last_restore["restore_class"] == "exact"
+    assert torch.equal(got["table"], saved["table"])
+    assert server.store.list(mf.job_prefix("default", job_name) + "HOLDS/").objects == []
