@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 #: The longest rank 0's sidecar waits for every rank's holdings report before it decides a
 #: restore class (stored, when one is missing: a rank still being scheduled, say).
 EXACT_WAIT_S = 60.0
+#: The most older holdings reports one restart deletes.
+FORGET_PAGE = 1024
 
 
 def check_protocol(version: int) -> None:
@@ -386,7 +388,9 @@ class Attempts:
         a report of another generation is never read)."""
         root = mf.job_prefix(*identity.job_key) + "HOLDS/"
         try:
-            old = [o.key for o in self.store.list(root).objects if not o.key.startswith(current)]
+            # bounded: junk in a distrusted bucket is deleted a page per restart, never read whole
+            listing = self.store.list(root, limit=FORGET_PAGE)
+            old = [o.key for o in listing.objects if not o.key.startswith(current)]
             if old:
                 self.store.delete(old)
         except (StrataError, OSError) as exc:

@@ -5,13 +5,17 @@ manifests' count of lossy restores, and ``auto``'s bit width under each class.""
 from __future__ import annotations
 
 import json
+import uuid
 from types import SimpleNamespace
 
 import pytest
 
 from sidecar import manifest as mf
+from sidecar.engine.attempts import Attempts
+from sidecar.engine.types import Identity
 from sidecar.errors import CorruptObject
 from sidecar.pipeline.settings import Quantization, parse_table, quantization
+from sidecar.store.memory import MemoryStore
 
 R = (3, 40)  # (attempt, step)
 
@@ -111,3 +115,27 @@ def test_auto_sizes_bits_for_storage_restores_under_the_exact_class_and_escalate
 def test_a_bad_restore_setting_is_refused_naming_it(over, named):
     with pytest.raises(ValueError, match=named):
         quantization(settings(**over))
+
+
+def test_forgetting_older_holdings_reads_a_bounded_listing_of_a_junk_filled_bucket():
+    # The bucket is distrusted: rank 0's sidecar lists what it deletes at every restart, so junk
+    # under HOLDS/ must not make it read (and hold) every key there at once.
+    store = MemoryStore(f"holds-{uuid.uuid4().hex}")
+    root = mf.job_prefix("ns", "job") + "HOLDS/"
+    for i in range(3000):
+        store.put(f"{root}junk/{i:06d}", b"")
+    listed: list[int] = []
+    real_list = store.list
+
+    def counted(*args, **kwargs):
+        found = real_list(*args, **kwargs)
+        listed.append(len(found.objects))
+        return found
+
+    store.list = counted  # type: ignore[method-assign]
+    this = SimpleNamespace(store=store)
+    Attempts._forget_older_holdings(
+        this, Identity("ns", "job", 0, 2, 0), mf.holdings_prefix("ns", "job", "g")
+    )  # type: ignore[arg-type]
+    assert listed and max(listed) <= 1024
+    assert len(real_list(root).objects) == 3000 - sum(listed)  # the rest goes at later restarts
