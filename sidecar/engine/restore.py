@@ -214,7 +214,15 @@ class Restorer:
             return None
 
     def _loader(self, wanted: str) -> Callable[[Identity, Position], RestoreData]:
-        return lambda identity, target: self._load(identity, target, wanted)
+        def load(identity: Identity, target: Position) -> RestoreData:
+            data = self._load(identity, target, wanted)
+            if wanted == "stored" and self.attempts.exact_classes and not any(t.lossy for t in data.tensors):
+                # The same bytes either way: a rank without lossy tensors reports its gang's class
+                # (a Checkpoint whose ranks report two classes says "mixed", a fault).
+                data.restore_class = "stored"
+            return data
+
+        return load
 
     def _load(self, identity: Identity, target: Position, wanted: str = "stored") -> RestoreData:
         world = self._saved_by(identity.job_key, target)

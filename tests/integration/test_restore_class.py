@@ -272,7 +272,7 @@ def test_replicated_lossy_tensors_never_mix_classes_when_their_owner_is_rebuilt_
         c.close(wait=False)
     second = restore_replicated(p, job_name, "run/2")
     assert epoch(p, job_name).restore_class == ""
-    assert not any(e.startswith("error") for _, e in second), second
+    assert [e for _, e in second] == ["stored"] * 3, second  # the ranks without a lossy tensor too
     tables = [s["table"] for s, _ in second if s is not None]
     assert all(torch.equal(t, tables[0]) for t in tables)
     assert not torch.equal(tables[0], table)  # storage's form, on every rank
