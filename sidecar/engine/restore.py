@@ -344,6 +344,16 @@ class Restorer:
         data.world_size = world
         if world == identity.world_size:
             reads, read_bytes = self.metrics.replica_reads, self.metrics.replica_read_bytes
+            if owner == identity.rank:
+                # the rank's own snapshot (DCP's reader restores this way): a restore, counted
+                # for auto's bits and ending the chain as a whole restore from there would
+                self.held.restored(
+                    identity,
+                    data.source == "memory",
+                    data.restores,
+                    data.storage_restores,
+                    exact=data.restore_class == "exact",
+                )
         else:
             reads, read_bytes = self.metrics.reshard_reads, self.metrics.reshard_read_bytes
             # This rank now holds state another world size saved: its next checkpoint is full.

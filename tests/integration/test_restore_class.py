@@ -289,3 +289,22 @@ def test_a_lone_rank_restarts_without_holdings_reports(make_sidecar, make_client
     assert client.restore(got) == 5 and client.last_restore["restore_class"] == "exact"
     assert torch.equal(got["table"], saved["table"])
     assert server.store.list(mf.job_prefix("default", job_name) + "HOLDS/").objects == []
+
+
+def test_a_restore_through_the_read_of_its_own_rank_counts_for_auto(
+    make_sidecar, make_client, job_name, short_tmp
+):
+    # DCP's reader (TorchRec, FSDP2 state) restores a rank by reading its own snapshot: a lossy
+    # restore that way must count, or auto never escalates for those jobs.
+    storage = f"file://{short_tmp}/own"
+    first = make_sidecar(storage, quantize="auto", quantize_match="table", encode_workers=1)
+    saved = {"table": torch.randn(256, 8)}
+    make_client(first, job_name, capture_rng=False, generation="run/0").save(5, saved).durable.result(30)
+    first.stop(grace=0)
+    server = make_sidecar(storage, quantize="auto", quantize_match="table", encode_workers=1)  # a lost pod
+    client = make_client(server, job_name, capture_rng=False, generation="run/1", resume="never")
+    header, tensors = client._read_rank(0)
+    assert (header.step, header.source, header.restore_class) == (5, "storage", "stored")
+    client.save(6, {"table": tensors[0].reshape(256, 8)}).durable.result(30)
+    after = mf.load_manifest(server.store, mf.read_commit(server.store, "default", job_name, 6), 0)
+    assert (after.restores, after.storage_restores) == (1, 1)
