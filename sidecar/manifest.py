@@ -895,6 +895,19 @@ class Holdings:
             _whole("parity step", e[2], 0, MAX_STEP)
 
 
+def about(report: Holdings, target: tuple[int, int]) -> Holdings:
+    """``report`` with only its entries about commit ``target``: what the decision needs, so a
+    gang's reports (up to 1 MiB each) are never all held whole."""
+    attempt, step = target
+    return Holdings(
+        report.generation,
+        report.rank,
+        [e for e in report.own if e == [attempt, step]],
+        [e for e in report.copies if e[1:] == [attempt, step]],
+        [e for e in report.parity if (e[1], e[2]) == target],
+    )
+
+
 def exact_everywhere(world_size: int, target: tuple[int, int], reports: dict[int, Holdings]) -> bool:
     """Whether every rank of a gang of ``world_size`` can restore ``target`` exactly, by the
     reports of its ranks' sidecars: from its own memory, a buddy's copy, or parity over a group

@@ -334,7 +334,7 @@ class Attempts:
                     log.warning("%s/%s: %s unreadable (%s); ignored", ns, job, key, exc)
                     continue
                 if found.generation == str(generation) and found.rank == int(tail):
-                    reports[found.rank] = found
+                    reports[found.rank] = mf.about(found, restore)
             if mf.exact_everywhere(world, restore, reports):
                 if self._inexact_before(identity, restore):
                     return ""

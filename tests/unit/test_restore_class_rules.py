@@ -5,6 +5,8 @@ manifests' count of lossy restores, and ``auto``'s bit width under each class.""
 from __future__ import annotations
 
 import json
+import threading
+import tracemalloc
 import uuid
 from types import SimpleNamespace
 
@@ -139,3 +141,31 @@ def test_forgetting_older_holdings_reads_a_bounded_listing_of_a_junk_filled_buck
     )  # type: ignore[arg-type]
     assert listed and max(listed) <= 1024
     assert len(real_list(root).objects) == 3000 - sum(listed)  # the rest goes at later restarts
+
+
+def test_deciding_the_class_keeps_no_more_of_each_report_than_the_restore_step_needs():
+    # Every rank's report may be up to 1 MiB of entries: held whole for a large gang, a junk-filled
+    # bucket would make rank 0's sidecar hold gigabytes while it waits.
+    world = 12
+    store = MemoryStore(f"holds-{uuid.uuid4().hex}")
+    junk = [[[60_000 + i for i in range(256)], 3, 1000 + j] for j in range(100)]
+    for r in range(world):
+        store.put(mf.holdings_key("ns", "job", "run/1", r), report(r, own=[R], parity=junk).to_json())
+    this = SimpleNamespace(
+        store=store,
+        exact_classes=True,
+        settings=SimpleNamespace(commit_timeout_s=5.0),
+        shared=SimpleNamespace(stopping=threading.Event()),
+        _inexact_before=lambda identity, restore: False,
+    )
+    tracemalloc.start()
+    try:
+        got = Attempts._restore_class(
+            this, Identity("ns", "job", 0, world, 0), mf.Generation.parse("run/1"), R
+        )  # type: ignore[arg-type]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == "exact"
+    one = len(report(0, own=[R], parity=junk).to_json())
+    assert peak < 16 * one, (peak, one)  # one report parsed at a time (all 12 held: ~64x)
