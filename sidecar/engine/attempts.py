@@ -328,13 +328,22 @@ class Attempts:
                 tail = key[len(prefix) :]
                 if not tail.isdigit() or int(tail) >= world or int(tail) in reports:
                     continue
+                rank = int(tail)
                 try:
                     found = mf.Holdings.from_json(self.store.get(key), key)
-                except (StrataError, OSError) as exc:
-                    log.warning("%s/%s: %s unreadable (%s); ignored", ns, job, key, exc)
+                except CorruptObject as exc:
+                    # an answer all the same: that rank holds nothing exactly (read once, not
+                    # again at every poll until the wait is spent)
+                    log.warning("%s/%s: %s unreadable (%s): rank %d holds nothing", ns, job, key, exc, rank)
+                    reports[rank] = mf.Holdings(str(generation), rank)
                     continue
-                if found.generation == str(generation) and found.rank == int(tail):
-                    reports[found.rank] = mf.about(found, restore)
+                except (StrataError, OSError) as exc:
+                    log.warning("%s/%s: %s not read (%s); reading it again", ns, job, key, exc)
+                    continue
+                if found.generation == str(generation) and found.rank == rank:
+                    reports[rank] = mf.about(found, restore)
+                else:
+                    reports[rank] = mf.Holdings(str(generation), rank)
             if mf.exact_everywhere(world, restore, reports):
                 if self._inexact_before(identity, restore):
                     return ""

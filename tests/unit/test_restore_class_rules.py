@@ -169,3 +169,30 @@ def test_deciding_the_class_keeps_no_more_of_each_report_than_the_restore_step_n
     assert got == "exact"
     one = len(report(0, own=[R], parity=junk).to_json())
     assert peak < 16 * one, (peak, one)  # one report parsed at a time (all 12 held: ~64x)
+
+
+def test_an_unreadable_report_counts_as_a_rank_that_holds_nothing():
+    # A damaged report (or one of another format) is an answer: the class is stored at once, not
+    # after the whole wait spent reading the same object again and again.
+    store = MemoryStore(f"holds-{uuid.uuid4().hex}")
+    store.put(mf.holdings_key("ns", "job", "run/1", 0), report(0, own=[R]).to_json())
+    damaged = mf.holdings_key("ns", "job", "run/1", 1)
+    store.put(damaged, b"{not json")
+    gets: list[str] = []
+    real_get = store.get
+
+    def counted(key: str) -> bytes:
+        gets.append(key)
+        return real_get(key)
+
+    store.get = counted  # type: ignore[method-assign]
+    this = SimpleNamespace(
+        store=store,
+        exact_classes=True,
+        settings=SimpleNamespace(commit_timeout_s=2.0),
+        shared=SimpleNamespace(stopping=threading.Event()),
+        _inexact_before=lambda identity, restore: False,
+    )
+    got = Attempts._restore_class(this, Identity("ns", "job", 0, 2, 0), mf.Generation.parse("run/1"), R)  # type: ignore[arg-type]
+    assert got == ""
+    assert gets.count(damaged) == 1
