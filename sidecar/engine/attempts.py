@@ -313,6 +313,8 @@ class Attempts:
         prefix = mf.holdings_prefix(ns, job, str(generation))
         world = identity.world_size
         reports: dict[int, mf.Holdings] = {}
+        if self.holdings_of is not None:  # its own, known here whether or not its write went through
+            reports[identity.rank] = mf.about(self.holdings_of(identity, str(generation)), restore)
         deadline = time.monotonic() + min(EXACT_WAIT_S, self.settings.commit_timeout_s)
         delay = 0.05
         while True:

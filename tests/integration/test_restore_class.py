@@ -308,3 +308,50 @@ def test_a_restore_through_the_read_of_its_own_rank_counts_for_auto(
     client.save(6, {"table": tensors[0].reshape(256, 8)}).durable.result(30)
     after = mf.load_manifest(server.store, mf.read_commit(server.store, "default", job_name, 6), 0)
     assert (after.restores, after.storage_restores) == (1, 1)
+
+
+def test_rank_0_knows_its_own_holdings_when_its_report_was_not_written(make_sidecar, make_client, job_name):
+    # Two ranks on one sidecar; the bucket refuses rank 0's report for a moment. Rank 0's sidecar
+    # knows what it holds: it must not wait out its limit for its own report and decide stored.
+    server = make_sidecar(quantize="4", quantize_match="table", encode_workers=1, commit_timeout_s=3.0)
+    saved = [{"table": torch.randn(256, 8)} for _ in range(2)]
+    first = [
+        make_client(server, job_name, rank=r, world_size=2, capture_rng=False, generation="run/0")
+        for r in range(2)
+    ]
+    for h in [c.save(5, s) for c, s in zip(first, saved, strict=True)]:
+        h.durable.result(30)
+    put = server.store.put
+    refused: list[str] = []
+
+    def flaky(key: str, *args: Any, **kwargs: Any) -> Any:
+        if "/HOLDS/" in key and key.endswith("000000") and not refused:
+            refused.append(key)
+            raise OSError("503 slow down")
+        return put(key, *args, **kwargs)
+
+    server.store.put = flaky  # type: ignore[method-assign]
+    got = [{"table": torch.zeros(256, 8)} for _ in range(2)]
+    clients = [
+        make_client(
+            server, job_name, rank=r, world_size=2, capture_rng=False, generation="run/1", resume="never"
+        )
+        for r in range(2)
+    ]
+    errors: list[BaseException] = []
+
+    def one(r: int) -> None:
+        try:
+            clients[r].restore(got[r])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and refused
+    assert [c.last_restore["restore_class"] for c in clients] == ["exact", "exact"]
+    for r in range(2):
+        assert torch.equal(got[r]["table"], saved[r]["table"])

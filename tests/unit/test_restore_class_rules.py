@@ -157,6 +157,7 @@ def test_deciding_the_class_keeps_no_more_of_each_report_than_the_restore_step_n
         settings=SimpleNamespace(commit_timeout_s=5.0),
         shared=SimpleNamespace(stopping=threading.Event()),
         _inexact_before=lambda identity, restore: False,
+        holdings_of=None,
     )
     tracemalloc.start()
     try:
@@ -192,6 +193,7 @@ def test_an_unreadable_report_counts_as_a_rank_that_holds_nothing():
         settings=SimpleNamespace(commit_timeout_s=2.0),
         shared=SimpleNamespace(stopping=threading.Event()),
         _inexact_before=lambda identity, restore: False,
+        holdings_of=None,
     )
     got = Attempts._restore_class(this, Identity("ns", "job", 0, 2, 0), mf.Generation.parse("run/1"), R)  # type: ignore[arg-type]
     assert got == ""
