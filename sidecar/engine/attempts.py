@@ -353,7 +353,13 @@ class Attempts:
                     "%s/%s: every rank holds step %d exactly: the restore class is exact", ns, job, restore[1]
                 )
                 return "exact"
-            if len(reports) >= world or time.monotonic() > deadline or self.shared.stopping.is_set():
+            if (
+                len(reports) >= world
+                or time.monotonic() > deadline
+                or self.shared.stopping.is_set()
+                # restarted again meanwhile: the next generation's rank 0 waits for this lock
+                or self.shared.gang(identity.job_key).generation != generation
+            ):
                 missing = world - len(reports)
                 log.info(
                     "%s/%s: step %d is not held exactly for every rank (%s): the restore class is stored",

@@ -20,6 +20,7 @@ from sidecar.pipeline.settings import Quantization, parse_table, quantization
 from sidecar.store.memory import MemoryStore
 
 R = (3, 40)  # (attempt, step)
+GEN = mf.Generation.parse("run/1")
 
 
 def report(rank: int, own=(), copies=(), parity=()) -> mf.Holdings:
@@ -155,7 +156,7 @@ def test_deciding_the_class_keeps_no_more_of_each_report_than_the_restore_step_n
         store=store,
         exact_classes=True,
         settings=SimpleNamespace(commit_timeout_s=5.0),
-        shared=SimpleNamespace(stopping=threading.Event()),
+        shared=SimpleNamespace(stopping=threading.Event(), gang=lambda key: SimpleNamespace(generation=GEN)),
         _inexact_before=lambda identity, restore: False,
         holdings_of=None,
     )
@@ -191,10 +192,39 @@ def test_an_unreadable_report_counts_as_a_rank_that_holds_nothing():
         store=store,
         exact_classes=True,
         settings=SimpleNamespace(commit_timeout_s=2.0),
-        shared=SimpleNamespace(stopping=threading.Event()),
+        shared=SimpleNamespace(stopping=threading.Event(), gang=lambda key: SimpleNamespace(generation=GEN)),
         _inexact_before=lambda identity, restore: False,
         holdings_of=None,
     )
     got = Attempts._restore_class(this, Identity("ns", "job", 0, 2, 0), mf.Generation.parse("run/1"), R)  # type: ignore[arg-type]
     assert got == ""
     assert gets.count(damaged) == 1
+
+
+def test_the_wait_for_reports_ends_when_a_newer_generation_arrives():
+    # The gang was restarted again while rank 0's sidecar waited for a rank that will never report
+    # for this generation: the newer generation must not wait behind it (it needs the same lock).
+    store = MemoryStore(f"holds-{uuid.uuid4().hex}")
+    store.put(mf.holdings_key("ns", "job", "run/1", 0), report(0, own=[R]).to_json())
+    lists: list[str] = []
+    real_list = store.list
+
+    def counted(*args, **kwargs):
+        lists.append(args[0])
+        return real_list(*args, **kwargs)
+
+    store.list = counted  # type: ignore[method-assign]
+    newer = mf.Generation.parse("run/2")
+    this = SimpleNamespace(
+        store=store,
+        exact_classes=True,
+        settings=SimpleNamespace(commit_timeout_s=2.0),
+        shared=SimpleNamespace(
+            stopping=threading.Event(), gang=lambda key: SimpleNamespace(generation=newer)
+        ),
+        _inexact_before=lambda identity, restore: False,
+        holdings_of=None,
+    )
+    got = Attempts._restore_class(this, Identity("ns", "job", 0, 2, 0), mf.Generation.parse("run/1"), R)  # type: ignore[arg-type]
+    assert got == ""
+    assert len(lists) == 1
