@@ -342,6 +342,8 @@ class Restorer:
             found = self._from_memory(of, target) or self._from_peer(of, target)
         data = found if found is not None else self._from_storage(of, target)
         data.world_size = world
+        if wanted == "stored" and self.attempts.exact_classes and not any(t.lossy for t in data.tensors):
+            data.restore_class = "stored"  # the same bytes either way: the gang's class (see _loader)
         if world == identity.world_size:
             reads, read_bytes = self.metrics.replica_reads, self.metrics.replica_read_bytes
             if owner == identity.rank:
