@@ -915,14 +915,25 @@ def exact_everywhere(world_size: int, target: tuple[int, int], reports: dict[int
     attempt, step = target
     own = {r for r, h in reports.items() if [attempt, step] in h.own}
     covered = set(own)
-    for h in reports.values():
+
+    def holds_parity_of(rank: int, lost: int) -> bool:
+        found = reports.get(rank)
+        return found is not None and any((a, s) == target and lost in ranks for ranks, a, s in found.parity)
+
+    for holder, h in reports.items():
         covered.update(e[0] for e in h.copies if e[1:] == [attempt, step])
         for ranks, a, s in h.parity:
             if (a, s) != target:
                 continue
-            missing = [r for r in ranks if r not in own]
-            if len(missing) == 1:  # XOR rebuilds one lost member's share, no more
-                covered.add(missing[0])
+            # a holder's parity lists the other members of its group
+            group = set(ranks) | {holder}
+            missing = group - own
+            if len(missing) != 1:  # XOR rebuilds one lost member's share, no more
+                continue
+            (lost,) = missing
+            # the rebuild XORs the parity every other member of the group holds: all of it
+            if all(holds_parity_of(r, lost) for r in group - missing):
+                covered.add(lost)
     return all(r in covered for r in range(world_size))
 
 

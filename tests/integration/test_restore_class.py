@@ -355,3 +355,20 @@ def test_rank_0_knows_its_own_holdings_when_its_report_was_not_written(make_side
     assert [c.last_restore["restore_class"] for c in clients] == ["exact", "exact"]
     for r in range(2):
         assert torch.equal(got[r]["table"], saved[r]["table"])
+
+
+@pytest.mark.slow
+def test_a_lost_member_rebuilt_from_parity_keeps_the_gang_exact(pods, job_name):
+    # The rule over real reports: every other member of the group holds its parity part.
+    p = pods(4, "parity")
+    saved = [state(r, 5) for r in range(4)]
+    for c in save_all(p, job_name, 5, states=saved):
+        c.close()
+    assert settled(lambda: p.protected(job_name, 5), True)
+    p.stop(1, wipe=True)
+    p.start(1)
+    results = restore_all(p, job_name, "run/1", [blank() for _ in range(4)])
+    assert epoch(p, job_name).restore_class == "exact"
+    for r, (got, info) in enumerate(results):
+        assert (info["source"], info["restore_class"]) == ("peer" if r == 1 else "memory", "exact"), (r, info)
+        assert torch.equal(got["table"], saved[r]["table"])

@@ -41,10 +41,26 @@ def test_a_buddys_copy_or_parity_with_one_member_missing_covers_a_lost_rank():
     assert not mf.exact_everywhere(3, R, base)
     assert mf.exact_everywhere(3, R, {**base, 2: report(2, own=[R], copies=[[1, *R]])})
     assert not mf.exact_everywhere(3, R, {**base, 2: report(2, own=[R], copies=[[1, 3, 39]])})  # another step
-    parity = [[0, 1, 2], *R]
-    assert mf.exact_everywhere(3, R, {**base, 2: report(2, own=[R], parity=[parity])})
-    two_lost = {0: report(0, own=[R]), 1: report(1), 2: report(2, parity=[parity])}
+    # each member holds parity over the group's other members
+    held = {
+        0: report(0, own=[R], parity=[[[1, 2], *R]]),
+        1: report(1),
+        2: report(2, own=[R], parity=[[[0, 1], *R]]),
+    }
+    assert mf.exact_everywhere(3, R, held)
+    two_lost = {
+        0: report(0, own=[R], parity=[[[1, 2], *R]]),
+        1: report(1),
+        2: report(2, parity=[[[0, 1], *R]]),
+    }
     assert not mf.exact_everywhere(3, R, two_lost)  # XOR rebuilds one member, not two
+
+
+def test_parity_covers_a_lost_member_only_when_every_other_member_holds_its_part():
+    # The rebuild XORs the parity of every other member of the group: one member's parity alone
+    # (the other's still being written when the pod was lost) cannot rebuild anything.
+    reports = {0: report(0, own=[R]), 1: report(1), 2: report(2, own=[R], parity=[[[0, 1], *R]])}
+    assert not mf.exact_everywhere(3, R, reports)
 
 
 def test_a_holdings_report_round_trips_and_a_damaged_or_oversized_one_is_refused():
