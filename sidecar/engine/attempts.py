@@ -35,8 +35,6 @@ log = logging.getLogger(__name__)
 #: The longest rank 0's sidecar waits for every rank's holdings report before it decides a
 #: restore class (stored, when one is missing: a rank still being scheduled, say).
 EXACT_WAIT_S = 60.0
-#: The most older holdings reports one restart deletes.
-FORGET_PAGE = 1024
 
 
 def check_protocol(version: int) -> None:
@@ -249,7 +247,7 @@ class Attempts:
                 restore, reason = self.decide_restore(identity, fences)
                 restore_class = self._restore_class(identity, generation, restore)
                 if self.exact_classes:
-                    self._forget_older_holdings(identity, mf.holdings_prefix(ns, job, str(generation)))
+                    self._forget_older_holdings(identity, generation, newest)
                 try:
                     return mf.create_epoch(
                         self.store,
@@ -400,18 +398,21 @@ class Attempts:
             )
         return found
 
-    def _forget_older_holdings(self, identity: Identity, current: str) -> None:
-        """Delete the holdings reports of earlier generations (best effort: they are small, and
-        a report of another generation is never read)."""
-        root = mf.job_prefix(*identity.job_key) + "HOLDS/"
+    def _forget_older_holdings(
+        self, identity: Identity, generation: mf.Generation, previous: mf.Epoch | None
+    ) -> None:
+        """Delete the holdings reports of the previous attempt's generation (best effort: they
+        are small, and a report of another generation is never read). Never a newer one's (the
+        gang may have been restarted again meanwhile, its ranks reporting already), and nothing
+        is listed (a distrusted bucket's junk is never read)."""
+        if previous is None or previous.generation == str(generation):
+            return
+        ns, job = identity.job_key
+        ranks = max(previous.world_size, identity.world_size)
         try:
-            # bounded: junk in a distrusted bucket is deleted a page per restart, never read whole
-            listing = self.store.list(root, limit=FORGET_PAGE)
-            old = [o.key for o in listing.objects if not o.key.startswith(current)]
-            if old:
-                self.store.delete(old)
+            self.store.delete([mf.holdings_key(ns, job, previous.generation, r) for r in range(ranks)])
         except (StrataError, OSError) as exc:
-            log.info("%s/%s: older holdings reports not deleted (%s)", *identity.job_key, exc)
+            log.info("%s/%s: older holdings reports not deleted (%s)", ns, job, exc)
 
     def reattempt(self, identity: Identity) -> mf.Epoch:
         """A new attempt for the same generation (world size 1 only), deciding its restore again."""

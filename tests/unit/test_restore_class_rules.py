@@ -136,28 +136,28 @@ def test_a_bad_restore_setting_is_refused_naming_it(over, named):
         quantization(settings(**over))
 
 
-def test_forgetting_older_holdings_reads_a_bounded_listing_of_a_junk_filled_bucket():
-    # The bucket is distrusted: rank 0's sidecar lists what it deletes at every restart, so junk
-    # under HOLDS/ must not make it read (and hold) every key there at once.
+def test_forgetting_older_holdings_deletes_the_previous_generations_reports_only():
+    # Rank 0 of generation run/1 decides late (the gang was restarted again meanwhile): the
+    # reports run/2's ranks already wrote must survive, or run/2's rank 0 waits for them in vain.
+    # Nothing is listed: junk in a distrusted bucket is never read.
     store = MemoryStore(f"holds-{uuid.uuid4().hex}")
-    root = mf.job_prefix("ns", "job") + "HOLDS/"
-    for i in range(3000):
-        store.put(f"{root}junk/{i:06d}", b"")
-    listed: list[int] = []
+    for gen in ("run/0", "run/1", "run/2"):
+        for r in range(2):
+            store.put(mf.holdings_key("ns", "job", gen, r), report(r).to_json())
+    listed: list[str] = []
     real_list = store.list
 
     def counted(*args, **kwargs):
-        found = real_list(*args, **kwargs)
-        listed.append(len(found.objects))
-        return found
+        listed.append(args[0])
+        return real_list(*args, **kwargs)
 
     store.list = counted  # type: ignore[method-assign]
+    previous = mf.Epoch(1, "run/0", 2, 40, 3, [])
     this = SimpleNamespace(store=store)
-    Attempts._forget_older_holdings(
-        this, Identity("ns", "job", 0, 2, 0), mf.holdings_prefix("ns", "job", "g")
-    )  # type: ignore[arg-type]
-    assert listed and max(listed) <= 1024
-    assert len(real_list(root).objects) == 3000 - sum(listed)  # the rest goes at later restarts
+    Attempts._forget_older_holdings(this, Identity("ns", "job", 0, 2, 0), GEN, previous)  # type: ignore[arg-type]
+    assert listed == []
+    left = {o.key for o in real_list(mf.job_prefix("ns", "job") + "HOLDS/").objects}
+    assert left == {mf.holdings_key("ns", "job", g, r) for g in ("run/1", "run/2") for r in range(2)}
 
 
 def test_deciding_the_class_keeps_no_more_of_each_report_than_the_restore_step_needs():
