@@ -831,6 +831,12 @@ def holdings_key(namespace: str, job: str, generation: str, rank: int) -> str:
     return f"{holdings_prefix(namespace, job, generation)}{rank:06d}"
 
 
+def inexact_key(namespace: str, job: str, position: tuple[int, int]) -> str:
+    """``INEXACT/<attempt>-<step>``: some rank could not restore this commit exactly although
+    its attempt's EPOCH said every rank could; later attempts restore it in the stored class."""
+    return f"{job_prefix(namespace, job)}INEXACT/{position[0]}-{position[1]}"
+
+
 @dataclass
 class Holdings:
     """``HOLDS/<generation>/<rank>``: what the sidecar of ``rank`` holds exactly (as trainers
@@ -889,6 +895,19 @@ class Holdings:
             _whole("parity step", e[2], 0, MAX_STEP)
 
 
+def about(report: Holdings, target: tuple[int, int]) -> Holdings:
+    """``report`` with only its entries about commit ``target``: what the decision needs, so a
+    gang's reports (up to 1 MiB each) are never all held whole."""
+    attempt, step = target
+    return Holdings(
+        report.generation,
+        report.rank,
+        [e for e in report.own if e == [attempt, step]],
+        [e for e in report.copies if e[1:] == [attempt, step]],
+        [e for e in report.parity if (e[1], e[2]) == target],
+    )
+
+
 def exact_everywhere(world_size: int, target: tuple[int, int], reports: dict[int, Holdings]) -> bool:
     """Whether every rank of a gang of ``world_size`` can restore ``target`` exactly, by the
     reports of its ranks' sidecars: from its own memory, a buddy's copy, or parity over a group
@@ -896,14 +915,25 @@ def exact_everywhere(world_size: int, target: tuple[int, int], reports: dict[int
     attempt, step = target
     own = {r for r, h in reports.items() if [attempt, step] in h.own}
     covered = set(own)
-    for h in reports.values():
+
+    def holds_parity_of(rank: int, lost: int) -> bool:
+        found = reports.get(rank)
+        return found is not None and any((a, s) == target and lost in ranks for ranks, a, s in found.parity)
+
+    for holder, h in reports.items():
         covered.update(e[0] for e in h.copies if e[1:] == [attempt, step])
         for ranks, a, s in h.parity:
             if (a, s) != target:
                 continue
-            missing = [r for r in ranks if r not in own]
-            if len(missing) == 1:  # XOR rebuilds one lost member's share, no more
-                covered.add(missing[0])
+            # a holder's parity lists the other members of its group
+            group = set(ranks) | {holder}
+            missing = group - own
+            if len(missing) != 1:  # XOR rebuilds one lost member's share, no more
+                continue
+            (lost,) = missing
+            # the rebuild XORs the parity every other member of the group holds: all of it
+            if all(holds_parity_of(r, lost) for r in group - missing):
+                covered.add(lost)
     return all(r in covered for r in range(world_size))
 
 

@@ -374,13 +374,15 @@ class StrataReader(StorageReader):
         self.position: tuple[int, int] | None = None
         self.world_size = 0
         self.sources: dict[int, str] = {}
+        #: each rank's snapshot that was read: its restore class (exact, or stored)
+        self.classes: dict[int, str] = {}
         self._locations: dict[MetadataIndex, Location] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         step = _step(checkpoint_id)
         if step is not None:
             self.step = step
-        self.position, self._locations, self.sources = None, None, {}
+        self.position, self._locations, self.sources, self.classes = None, None, {}, {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -444,6 +446,7 @@ class StrataReader(StorageReader):
         for rank in sorted(by_rank):
             header, tensors = self.client._read_rank(rank, step, attempt)
             self.sources[rank] = header.source
+            self.classes[rank] = header.restore_class or "stored"
             items = _items(header, tensors, f"step {step} rank {rank}")
             for req, loc in by_rank[rank]:
                 src = items.get(loc.key)
@@ -595,6 +598,10 @@ def load_resume(client: CheckpointClient, state: Any, step: int | None) -> int:
         "saved_by": reader.world_size,
         # each rank's snapshot that was read: where it came from (memory, peer, storage)
         "sources": dict(reader.sources),
+        # one class for the gang's attempt ("mixed" would be a fault)
+        "restore_class": next(iter(classes))
+        if len(classes := set(reader.classes.values())) == 1
+        else "mixed",
     }
     return reader.position[1]
 

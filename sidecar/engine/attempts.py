@@ -212,7 +212,8 @@ class Attempts:
         ns, job = identity.job_key
         deadline = time.monotonic() + self.settings.commit_timeout_s
         delay = 0.05
-        reported = not self.exact_classes
+        # A lone rank's class is what it finds (see Restorer._wanted_class): no reports then.
+        reported = not self.exact_classes or identity.world_size == 1
         if identity.rank == 0:
             self.held.settle(identity.job_key)
         while True:
@@ -246,7 +247,7 @@ class Attempts:
                 restore, reason = self.decide_restore(identity, fences)
                 restore_class = self._restore_class(identity, generation, restore)
                 if self.exact_classes:
-                    self._forget_older_holdings(identity, mf.holdings_prefix(ns, job, str(generation)))
+                    self._forget_older_holdings(identity, generation, newest)
                 try:
                     return mf.create_epoch(
                         self.store,
@@ -304,12 +305,14 @@ class Attempts:
         """ "exact" when every rank's sidecar reports it can restore ``restore`` exactly, else "".
         Waits for a report of every rank (the gang waits for every rank anyway), at most
         EXACT_WAIT_S; a rank not heard from by then makes the class stored."""
-        if restore is None or not self.exact_classes:
+        if restore is None or not self.exact_classes or identity.world_size == 1:
             return ""
         ns, job = identity.job_key
         prefix = mf.holdings_prefix(ns, job, str(generation))
         world = identity.world_size
         reports: dict[int, mf.Holdings] = {}
+        if self.holdings_of is not None:  # its own, known here whether or not its write went through
+            reports[identity.rank] = mf.about(self.holdings_of(identity, str(generation)), restore)
         deadline = time.monotonic() + min(EXACT_WAIT_S, self.settings.commit_timeout_s)
         delay = 0.05
         while True:
@@ -325,19 +328,36 @@ class Attempts:
                 tail = key[len(prefix) :]
                 if not tail.isdigit() or int(tail) >= world or int(tail) in reports:
                     continue
+                rank = int(tail)
                 try:
                     found = mf.Holdings.from_json(self.store.get(key), key)
-                except (StrataError, OSError) as exc:
-                    log.warning("%s/%s: %s unreadable (%s); ignored", ns, job, key, exc)
+                except CorruptObject as exc:
+                    # an answer all the same: that rank holds nothing exactly (read once, not
+                    # again at every poll until the wait is spent)
+                    log.warning("%s/%s: %s unreadable (%s): rank %d holds nothing", ns, job, key, exc, rank)
+                    reports[rank] = mf.Holdings(str(generation), rank)
                     continue
-                if found.generation == str(generation) and found.rank == int(tail):
-                    reports[found.rank] = found
+                except (StrataError, OSError) as exc:
+                    log.warning("%s/%s: %s not read (%s); reading it again", ns, job, key, exc)
+                    continue
+                if found.generation == str(generation) and found.rank == rank:
+                    reports[rank] = mf.about(found, restore)
+                else:
+                    reports[rank] = mf.Holdings(str(generation), rank)
             if mf.exact_everywhere(world, restore, reports):
+                if self._inexact_before(identity, restore):
+                    return ""
                 log.info(
                     "%s/%s: every rank holds step %d exactly: the restore class is exact", ns, job, restore[1]
                 )
                 return "exact"
-            if len(reports) >= world or time.monotonic() > deadline or self.shared.stopping.is_set():
+            if (
+                len(reports) >= world
+                or time.monotonic() > deadline
+                or self.shared.stopping.is_set()
+                # restarted again meanwhile: the next generation's rank 0 waits for this lock
+                or self.shared.gang(identity.job_key).generation != generation
+            ):
                 missing = world - len(reports)
                 log.info(
                     "%s/%s: step %d is not held exactly for every rank (%s): the restore class is stored",
@@ -350,16 +370,49 @@ class Attempts:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 
-    def _forget_older_holdings(self, identity: Identity, current: str) -> None:
-        """Delete the holdings reports of earlier generations (best effort: they are small, and
-        a report of another generation is never read)."""
-        root = mf.job_prefix(*identity.job_key) + "HOLDS/"
+    def note_inexact(self, identity: Identity, target: Position, why: str) -> None:
+        """``identity``'s rank could not restore ``target`` exactly, which its attempt promised
+        (its copy went, or what a peer sent did not match): recorded in storage, so the next
+        attempt restoring it takes the stored class instead of trusting the same reports again."""
+        key = mf.inexact_key(*identity.job_key, target)
         try:
-            old = [o.key for o in self.store.list(root).objects if not o.key.startswith(current)]
-            if old:
-                self.store.delete(old)
+            self.store.put(key, f"rank {identity.rank}: {why}\n".encode())
         except (StrataError, OSError) as exc:
-            log.info("%s/%s: older holdings reports not deleted (%s)", *identity.job_key, exc)
+            log.warning("rank %d: %s not written (%s)", identity.rank, key, exc)
+
+    def _inexact_before(self, identity: Identity, restore: Position) -> bool:
+        """Whether a rank of an earlier attempt failed to restore ``restore`` exactly (or that
+        cannot be read now): the class is stored then."""
+        key = mf.inexact_key(*identity.job_key, restore)
+        try:
+            found = self.store.head(key) is not None
+        except (StrataError, OSError) as exc:
+            log.warning("%s unreadable (%s): the restore class is stored", key, exc)
+            return True
+        if found:
+            log.info(
+                "%s: a rank of an earlier attempt could not restore step %d exactly: the "
+                "restore class is stored",
+                key,
+                restore[1],
+            )
+        return found
+
+    def _forget_older_holdings(
+        self, identity: Identity, generation: mf.Generation, previous: mf.Epoch | None
+    ) -> None:
+        """Delete the holdings reports of the previous attempt's generation (best effort: they
+        are small, and a report of another generation is never read). Never a newer one's (the
+        gang may have been restarted again meanwhile, its ranks reporting already), and nothing
+        is listed (a distrusted bucket's junk is never read)."""
+        if previous is None or previous.generation == str(generation):
+            return
+        ns, job = identity.job_key
+        ranks = max(previous.world_size, identity.world_size)
+        try:
+            self.store.delete([mf.holdings_key(ns, job, previous.generation, r) for r in range(ranks)])
+        except (StrataError, OSError) as exc:
+            log.info("%s/%s: older holdings reports not deleted (%s)", ns, job, exc)
 
     def reattempt(self, identity: Identity) -> mf.Epoch:
         """A new attempt for the same generation (world size 1 only), deciding its restore again."""

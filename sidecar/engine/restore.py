@@ -85,7 +85,9 @@ class Restorer:
             if not attempts:
                 raise NotFound(f"step {step} of {ns}/{job} has no valid COMMIT")
             chosen = (attempts[-1], step)
-            wanted = self._wanted_class(identity, None, chosen)
+            # the attempt's restore step named explicitly takes the attempt's class, as the ranks
+            # that restore it implicitly (or read it ahead) do
+            wanted = self._wanted_class(identity, self._epoch_if_any(identity), chosen)
             return self._served(identity, self._retrying(identity, chosen, self._loader(wanted)))
         try:
             epoch = self.attempts.epoch_for(identity)
@@ -200,8 +202,27 @@ class Restorer:
             return "exact" if epoch.restore_class == "exact" else "stored"
         return "either" if identity.world_size == 1 else "stored"
 
+    def _epoch_if_any(self, identity: Identity) -> mf.Epoch | None:
+        """The attempt ``identity`` runs as (its client's attach recorded it), or None when it
+        cannot be had now."""
+        if not self.attempts.exact_classes:
+            return None
+        try:
+            return self.attempts.epoch_for(identity)
+        except StrataError as exc:
+            log.info("rank %d: no attempt to take a restore class from (%s)", identity.rank, exc)
+            return None
+
     def _loader(self, wanted: str) -> Callable[[Identity, Position], RestoreData]:
-        return lambda identity, target: self._load(identity, target, wanted)
+        def load(identity: Identity, target: Position) -> RestoreData:
+            data = self._load(identity, target, wanted)
+            if wanted == "stored" and self.attempts.exact_classes and not any(t.lossy for t in data.tensors):
+                # The same bytes either way: a rank without lossy tensors reports its gang's class
+                # (a Checkpoint whose ranks report two classes says "mixed", a fault).
+                data.restore_class = "stored"
+            return data
+
+        return load
 
     def _load(self, identity: Identity, target: Position, wanted: str = "stored") -> RestoreData:
         world = self._saved_by(identity.job_key, target)
@@ -212,7 +233,8 @@ class Restorer:
             raise FailedPrecondition(_other_world(target, world, identity.world_size))
         ahead = self._take_prefetched(identity, target)
         if ahead is not None:
-            if wanted != "exact" or ahead.restore_class == "exact":
+            lossy = any(t.lossy for t in ahead.tensors)
+            if wanted == "either" or ahead.restore_class == wanted or not lossy:
                 return ahead
             if ahead.memory is not None:
                 ahead.memory.release()
@@ -226,6 +248,7 @@ class Restorer:
                 return exact
             if wanted == "exact":
                 ns, job = identity.job_key
+                self.attempts.note_inexact(identity, target, "its exact copy is gone")
                 raise FailedPrecondition(
                     f"rank {identity.rank} of {ns}/{job}: this attempt restores step {target[1]} exactly "
                     "on every rank (its EPOCH's restore class), but this rank's exact copy is gone (not "
@@ -298,13 +321,41 @@ class Restorer:
                 wanted = "stored"
         if wanted != "stored":
             # the owner's replicated tensors as the rest of this restore gives them: exactly
-            found = self._from_memory(of, target, exact=True) or self._from_peer(of, target, exact=True)
+            found = (
+                self._from_memory(of, target, exact=True)
+                or self._from_peer(of, target, exact=True)
+                # parity rebuilds this member's own ranks (another rank's read would rebuild a
+                # share no one here needs, and hold it)
+                or (self._from_parity(of, target, exact=True) if owner == identity.rank else None)
+            )
+            if found is None and wanted == "exact":
+                # Storage's form would differ from the owner's exact values: replicas would
+                # diverge. The gang restarts; the next attempt restores the stored class.
+                self.attempts.note_inexact(identity, target, f"rank {owner}'s exact copy is not held")
+                raise FailedPrecondition(
+                    f"rank {identity.rank}: this attempt restores step {target[1]} exactly on every "
+                    f"rank, but no member holds rank {owner}'s snapshot as saved (its member was "
+                    "rebuilt from parity, or its copy is gone); the gang restarts, and the next "
+                    "attempt restores what storage holds on every rank"
+                )
         if found is None:
             found = self._from_memory(of, target) or self._from_peer(of, target)
         data = found if found is not None else self._from_storage(of, target)
         data.world_size = world
+        if wanted == "stored" and self.attempts.exact_classes and not any(t.lossy for t in data.tensors):
+            data.restore_class = "stored"  # the same bytes either way: the gang's class (see _loader)
         if world == identity.world_size:
             reads, read_bytes = self.metrics.replica_reads, self.metrics.replica_read_bytes
+            if owner == identity.rank:
+                # the rank's own snapshot (DCP's reader restores this way): a restore, counted
+                # for auto's bits and ending the chain as a whole restore from there would
+                self.held.restored(
+                    identity,
+                    data.source == "memory",
+                    data.restores,
+                    data.storage_restores,
+                    exact=data.restore_class == "exact",
+                )
         else:
             reads, read_bytes = self.metrics.reshard_reads, self.metrics.reshard_read_bytes
             # This rank now holds state another world size saved: its next checkpoint is full.

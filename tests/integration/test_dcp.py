@@ -646,6 +646,7 @@ def test_resume_on_dtensor_state_starts_fresh_then_loads_through_dcp(
     assert_bitwise_equal(local_tensors(state), want)
     assert later.last_restore is not None
     assert later.last_restore["source"] == "dcp" and later.last_restore["saved_by"] == 1
+    assert later.last_restore["restore_class"] == "exact"  # lossless: exact whatever the class
 
 
 def test_client_resume_through_dcp_restores_readers_plain_values_and_random_streams(
