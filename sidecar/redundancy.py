@@ -11,6 +11,8 @@ concatenated in rank order. Members are numbered by ``--members`` (the job's sta
   q = t div (g-1), which is the XOR of one block of every member but h. Each member holds about
   1/(g-1) of a share, and no member holds parity over its own blocks, so any one lost member's
   blocks are its holders' parity slots XOR the survivors' blocks of the same slots (RAIM5).
+  A rebuild passes down a chain of the survivors (``chain_part``): each XORs its one part of
+  every lost block into the stream, so the rebuilt member receives one share's bytes.
 
 Held copies and parity live in files under ``--redundancy-dir`` (a memory-backed emptyDir in a
 pod): a sidecar container restart keeps them. A new one is built beside the complete one and

@@ -1,7 +1,9 @@
 """Redundancy between members (sidecar.redundancy has the layout and the files): this member's
 committed share pushed to the members that protect it after each commit (throttled, in the
 background, never on the commit path), what other members push held for them, and this member's
-share rebuilt from the others after its pod was lost (buddy copy, or parity + survivors)."""
+share rebuilt from the others after its pod was lost (buddy copy, or down a chain of its group's
+survivors: each XORs its parity slot or its own block into the stream it passes on, so the
+rebuilt member receives its share's bytes once)."""
 
 from __future__ import annotations
 
@@ -697,10 +699,17 @@ class Redundancy:
         if not snaps:
             raise NotFound(f"step {req.step} (attempt {req.attempt}) is not in this member's memory")
         share = Share([memoryview(x.buffer)[: x.total_bytes] for x in snaps])
+        try:
+            fd = os.open(entry.data, os.O_RDONLY)  # kept readable should a newer parity replace it
+        except OSError as exc:
+            raise NotFound(f"the parity of step {req.step} is gone ({exc.strerror})") from None
         upstream = None
-        if len(chain) > 1:
-            upstream = self._upstream(req, key, chain[:-1], lost, budget_s)
-        fd = os.open(entry.data, os.O_RDONLY)  # kept readable should a newer parity replace it
+        try:
+            if len(chain) > 1:
+                upstream = self._upstream(req, key, chain[:-1], lost, budget_s)
+        except BaseException:
+            os.close(fd)
+            raise
         header = pb.ChainHeader(rebuilt=lost, hops=len(chain))
         parts = self._hop(group.index(req.member), group.index(me), g, lost, share, fd, upstream)
         return header, parts, key
