@@ -36,6 +36,7 @@ from sidecar.gang import (
     NONCE_BYTES,
     PEER_PROTOCOL,
     STREAM_MAC_KEY,
+    Behind,
     PeerStub,
     Position,
     fetched_chunk,
@@ -617,16 +618,26 @@ class Redundancy:
             out = bytearray(size)
             view = memoryview(out)
             opener = stream_opener(key, req.mac, call)
-            pos = 0
-            for _, _, n in rd.chain_pieces(size, mine.block_bytes):
-                msg = next(call, None)
-                if not isinstance(msg, memoryview) or len(msg) != n:
-                    raise ValueError(f"member {last}'s chain stream is not the share's chunks")
-                received += n
-                view[pos : pos + n] = opener.apply(msg)
-                pos += n
-            if next(call, None) is not None:
-                raise ValueError(f"member {last}'s chain stream runs past the share")
+
+            def take(item: tuple[int, memoryview]) -> None:
+                at, chunk = item
+                view[at : at + len(chunk)] = opener.apply(chunk)  # in order: the GCM stream
+
+            # decrypted in a thread (it releases the GIL) while the next chunks arrive
+            behind = Behind(take, depth=32)
+            try:
+                pos = 0
+                for _, _, n in rd.chain_pieces(size, mine.block_bytes):
+                    msg = next(call, None)
+                    if not isinstance(msg, memoryview) or len(msg) != n:
+                        raise ValueError(f"member {last}'s chain stream is not the share's chunks")
+                    received += n
+                    behind.put((pos, msg))
+                    pos += n
+                if next(call, None) is not None:
+                    raise ValueError(f"member {last}'s chain stream runs past the share")
+            finally:
+                behind.close()
             trailer = dict(call.trailing_metadata() or ())
             if not opener.verify(trailer.get(STREAM_MAC_KEY, "")):
                 raise ValueError(f"member {last}'s chain stream does not carry the job's stream MAC")
