@@ -404,6 +404,15 @@ def _serialize_fetched(msg: pb.RestoreResponse | bytes) -> bytes:
 
 def _parse_fetched(raw: bytes) -> pb.RestoreResponse | memoryview:
     """A chunk as a view of the received bytes (no copy), anything else as the message."""
+    return _parse_chunked(raw, pb.RestoreResponse)
+
+
+def _parse_chain(raw: bytes) -> pb.ChainResponse | memoryview:
+    """As :func:`_parse_fetched`, for Chain (its chunk is field 2 too)."""
+    return _parse_chunked(raw, pb.ChainResponse)
+
+
+def _parse_chunked(raw: bytes, message: Any) -> Any:
     if raw[:1] == _CHUNK_TAG:
         n = shift = 0
         for i in range(1, min(len(raw), 11)):
@@ -413,7 +422,7 @@ def _parse_fetched(raw: bytes) -> pb.RestoreResponse | memoryview:
                 if i + 1 + n == len(raw):
                     return memoryview(raw)[i + 1 :]
                 break
-    return pb.RestoreResponse.FromString(raw)
+    return message.FromString(raw)
 
 
 def fetched_chunk(msg: pb.RestoreResponse | memoryview) -> memoryview | bytes:
@@ -430,6 +439,12 @@ class PeerStub(pb_grpc.PeerStub):
             "/strata.v1.Peer/Fetch",
             request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=_parse_fetched,
+            _registered_method=True,
+        )
+        self.Chain = channel.unary_stream(
+            "/strata.v1.Peer/Chain",
+            request_serializer=pb.ChainRequest.SerializeToString,
+            response_deserializer=_parse_chain,
             _registered_method=True,
         )
 
@@ -457,6 +472,11 @@ def add_peer_servicer(servicer: PeerServicer, server: grpc.Server) -> None:
             servicer.Parity,
             request_deserializer=pb.ParityRequest.FromString,
             response_serializer=pb.ParityResponse.SerializeToString,
+        ),
+        "Chain": grpc.unary_stream_rpc_method_handler(
+            servicer.Chain,
+            request_deserializer=pb.ChainRequest.FromString,
+            response_serializer=_serialize_fetched,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("strata.v1.Peer", handlers),))
@@ -594,11 +614,14 @@ class PeerServicer(pb_grpc.PeerServicer):
         max_fetches: int = 2,
         on_protect: Callable[[Iterator[pb.ProtectRequest]], pb.ProtectResponse] | None = None,
         on_parity: Callable[[pb.ParityRequest], tuple[pb.ParityHeader, Iterator[bytes], bytes]] | None = None,
+        on_chain: Callable[[pb.ChainRequest, float], tuple[pb.ChainHeader, Iterator[memoryview], bytes]]
+        | None = None,
     ) -> None:
         self._on_hint = on_hint
         self._on_fetch = on_fetch
         self._on_protect = on_protect
         self._on_parity = on_parity
+        self._on_chain = on_chain
         self._chunk = chunk_bytes
         # Fetches are big: a few at a time, so hints (commits) always find a thread; the others
         # are refused at once and read storage instead of queueing into their deadline.
@@ -662,6 +685,36 @@ class PeerServicer(pb_grpc.PeerServicer):
             yield pb.ParityResponse(header=header)
             for chunk in chunks:
                 yield pb.ParityResponse(chunk=cipher.update(chunk))
+            context.set_trailing_metadata(((STREAM_MAC_KEY, cipher.hexdigest()),))
+        finally:
+            self._fetching.release()
+
+    def Chain(self, request: pb.ChainRequest, context: grpc.ServicerContext) -> Iterator[pb.ChainResponse]:
+        """One hop of a rebuild chain: the engine asks the hop before it (within this call's
+        deadline) and XORs this member's parts into what it passes on."""
+        on_chain = self._on_chain
+        if on_chain is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this sidecar serves no rebuild chains")
+            return
+        if not self._fetching.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "serving other fetches; read storage")
+            return
+        try:
+            left = context.time_remaining()
+            try:
+                header, chunks, key = on_chain(request, FETCH_WINDOW_S if left is None else left)
+            except StrataError as exc:
+                context.abort(exc.code, str(exc))
+                return
+            cipher = self._answer_cipher(key, request.mac, context)
+            yield pb.ChainResponse(header=header)
+            try:
+                for chunk in chunks:
+                    frame, _ = chunk_frame(cipher.apply(chunk))
+                    yield frame  # type: ignore[misc]  # framed already (add_peer_servicer)
+            except StrataError as exc:  # the hop before failed, or sent what this one refuses
+                context.abort(exc.code, str(exc))
+                return
             context.set_trailing_metadata(((STREAM_MAC_KEY, cipher.hexdigest()),))
         finally:
             self._fetching.release()

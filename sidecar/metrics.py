@@ -197,6 +197,13 @@ class Metrics(Served):
             ["training_job", "how", "outcome"],
             registry=r,
         )
+        self.peer_rebuild_received_bytes = Counter(
+            "strata_peer_rebuild_received_bytes_total",
+            "Bytes this member received to rebuild its share from parity: about one share down a "
+            "chain of its group's survivors; the parity and every survivor's share when pulled.",
+            ["training_job", "how"],
+            registry=r,
+        )
         self.memory_budget = Gauge(
             "strata_memory_budget_bytes",
             "The sidecar's own memory budget (shared-memory segments are the trainer's, not in it).",

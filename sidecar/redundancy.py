@@ -11,6 +11,8 @@ concatenated in rank order. Members are numbered by ``--members`` (the job's sta
   q = t div (g-1), which is the XOR of one block of every member but h. Each member holds about
   1/(g-1) of a share, and no member holds parity over its own blocks, so any one lost member's
   blocks are its holders' parity slots XOR the survivors' blocks of the same slots (RAIM5).
+  A rebuild passes down a chain of the survivors (``chain_part``): each XORs its one part of
+  every lost block into the stream, so the rebuilt member receives one share's bytes.
 
 Held copies and parity live in files under ``--redundancy-dir`` (a memory-backed emptyDir in a
 pod): a sidecar container restart keeps them. A new one is built beside the complete one and
@@ -134,6 +136,30 @@ def blocks_for(p: int, h: int, g: int, nbytes: int, block: int) -> range:
     return range(block_at(p, h, 0, g), nblocks(nbytes, block), g - 1)
 
 
+#: the largest chunk of a rebuild chain's stream (a block is cut into pieces of at most this):
+#: under the sidecar's mmap threshold (sidecar.budget.tune_allocator), so chunk buffers are reused
+CHAIN_CHUNK_BYTES = 512 << 10
+
+
+def chain_part(lost: int, p: int, t: int, g: int) -> tuple[bool, int]:
+    """What position ``p`` XORs into block ``t`` of the lost position ``lost`` in a rebuild chain:
+    (True, slot) its parity slot over the block, or (False, block) its own block in that slot.
+    Over every ``p != lost`` the parts XOR to the block: one holder's parity plus the g-2 other
+    blocks of the same slot."""
+    h = holder(lost, t, g)
+    q = slot(t, g)
+    return (True, q) if p == h else (False, block_at(p, h, q, g))
+
+
+def chain_pieces(nbytes: int, block: int) -> Iterator[tuple[int, int, int]]:
+    """The chunks of a rebuild chain's stream over a share of ``nbytes``: (block, offset in the
+    block, length), in order; each within one block, at most ``CHAIN_CHUNK_BYTES``."""
+    for t in range(nblocks(nbytes, block)):
+        n = min(block, nbytes - t * block)
+        for i in range(0, n, CHAIN_CHUNK_BYTES):
+            yield t, i, min(CHAIN_CHUNK_BYTES, n - i)
+
+
 # --- authentication --------------------------------------------------------------------------
 
 
@@ -162,6 +188,13 @@ def header_mac(key: bytes, h: pb.ProtectHeader) -> str:
 def parity_mac(key: bytes, req: pb.ParityRequest) -> str:
     fields = (req.namespace, req.job, req.attempt, req.step, req.member, repr(req.issued_at))
     text = signed_text("parity", *fields, req.protocol, req.nonce.hex())
+    return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def chain_mac(key: bytes, req: pb.ChainRequest) -> str:
+    chain = ",".join(map(str, req.chain))
+    fields = (req.namespace, req.job, req.attempt, req.step, req.member, chain, repr(req.issued_at))
+    text = signed_text("chain", *fields, req.protocol, req.nonce.hex())
     return hmac.new(key, text, hashlib.sha256).hexdigest()
 
 

@@ -211,6 +211,11 @@ class Engine:
     def serve_parity(self, req: pb.ParityRequest) -> tuple[pb.ParityHeader, Iterator[bytes], bytes]:
         return self.redundancy.serve_parity(req)
 
+    def serve_chain(
+        self, req: pb.ChainRequest, budget_s: float
+    ) -> tuple[pb.ChainHeader, Iterator[memoryview], bytes]:
+        return self.redundancy.serve_chain(req, budget_s)
+
     def prefetch(self, identity: Identity) -> None:
         self.restorer.prefetch(identity)
 

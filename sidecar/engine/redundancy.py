@@ -1,7 +1,9 @@
 """Redundancy between members (sidecar.redundancy has the layout and the files): this member's
 committed share pushed to the members that protect it after each commit (throttled, in the
 background, never on the commit path), what other members push held for them, and this member's
-share rebuilt from the others after its pod was lost (buddy copy, or parity + survivors)."""
+share rebuilt from the others after its pod was lost (buddy copy, or down a chain of its group's
+survivors: each XORs its parity slot or its own block into the stream it passes on, so the
+rebuilt member receives its share's bytes once)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from sidecar import manifest as mf
 from sidecar import redundancy as rd
@@ -33,6 +36,7 @@ from sidecar.gang import (
     NONCE_BYTES,
     PEER_PROTOCOL,
     STREAM_MAC_KEY,
+    Behind,
     PeerStub,
     Position,
     fetched_chunk,
@@ -53,6 +57,15 @@ SHARE_WAIT_S = 10.0
 
 def _rpc_error(exc: grpc.RpcError) -> str:
     return f"{exc.code().name}: {exc.details()}"
+
+
+class _Upstream(StrataError):
+    """The hop before in a rebuild chain failed: its status, passed on (UNIMPLEMENTED included,
+    so that the rebuilding member pulls instead)."""
+
+    def __init__(self, code: grpc.StatusCode, text: str) -> None:
+        super().__init__(text)
+        self.code = code
 
 
 Rebuilt = tuple[JobKey, Position, bytearray, dict[int, tuple[int, int]], Reservation, set[int]]
@@ -77,6 +90,14 @@ class Share:
             if a < b:
                 out += v[a - s : b - s]
         return bytes(out)
+
+    def xor_into(self, dst: memoryview, start: int) -> None:
+        """XOR the share's bytes from ``start`` into ``dst`` (past its end: zeros)."""
+        end = start + len(dst)
+        for s, v in zip(self.starts, self.views, strict=True):
+            a, b = max(start, s), min(end, s + len(v))
+            if a < b:
+                rd.xor_into(dst[a - start : b - start], v[a - s : b - s])
 
     def chunks(self, size: int) -> Iterator[bytes]:
         for start in range(0, self.nbytes, size):
@@ -174,10 +195,12 @@ class Redundancy:
                 with self._lock:
                     self._pending.discard(item)
 
-    def _share(self, job_key: JobKey, position: Position) -> list[Snapshot] | None:
+    def _share(
+        self, job_key: JobKey, position: Position, wait_s: float = SHARE_WAIT_S
+    ) -> list[Snapshot] | None:
         """The committed snapshots of ``position`` of every rank this member serves, once all are
         committed; None when a newer step superseded it or a rank does not commit it in time."""
-        deadline = time.monotonic() + SHARE_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             with self.shared.lock:
                 slots = {slot: held for slot, held in self.held.slots.items() if slot[:2] == job_key}
@@ -187,10 +210,12 @@ class Redundancy:
                     committed = [s for s in slots[slot] if s.state == "committed"]
                     newer |= any(s.position > position for s in committed)
                     found += [s for s in committed if s.position == position]
-            if newer:
+            if newer and wait_s:
                 return None
             if len(found) == len(slots):
                 return found
+            if not wait_s:
+                return None
             if time.monotonic() > deadline or self.shared.stopping.is_set():
                 log.warning("step %d: not every rank here committed it; it is not protected", position[1])
                 return None
@@ -550,6 +575,12 @@ class Redundancy:
             return memoryview(share)[offset : offset + nbytes]
 
     def _rebuild(self, job_key: JobKey, world_size: int, position: Position, budget_s: float) -> Rebuilt:
+        """Down a chain of the group's survivors (this member receives its share's bytes once);
+        pulled from each (the parity and every survivor's share) when one does not serve chains."""
+        done = self._chained(job_key, position, budget_s)
+        return done if done is not None else self._pull(job_key, world_size, position, budget_s)
+
+    def _chained(self, job_key: JobKey, position: Position, budget_s: float) -> Rebuilt | None:
         assert self.members is not None
         members = self.members
         group = members.group(self.shared.settings.parity_group)
@@ -558,6 +589,255 @@ class Redundancy:
         p_me = group.index(me)
         key = self.shared.peer_key(job_key)
         started = time.monotonic()
+        chain = [group[(p_me + k) % g] for k in range(1, g)]
+        req = pb.ChainRequest(
+            namespace=job_key[0],
+            job=job_key[1],
+            attempt=position[0],
+            step=position[1],
+            member=me,
+            chain=chain,
+            issued_at=time.time(),
+            protocol=PEER_PROTOCOL,
+            nonce=os.urandom(NONCE_BYTES),
+        )
+        req.mac = rd.chain_mac(key, req)
+        last = chain[-1]
+        call = self._stub(members.addresses[last]).Chain(req, timeout=budget_s)
+        received = 0
+        memory: Reservation | None = None
+        try:
+            try:
+                head = next(call)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info(
+                        "step %d: a member serves no rebuild chain (%s); pulling", position[1], exc.details()
+                    )
+                    return None
+                raise
+            if isinstance(head, memoryview) or head.WhichOneof("msg") != "header":
+                raise ValueError(f"member {last} answered the chain without a header")
+            mine = head.header.rebuilt
+            if not hmac.compare_digest(rd.header_mac(key, mine), mine.mac):
+                raise ValueError("the chain's header of this member is not signed with the job's key")
+            if (
+                mine.member != me
+                or mine.kind != "parity"
+                or (mine.attempt, mine.step) != position
+                or mine.group_size != g
+                or mine.block_bytes < 1
+            ):
+                raise ValueError("the chain's header is of another member, step, group or block size")
+            if head.header.hops != g - 1:
+                raise ValueError(f"the chain carries {head.header.hops} members' parts, not {g - 1}")
+            size = mine.share_bytes
+            memory = self.shared.memory.reserve("restore", size, f"rebuilding step {position[1]} from parity")
+            out = bytearray(size)
+            view = memoryview(out)
+            opener = stream_opener(key, req.mac, call)
+
+            def take(item: tuple[int, memoryview]) -> None:
+                at, chunk = item
+                view[at : at + len(chunk)] = opener.apply(chunk)  # in order: the GCM stream
+
+            # decrypted in a thread (it releases the GIL) while the next chunks arrive
+            behind = Behind(take, depth=32)
+            try:
+                pos = 0
+                for _, _, n in rd.chain_pieces(size, mine.block_bytes):
+                    msg = next(call, None)
+                    if not isinstance(msg, memoryview) or len(msg) != n:
+                        raise ValueError(f"member {last}'s chain stream is not the share's chunks")
+                    received += n
+                    behind.put((pos, msg))
+                    pos += n
+                if next(call, None) is not None:
+                    raise ValueError(f"member {last}'s chain stream runs past the share")
+            finally:
+                behind.close()
+            trailer = dict(call.trailing_metadata() or ())
+            if not opener.verify(trailer.get(STREAM_MAC_KEY, "")):
+                raise ValueError(f"member {last}'s chain stream does not carry the job's stream MAC")
+        except grpc.RpcError as exc:
+            if memory is not None:
+                memory.release()
+            raise ValueError(f"the chain through members {chain} failed ({_rpc_error(exc)})") from None
+        except BaseException:
+            if memory is not None:
+                memory.release()
+            raise
+        finally:
+            call.cancel()
+            self.shared.metrics.peer_rebuild_received_bytes.labels(job_key[1], "parity").inc(received)
+        offsets, pos = {}, 0
+        for r in mine.ranks:
+            offsets[r.rank] = (pos, r.nbytes)
+            pos += r.nbytes
+        self.shared.metrics.peer_rebuilds.labels(job_key[1], "parity", "ok").inc()
+        log.info(
+            "step %d: member %d's share (%d bytes) rebuilt down the chain %s in %.2f s",
+            position[1],
+            me,
+            size,
+            chain,
+            time.monotonic() - started,
+        )
+        return job_key, position, out, offsets, memory, set()
+
+    def serve_chain(
+        self, req: pb.ChainRequest, budget_s: float
+    ) -> tuple[pb.ChainHeader, Iterator[memoryview], bytes]:
+        """One hop of the chain rebuilding member ``req.member``'s share: the stream of the hop
+        before (asked here, its header checked), this member's part XORed into each chunk. What
+        it accepts is bounded by what it holds: the lost member's signed header in its own
+        parity, never a size a peer names; one chunk at a time."""
+        if self.holdings is None or self.members is None or self.mode != "parity":
+            raise NotFound("this sidecar holds no parity")
+        job_key = (req.namespace, req.job)
+        if not self.holdings.knows(*job_key):
+            raise NotFound(f"{req.namespace}/{req.job}: nothing held here")
+        if len(req.chain) >= self.members.n:
+            raise InvalidArgument(f"a chain of {len(req.chain)} members in a job of {self.members.n}")
+        key = self._authentic(
+            job_key, req.protocol, req.issued_at, req.nonce, lambda k: rd.chain_mac(k, req), req.mac
+        )
+        me = self.members.index
+        group = self.members.group(self.shared.settings.parity_group)
+        g = len(group)
+        chain = list(req.chain)
+        if (
+            req.member not in group
+            or req.member == me
+            or not chain
+            or chain[-1] != me
+            or len(set(chain)) != len(chain)
+            or any(m not in group or m == req.member for m in chain)
+        ):
+            raise InvalidArgument(f"member {me} is not the last of a chain {chain} rebuilding {req.member}")
+        position = (int(req.attempt), int(req.step))
+        entry = self.holdings.parity(req.namespace, req.job, position)
+        if entry is None:
+            raise NotFound(f"no complete parity of step {req.step} (attempt {req.attempt}) held here")
+        lost = next((h for h in entry.headers if h.member == req.member), None)
+        if lost is None or lost.block_bytes < 1:
+            raise NotFound(f"the parity held here does not cover member {req.member}")
+        if any(h.block_bytes != lost.block_bytes or h.group_size != g for h in entry.headers):
+            raise FailedPrecondition("the parity held here mixes block sizes or groups")
+        snaps = self._share(job_key, position, wait_s=0)
+        if not snaps:
+            raise NotFound(f"step {req.step} (attempt {req.attempt}) is not in this member's memory")
+        share = Share([memoryview(x.buffer)[: x.total_bytes] for x in snaps])
+        try:
+            fd = os.open(entry.data, os.O_RDONLY)  # kept readable should a newer parity replace it
+        except OSError as exc:
+            raise NotFound(f"the parity of step {req.step} is gone ({exc.strerror})") from None
+        upstream = None
+        try:
+            if len(chain) > 1:
+                upstream = self._upstream(req, key, chain[:-1], lost, budget_s)
+        except BaseException:
+            os.close(fd)
+            raise
+        header = pb.ChainHeader(rebuilt=lost, hops=len(chain))
+        parts = self._hop(group.index(req.member), group.index(me), g, lost, share, fd, upstream)
+        return header, parts, key
+
+    def _upstream(
+        self, req: pb.ChainRequest, key: bytes, chain: list[int], lost: pb.ProtectHeader, budget_s: float
+    ) -> tuple[Any, Any]:
+        """The stream of the hop before this one in ``chain`` (its header checked), and its opener."""
+        assert self.members is not None
+        fwd = pb.ChainRequest(
+            namespace=req.namespace,
+            job=req.job,
+            attempt=req.attempt,
+            step=req.step,
+            member=req.member,
+            chain=chain,
+            issued_at=time.time(),
+            protocol=PEER_PROTOCOL,
+            nonce=os.urandom(NONCE_BYTES),
+        )
+        fwd.mac = rd.chain_mac(key, fwd)
+        prev = chain[-1]
+        # a little under this call's own deadline: a stalled hop before fails this one first
+        call = self._stub(self.members.addresses[prev]).Chain(fwd, timeout=max(1.0, budget_s - 1.0))
+        try:
+            head = next(call)
+        except grpc.RpcError as exc:
+            raise _Upstream(exc.code(), f"member {prev}: {exc.details()}") from None
+        if isinstance(head, memoryview) or head.WhichOneof("msg") != "header":
+            call.cancel()
+            raise FailedPrecondition(f"member {prev} answered the chain without a header")
+        theirs = head.header
+        if (
+            theirs.hops != len(chain)
+            or theirs.rebuilt.member != lost.member
+            or theirs.rebuilt.share_bytes != lost.share_bytes
+            or theirs.rebuilt.block_bytes != lost.block_bytes
+        ):
+            call.cancel()
+            raise FailedPrecondition(f"member {prev}'s chain is of another share than the parity held here")
+        return call, stream_opener(key, fwd.mac, call)
+
+    @staticmethod
+    def _hop(
+        lost: int,
+        p: int,
+        g: int,
+        header: pb.ProtectHeader,
+        share: Share,
+        fd: int,
+        upstream: tuple[Any, Any] | None,
+    ) -> Iterator[memoryview]:
+        """The chain's chunks with position ``p``'s part of each XORed in (the first hop: its part
+        alone). A chunk is yielded before the hop before's tag is checked: the rebuilt member
+        drops everything unless every hop's tag checked (each hop closes its stream only then)
+        and checks the bytes against the rank's digests anyway."""
+        block = header.block_bytes
+        first = bytearray(rd.CHAIN_CHUNK_BYTES)
+        try:
+            for t, i, n in rd.chain_pieces(header.share_bytes, block):
+                if upstream is None:
+                    out = memoryview(first)[:n]
+                    np.frombuffer(out, np.uint8)[:] = 0
+                else:
+                    msg = next(upstream[0], None)
+                    if not isinstance(msg, memoryview) or len(msg) != n:
+                        raise FailedPrecondition("the hop before sent a chunk other than the share's next")
+                    out = upstream[1].apply(msg)
+                parity, index = rd.chain_part(lost, p, t, g)
+                if parity:
+                    own = os.pread(fd, n, index * block + i)  # shorter: the rest XORed with zeros
+                    if own:
+                        rd.xor_into(out, own)
+                else:
+                    share.xor_into(out, index * block + i)
+                yield out
+            if upstream is not None:
+                if next(upstream[0], None) is not None:
+                    raise FailedPrecondition("the hop before sent more than the share")
+                trailer = dict(upstream[0].trailing_metadata() or ())
+                if not upstream[1].verify(trailer.get(STREAM_MAC_KEY, "")):
+                    raise FailedPrecondition("the hop before's stream does not carry the job's stream MAC")
+        except grpc.RpcError as exc:
+            raise _Upstream(exc.code(), f"the hop before: {exc.details()}") from None
+        finally:
+            os.close(fd)
+            if upstream is not None:
+                upstream[0].cancel()
+
+    def _pull(self, job_key: JobKey, world_size: int, position: Position, budget_s: float) -> Rebuilt:
+        assert self.members is not None
+        members = self.members
+        group = members.group(self.shared.settings.parity_group)
+        g = len(group)
+        me = members.index
+        p_me = group.index(me)
+        key = self.shared.peer_key(job_key)
+        started = time.monotonic()
+        received = 0
         parity: dict[int, bytes] = {}
         contributors: dict[int, pb.ProtectHeader] = {}
         for m in group:
@@ -579,6 +859,7 @@ class Redundancy:
             except grpc.RpcError as exc:
                 raise ValueError(f"member {m} has no parity for it ({_rpc_error(exc)})") from None
             parity[group.index(m)] = body
+            received += len(body)
             for c in head.contributors:
                 contributors.setdefault(c.member, c)
         mine = contributors.get(me)
@@ -610,6 +891,7 @@ class Redundancy:
             t_p = 0
             pending = b""
             for chunk in self._fetch_share(job_key, world_size, position, m, contributors[m], key, budget_s):
+                received += len(chunk)
                 pending += chunk
                 while len(pending) >= block or (pending and t_p * block + len(pending) >= share_bytes):
                     piece, pending = pending[:block], pending[block:]
@@ -625,6 +907,7 @@ class Redundancy:
             offsets[r.rank] = (pos, r.nbytes)
             pos += r.nbytes
         self.shared.metrics.peer_rebuilds.labels(job_key[1], "parity", "ok").inc()
+        self.shared.metrics.peer_rebuild_received_bytes.labels(job_key[1], "parity").inc(received)
         log.info(
             "step %d: member %d's share (%d bytes) rebuilt from parity and members %s in %.2f s",
             position[1],

@@ -80,6 +80,7 @@ class SidecarServer:
                     min(PEER_CHUNK_BYTES, settings.max_message_bytes // 2),
                     on_protect=self.engine.on_protect,
                     on_parity=self.engine.serve_parity,
+                    on_chain=self.engine.serve_chain,
                 ),
                 self._peer_grpc,
             )

@@ -53,6 +53,7 @@ def _valid(method: str) -> list[Any]:
         ),
         "Fetch": pb.FetchRequest(namespace=NS, job=VICTIM, rank=0, world_size=1, attempt=0, step=VICTIM_STEP),
         "Parity": pb.ParityRequest(namespace=NS, job=VICTIM, attempt=0, step=VICTIM_STEP, member=0),
+        "Chain": pb.ChainRequest(namespace=NS, job=VICTIM, attempt=0, step=VICTIM_STEP, member=1, chain=[0]),
     }
     if method == "Protect":
         header = pb.ProtectHeader(
@@ -73,10 +74,11 @@ REQUEST = {
     "Hint": pb.HintRequest,
     "Fetch": pb.FetchRequest,
     "Parity": pb.ParityRequest,
+    "Chain": pb.ChainRequest,
 }
 STREAM = {"Save": pb.SaveRequest, "Protect": pb.ProtectRequest}
 GRPC_METHODS = ["Save", "Restore", *UNARY]
-PEER_METHODS = ["Hint", "Fetch", "Protect", "Parity"]
+PEER_METHODS = ["Hint", "Fetch", "Protect", "Parity", "Chain"]
 
 
 def _rpc_strategy(kind: str, method: str) -> st.SearchStrategy[Case]:

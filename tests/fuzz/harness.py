@@ -583,7 +583,7 @@ class Harness:
                 self.peer.Hint(msgs[0], timeout=DEADLINE_S)
             elif method == "Protect":
                 self.peer.Protect(iter(msgs), timeout=DEADLINE_S)
-            elif method in ("Fetch", "Parity"):
+            elif method in ("Fetch", "Parity", "Chain"):
                 for _ in getattr(self.peer, method)(msgs[0], timeout=DEADLINE_S):
                     pass
         except grpc.RpcError as exc:
@@ -822,6 +822,9 @@ def sign(h: Harness, msg: Message) -> None:
         elif isinstance(msg, pb.ParityRequest):
             msg.issued_at = time.time()
             msg.mac = redundancy.parity_mac(key, msg)
+        elif isinstance(msg, pb.ChainRequest):
+            msg.issued_at = time.time()
+            msg.mac = redundancy.chain_mac(key, msg)
         elif isinstance(msg, pb.ProtectRequest) and msg.HasField("header"):
             msg.header.issued_at = time.time()
             msg.header.mac = redundancy.header_mac(key, msg.header)

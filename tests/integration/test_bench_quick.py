@@ -220,6 +220,8 @@ def test_quick_peer_section_writes_the_issues_keys(tmp_path: Path) -> None:
     ):
         assert isinstance(data.get(key), float) and math.isfinite(data[key]) and data[key] > 0, key
     assert data["peer_storage_rate_mb_s"] == 200.0
+    # the rebuilt member received its share's bytes once (down the chain), no more
+    assert data["parity_rebuild_bytes_received"] == data["parity_share_bytes"] > 0
     assert "restore_speedup_memory_vs_s3" in proc.stdout  # the table is printed
 
 

@@ -66,6 +66,42 @@ def test_any_one_lost_member_is_rebuilt_bit_for_bit(g):
         assert rebuild(lost, shares, parity, block) == shares[lost], lost
 
 
+def chained(lost: int, order: list[int], shares: list[bytes], parity: list[bytearray], block: int) -> bytes:
+    """The lost share as a rebuild chain passes it: each survivor in ``order`` XORs its part of
+    every chunk (a parity slot, or its own block of the slot) into what the one before passed."""
+    g = len(shares)
+    out = bytearray()
+    for t, i, n in rd.chain_pieces(len(shares[lost]), block):
+        chunk = bytearray(n)
+        for p in order:
+            is_parity, index = rd.chain_part(lost, p, t, g)
+            held = parity[p] if is_parity else shares[p]
+            own = held[index * block + i : index * block + i + n]
+            rd.xor_into(memoryview(chunk), own)
+        out += chunk
+    return bytes(out)
+
+
+@pytest.mark.parametrize("g", [3, 4, 5])
+def test_a_chain_of_the_survivors_passes_one_share_and_rebuilds_it_bit_for_bit(g, monkeypatch):
+    monkeypatch.setattr(rd, "CHAIN_CHUNK_BYTES", 24)  # blocks cut into several chunks
+    rnd = random.Random(g)
+    block = 64
+    shares = [rnd.randbytes(rnd.randrange(0, 40 * block)) for _ in range(g)]
+    parity = parity_of(shares, block)
+    for lost in range(g):
+        order = [m for m in range(g) if m != lost]
+        rnd.shuffle(order)  # XOR commutes: any order of the survivors
+        pieces = list(rd.chain_pieces(len(shares[lost]), block))
+        assert sum(n for _, _, n in pieces) == len(shares[lost])  # one share's bytes, no more
+        assert all(0 < n <= 24 and i + n <= block for _, i, n in pieces)
+        assert chained(lost, order, shares, parity, block) == shares[lost], lost
+        # every survivor adds exactly one part to every block: its parity slot for 1/(g-1) of them
+        for p in order:
+            parts = [rd.chain_part(lost, p, t, g)[0] for t in range(5 * (g - 1))]
+            assert sum(parts) == 5
+
+
 def test_each_member_holds_about_one_over_g_minus_one_of_a_share():
     g, block, size = 4, 64, 300 * 64
     shares = [bytes([p + 1]) * size for p in range(g)]

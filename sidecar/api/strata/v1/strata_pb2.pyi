@@ -1490,3 +1490,113 @@ class ParityResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
 Global___ParityResponse: _TypeAlias = ParityResponse  # noqa: Y015
+
+@_typing.final
+class ChainRequest(_message.Message):
+    """Asked of the last member of a chain by a member rebuilding its share from its group: each
+    member of ``chain`` asks the one before it for the same chain (shortened by itself), XORs its
+    own part of every block into the stream it receives (its parity slot over the block, or its own
+    block of that slot) and passes it on, so the rebuilding member receives its share's bytes once.
+    Signed like FetchRequest.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    CHAIN_FIELD_NUMBER: _builtins.int
+    ISSUED_AT_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    job: _builtins.str
+    attempt: _builtins.int
+    step: _builtins.int
+    member: _builtins.int
+    """The member being rebuilt."""
+    issued_at: _builtins.float
+    mac: _builtins.str
+    protocol: _builtins.int
+    nonce: _builtins.bytes
+    @_builtins.property
+    def chain(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The group's other members in the order the stream passes them; the member asked is the last."""
+
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        job: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        step: _builtins.int = ...,
+        member: _builtins.int = ...,
+        chain: _abc.Iterable[_builtins.int] | None = ...,
+        issued_at: _builtins.float = ...,
+        mac: _builtins.str = ...,
+        protocol: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "chain", b"chain", "issued_at", b"issued_at", "job", b"job", "mac", b"mac", "member", b"member", "namespace", b"namespace", "nonce", b"nonce", "protocol", b"protocol", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChainRequest: _TypeAlias = ChainRequest  # noqa: Y015
+
+@_typing.final
+class ChainHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REBUILT_FIELD_NUMBER: _builtins.int
+    HOPS_FIELD_NUMBER: _builtins.int
+    hops: _builtins.int
+    """How many members' parts the stream carries."""
+    @_builtins.property
+    def rebuilt(self) -> Global___ProtectHeader:
+        """The rebuilt member's own push header (signed by it), as the answering member's parity holds
+        it: the share's size, block size and ranks.
+        """
+
+    def __init__(
+        self,
+        *,
+        rebuilt: Global___ProtectHeader | None = ...,
+        hops: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rebuilt", b"rebuilt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hops", b"hops", "rebuilt", b"rebuilt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChainHeader: _TypeAlias = ChainHeader  # noqa: Y015
+
+@_typing.final
+class ChainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___ChainHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___ChainHeader | None = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "msg", b"msg"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "msg", b"msg"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
+
+Global___ChainResponse: _TypeAlias = ChainResponse  # noqa: Y015

@@ -522,6 +522,11 @@ class PeerStub:
                 request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityRequest.SerializeToString,
                 response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityResponse.FromString,
                 _registered_method=True)
+        self.Chain = channel.unary_stream(
+                '/strata.v1.Peer/Chain',
+                request_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ChainRequest.SerializeToString,
+                response_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ChainResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -559,6 +564,16 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chain(self, request, context):
+        """One ChainHeader, then the encrypted XOR of the chain's parts, in chunks of at most
+        sidecar.redundancy.CHAIN_CHUNK_BYTES that never cross a parity block; trailing metadata
+        carries the GCM tag. A sidecar without it answers UNIMPLEMENTED: the rebuilding member then
+        pulls the parity and the shares (Parity, Fetch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -581,6 +596,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Parity,
                     request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityRequest.FromString,
                     response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityResponse.SerializeToString,
+            ),
+            'Chain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chain,
+                    request_deserializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ChainRequest.FromString,
+                    response_serializer=sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ChainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -696,6 +716,33 @@ class Peer:
             '/strata.v1.Peer/Parity',
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityRequest.SerializeToString,
             sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ParityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/strata.v1.Peer/Chain',
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ChainRequest.SerializeToString,
+            sidecar_dot_api_dot_strata_dot_v1_dot_strata__pb2.ChainResponse.FromString,
             options,
             channel_credentials,
             insecure,

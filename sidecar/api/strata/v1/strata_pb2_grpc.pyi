@@ -176,6 +176,12 @@ class PeerStub:
     Protect: _grpc.StreamUnaryMultiCallable[_strata_pb2.ProtectRequest, _strata_pb2.ProtectResponse]
     Parity: _grpc.UnaryStreamMultiCallable[_strata_pb2.ParityRequest, _strata_pb2.ParityResponse]
     """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag."""
+    Chain: _grpc.UnaryStreamMultiCallable[_strata_pb2.ChainRequest, _strata_pb2.ChainResponse]
+    """One ChainHeader, then the encrypted XOR of the chain's parts, in chunks of at most
+    sidecar.redundancy.CHAIN_CHUNK_BYTES that never cross a parity block; trailing metadata
+    carries the GCM tag. A sidecar without it answers UNIMPLEMENTED: the rebuilding member then
+    pulls the parity and the shares (Parity, Fetch).
+    """
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -195,6 +201,12 @@ class PeerAsyncStub(PeerStub):
     Protect: _aio.StreamUnaryMultiCallable[_strata_pb2.ProtectRequest, _strata_pb2.ProtectResponse]  # type: ignore[assignment]
     Parity: _aio.UnaryStreamMultiCallable[_strata_pb2.ParityRequest, _strata_pb2.ParityResponse]  # type: ignore[assignment]
     """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag."""
+    Chain: _aio.UnaryStreamMultiCallable[_strata_pb2.ChainRequest, _strata_pb2.ChainResponse]  # type: ignore[assignment]
+    """One ChainHeader, then the encrypted XOR of the chain's parts, in chunks of at most
+    sidecar.redundancy.CHAIN_CHUNK_BYTES that never cross a parity block; trailing metadata
+    carries the GCM tag. A sidecar without it answers UNIMPLEMENTED: the rebuilding member then
+    pulls the parity and the shares (Parity, Fetch).
+    """
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     """Every request is signed with the job's peer key and used once (its nonce); every stream of
@@ -235,5 +247,17 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_strata_pb2.ParityResponse], _abc.AsyncIterator[_strata_pb2.ParityResponse]]:
         """One ParityHeader, then the encrypted parity bytes; trailing metadata carries the GCM tag."""
+
+    @_abc_1.abstractmethod
+    def Chain(
+        self,
+        request: _strata_pb2.ChainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_strata_pb2.ChainResponse], _abc.AsyncIterator[_strata_pb2.ChainResponse]]:
+        """One ChainHeader, then the encrypted XOR of the chain's parts, in chunks of at most
+        sidecar.redundancy.CHAIN_CHUNK_BYTES that never cross a parity block; trailing metadata
+        carries the GCM tag. A sidecar without it answers UNIMPLEMENTED: the rebuilding member then
+        pulls the parity and the shares (Parity, Fetch).
+        """
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
