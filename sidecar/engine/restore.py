@@ -70,6 +70,9 @@ class Restorer:
         self.redundancy = redundancy if redundancy is not None else Redundancy(shared, held)
         # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
         self.prefetched: dict[Slot, tuple[Position | None, threading.Event, RestoreData | None]] = {}
+        # The step each slot's restore read or reads (a Prefetch that arrives after its Restore,
+        # as the client sends both without waiting, must not read the step a second time).
+        self._loading: dict[Slot, Position] = {}
         #: COMMITs read for reads of any rank: (namespace, job, attempt, step) -> COMMIT
         self._commits: dict[tuple[str, str, int, int], mf.Commit] = {}
 
@@ -231,6 +234,10 @@ class Restorer:
             # rank r of another world size saved something else. The client reads the ranks that
             # saved it instead (open_rank), when its state allows.
             raise FailedPrecondition(_other_world(target, world, identity.world_size))
+        with self.shared.lock:
+            self._loading[identity.slot] = target
+            while len(self._loading) > 4096:  # bounded: the oldest entries go
+                self._loading.pop(next(iter(self._loading)))
         ahead = self._take_prefetched(identity, target)
         if ahead is not None:
             lossy = any(t.lossy for t in ahead.tensors)
@@ -259,10 +266,12 @@ class Restorer:
         if memory is not None:
             return memory
         # This member's memory does not have it (its pod was lost, or its sidecar restarted): the
-        # other members' memory (a buddy's copy, or parity rebuilt), then storage.
-        peer = self._from_peer(identity, target, own=True) or self._from_parity(identity, target)
-        if peer is not None:
-            return peer
+        # other members' memory (a buddy's copy, or parity rebuilt), then storage. Peers serve only
+        # the bytes as saved: asked above already when an exact restore was tried.
+        if wanted == "stored":
+            peer = self._from_peer(identity, target, own=True) or self._from_parity(identity, target)
+            if peer is not None:
+                return peer
         return self._from_storage(identity, target)
 
     def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
@@ -660,7 +669,15 @@ class Restorer:
                 epoch = self.attempts.epoch_for(identity)
                 target = epoch.restore
                 self.attempts.skipped_by(identity, epoch)  # read now, so the restore asks storage nothing
-                if target is not None and self._saved_by(identity.job_key, target) != identity.world_size:
+                with self.shared.lock:
+                    loading = self._loading.get(identity.slot)
+                if target is not None and loading == target:
+                    log.info(
+                        "rank %d: step %d is being restored already; nothing to prefetch",
+                        identity.rank,
+                        target[1],
+                    )
+                elif target is not None and self._saved_by(identity.job_key, target) != identity.world_size:
                     # Another number of ranks saved it: this rank's restore reads other ranks'
                     # snapshots (a DCP load), or is refused; nothing of its own to read ahead.
                     log.info(
@@ -673,11 +690,13 @@ class Restorer:
                     and (wanted := self._wanted_class(identity, epoch, target))
                     and self._from_memory(identity, target, exact=wanted != "stored") is None
                 ):
-                    exact = wanted != "stored"
-                    data = self._from_peer(identity, target, own=True, exact=exact) or self._from_parity(
-                        identity, target, exact
-                    )
-                    if data is None and wanted != "exact":
+                    if wanted != "stored":
+                        data = self._from_peer(identity, target, own=True, exact=True) or self._from_parity(
+                            identity, target, True
+                        )
+                    if data is None and wanted == "either":
+                        data = self._from_storage(identity, target, "prefetch")
+                    elif wanted == "stored":  # peers of a lossless step, or storage's form
                         data = (
                             self._from_peer(identity, target, own=True)
                             or self._from_parity(identity, target)
@@ -843,6 +862,7 @@ class Restorer:
         """Drop what prefetch read (or reads) ahead for ``slot``."""
         with self.shared.lock:
             self.prefetched.pop(slot, None)
+            self._loading.pop(slot, None)
 
 
 def _other_world(target: Position, saved_by: int, world_size: int) -> str:
