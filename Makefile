@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -39,8 +39,14 @@ demo: setup  ## SeaweedFS + sidecar + trainer; kill the trainer mid-save, resume
 test: setup setup-prometheus  ## unit + integration tests (real gRPC, real SeaweedFS, real Prometheus scrape)
 	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
+# The peers the `peers` section compares with: pinned, without their declared dependencies (see the
+# file); only `make bench` installs them, so `make test` and CI stay as they are.
+bench-peers-deps: setup  ## install DLRover 0.6.1 and torchsnapshot 0.1.0 into .venv for the peers section
+	$(PIP) install -q --no-deps -r requirements-bench-peers.txt
+	$(PY) -c 'import torchsnapshot; from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer'
+
 BENCH_ARGS ?=
-bench: setup  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
+bench: setup bench-peers-deps  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
 	$(PY) -m pytest -q -m bench tests/integration/test_bench_quick.py
 	$(PY) -m tests.bench.run $(BENCH_ARGS)
 

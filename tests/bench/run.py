@@ -34,6 +34,7 @@ SECTIONS = (
     "peer",
     "operator",
     "dcp",
+    "peers",
     "neighbour",
     "verify",
     "torchrec",

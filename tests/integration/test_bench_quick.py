@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.bench import peers as bench_peers
 from tests.bench import torchrec as bench_torchrec
 
 pytestmark = pytest.mark.bench
@@ -56,13 +57,15 @@ DIFFERENCES = {
 }
 
 
-def run_quick(section: str, results: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def run_quick(
+    section: str, results: Path, timeout: float = 220
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.bench.run", "--quick", f"--sections={section}", f"--results={results}"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=timeout,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return proc, json.loads(results.read_text())
@@ -313,3 +316,23 @@ def test_quick_operator_section_writes_the_issues_keys(tmp_path: Path) -> None:
     assert data["operator_failover_latest_violations"] == 0
     assert data["operator_stuck_gang_detect_s"] <= 60
     assert "operator_restart_after_watch_expiry_s" in proc.stdout
+
+
+@pytest.mark.timeout(420)
+def test_quick_peers_section_writes_the_issues_keys(tmp_path: Path) -> None:
+    """Strata beside DLRover's flash checkpoint, torchsnapshot, torch.save and DCP, one child process
+    each (~2.5 min): every system present writes its overhead and a bit-for-bit verdict; a peer whose
+    package is missing is a skip line and no key."""
+    proc, data = run_quick("peers", tmp_path / "bench-results.json", timeout=400)
+    for system in bench_peers.SYSTEMS:
+        if bench_peers.missing(system):
+            assert f"{system} skipped" in proc.stdout
+            assert f"peer_{system}_overhead_s" not in data
+            continue
+        for name in ("overhead_s", "stall_s", "in_memory_s", "durable_s", "restore_s", "peak_extra_mib"):
+            value = data.get(f"peer_{system}_{name}")
+            assert isinstance(value, float) and math.isfinite(value), (system, name, value)
+        assert data[f"peer_{system}_exact"] in (0, 1), system
+    # Strata's restores are exact (torchsnapshot's are only under its 128 MiB slab threshold: not checked)
+    assert data["peer_strata_exact"] == 1 and data["peer_strata_s3_exact"] == 1
+    assert "save_overhead_vs_best_peer" in proc.stdout
