@@ -105,7 +105,8 @@ def test_held_lossy_forms_that_do_not_fit_start_a_new_chain(make_sidecar, make_c
     restore differs from storage: the chain ends there and the next checkpoint is full."""
     from sidecar import manifest as mf
 
-    server = make_sidecar(quantize="4", policy="consecutive")
+    # the stored class: a memory restore gives storage's form, which the held forms decode
+    server = make_sidecar(quantize="4", policy="consecutive", restore_class="stored")
     client = make_client(server, job_name, capture_rng=False)
     torch.manual_seed(0)
     emb = torch.nn.Embedding(8192, 64)
@@ -127,7 +128,9 @@ def test_held_lossy_forms_that_do_not_fit_start_a_new_chain(make_sidecar, make_c
     from_memory = {"emb": torch.nn.Embedding(8192, 64)}
     client.restore(from_memory, step=2)
     assert client.last_restore["source"] == "memory"
-    other = make_sidecar(storage=server.settings.storage, quantize="4", policy="consecutive")
+    other = make_sidecar(
+        storage=server.settings.storage, quantize="4", policy="consecutive", restore_class="stored"
+    )
     reader = make_client(other, job_name, capture_rng=False, generation="reader/1")
     from_storage = {"emb": torch.nn.Embedding(8192, 64)}
     reader.restore(from_storage, step=2)
