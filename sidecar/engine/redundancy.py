@@ -580,14 +580,16 @@ class Redundancy:
         done = self._chained(job_key, position, budget_s)
         return done if done is not None else self._pull(job_key, world_size, position, budget_s)
 
-    def _chained(self, job_key: JobKey, position: Position, budget_s: float) -> Rebuilt | None:
+    def _my_group(self, job_key: JobKey) -> tuple[rd.Members, list[int], int, int, bytes]:
+        """This member's members, parity group, index, place in the group, and the job's peer key."""
         assert self.members is not None
-        members = self.members
-        group = members.group(self.shared.settings.parity_group)
+        group = self.members.group(self.shared.settings.parity_group)
+        me = self.members.index
+        return self.members, group, me, group.index(me), self.shared.peer_key(job_key)
+
+    def _chained(self, job_key: JobKey, position: Position, budget_s: float) -> Rebuilt | None:
+        members, group, me, p_me, key = self._my_group(job_key)
         g = len(group)
-        me = members.index
-        p_me = group.index(me)
-        key = self.shared.peer_key(job_key)
         started = time.monotonic()
         chain = [group[(p_me + k) % g] for k in range(1, g)]
         req = pb.ChainRequest(
@@ -829,13 +831,8 @@ class Redundancy:
                 upstream[0].cancel()
 
     def _pull(self, job_key: JobKey, world_size: int, position: Position, budget_s: float) -> Rebuilt:
-        assert self.members is not None
-        members = self.members
-        group = members.group(self.shared.settings.parity_group)
+        members, group, me, p_me, key = self._my_group(job_key)
         g = len(group)
-        me = members.index
-        p_me = group.index(me)
-        key = self.shared.peer_key(job_key)
         started = time.monotonic()
         received = 0
         parity: dict[int, bytes] = {}

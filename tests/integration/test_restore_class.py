@@ -7,7 +7,6 @@ sizes its bits by those."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from sidecar import manifest as mf
 from sidecar.store import open_store
-from tests.fixtures.member_pods import Pods, data_gets, restore_all, save_all, settled
+from tests.fixtures.member_pods import Pods, data_gets, on_every_rank, restore_all, save_all, settled
 
 ROWS, DIM = 4096, 32
 
@@ -147,11 +146,7 @@ def restore_step(p: Pods, job: str, generation: str, step: int) -> list[dict[str
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(p.n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    on_every_rank(p.n, one)
     assert not errors, errors
     return infos
 
@@ -181,11 +176,7 @@ def restore_errors(p: Pods, job: str, generation: str) -> list[str]:
         except Exception as exc:
             errors[i] = str(exc)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(p.n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    on_every_rank(p.n, one)
     return errors
 
 
@@ -235,11 +226,7 @@ def restore_replicated(p: Pods, job: str, generation: str) -> list[tuple[dict[st
         except Exception as exc:
             out[i] = (None, f"error: {exc}")
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(p.n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    on_every_rank(p.n, one)
     return out
 
 
@@ -346,11 +333,7 @@ def test_rank_0_knows_its_own_holdings_when_its_report_was_not_written(make_side
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    on_every_rank(2, one, timeout=60)
     assert not errors and refused
     assert [c.last_restore["restore_class"] for c in clients] == ["exact", "exact"]
     for r in range(2):
