@@ -29,7 +29,7 @@ from sidecar.errors import (
 )
 from sidecar.faults import fault_point
 from sidecar.gang import JobGang, Position
-from sidecar.pipeline import upload_snapshot
+from sidecar.pipeline import RangeDigests, upload_snapshot
 from sidecar.pipeline.plan import Chain, HeldForms, SnapshotEncoder
 
 from .held import Held
@@ -134,12 +134,21 @@ class Commits:
             )
 
             built: list[mf.Manifest] = []
+            # Stored as received: each tensor's digest comes from the pass that digests the objects.
+            digests = None
+            if encoder.stores_buffer:
+                digests = RangeDigests([(t.offset, t.nbytes) for t in encoder.tensors])
 
             def make_manifest(objects: list[mf.ObjectEntry]) -> mf.Manifest:
                 snap.stored = out.tensors
                 view = memoryview(snap.buffer)
-                for t in out.tensors:  # what a lossless restore must reproduce, from any source
-                    t.xxh3 = mf.xxh3(view[t.offset : t.offset + t.nbytes])
+                # What a lossless restore must reproduce, from any source.
+                if digests is not None:
+                    for t, digest in zip(out.tensors, digests.hexdigests(), strict=True):
+                        t.xxh3 = digest
+                else:
+                    for t in out.tensors:
+                        t.xxh3 = mf.xxh3(view[t.offset : t.offset + t.nbytes])
                 if out.kind == "full" and all(t.stored_offset < 0 for t in out.tensors):
                     snap.objects = objects  # slices of the buffer
                 manifest = mf.Manifest(
@@ -178,6 +187,7 @@ class Commits:
                 self.metrics.uploaded_bytes.labels(job).inc,
                 snap.step,
                 max_in_flight=2 * self.settings.upload_concurrency,
+                also=digests,
             )
             snap.manifest_durable = True
             self.metrics.upload_duration.labels(job).observe(time.perf_counter() - t0)

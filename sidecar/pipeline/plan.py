@@ -319,11 +319,16 @@ class SnapshotEncoder:
                 total += t.nbytes * 2  # widened to float32 for quantizing
         return total
 
+    @property
+    def stores_buffer(self) -> bool:
+        """Whether :meth:`pieces` is the snapshot buffer as received (a lossless full checkpoint):
+        offsets in the stored bytes are then offsets in the buffer."""
+        return self.outcome.kind == "full" and not any(self._lossy(t) for t in self.tensors)
+
     def pieces(self) -> Iterator[memoryview | bytes]:
         """The stored bytes, tensor by tensor; ``outcome.tensors`` grows as they are produced."""
         o = self.outcome
-        lossless = o.kind == "full" and not any(self._lossy(t) for t in self.tensors)
-        if lossless:
+        if self.stores_buffer:
             # Stored as received, alignment padding included: no copy at all.
             o.tensors = [replace(t) for t in self.tensors]
             o.stored_bytes = len(self.buffer)

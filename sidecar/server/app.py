@@ -225,6 +225,10 @@ def _open_settings_store(settings: SidecarSettings) -> Store:
         endpoint_url=settings.s3_endpoint or None,
         region=settings.s3_region,
         concurrency=settings.upload_concurrency,
+        # A snapshot's objects (object_bytes at most) go up in parallel already: each is one
+        # PutObject, not CreateMultipartUpload + parts + Complete (~6x the requests, and the
+        # per-request CPU of botocore and the server, for no more parallelism).
+        multipart_threshold=settings.object_bytes + 1,
         max_attempts=settings.storage_attempts,
     )
 

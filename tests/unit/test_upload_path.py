@@ -1,0 +1,136 @@
+"""The save path's upload: one digest pass per byte, S3 bodies sent from the caller's buffer
+without SDK checksums, one PutObject per snapshot object."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import xxhash
+from botocore.awsrequest import AWSResponse
+from botocore.utils import determine_content_length
+
+from sidecar.config import SidecarSettings
+from sidecar.manifest import Manifest, ObjectEntry
+from sidecar.pipeline import RangeDigests, upload
+from sidecar.server.app import open_settings_store
+from sidecar.store.memory import MemoryStore
+from sidecar.store.s3 import S3Store, ViewBody
+
+MiB = 1 << 20
+
+
+def test_view_body_reads_in_place_and_rewinds() -> None:
+    data = bytearray(os.urandom(10 * MiB + 7))
+    body = ViewBody(memoryview(data))
+    assert determine_content_length(body) == len(data)  # botocore's Content-Length
+    first = body.read(16 * 1024)  # urllib3's block: a larger view comes back
+    assert isinstance(first, memoryview) and first.obj is data and len(first) == ViewBody.min_read
+    rest = b"".join(iter(lambda: body.read(16 * 1024), b""))
+    assert bytes(first) + rest == data and body.tell() == len(data)
+    body.seek(0)  # a retry
+    assert bytes(body.read()) == data
+
+
+class _Raw:
+    def stream(self, **_: Any) -> Any:
+        yield b""
+
+
+def test_an_s3_put_sends_the_buffer_itself_with_no_sdk_checksum() -> None:
+    store = S3Store("bkt", endpoint_url="http://127.0.0.1:9")
+    sent: list[Any] = []
+
+    def answer(request: Any, **_: Any) -> AWSResponse:  # before-send: nothing reaches the network
+        sent.append(request)
+        return AWSResponse(request.url, 200, {"ETag": '"e"'}, _Raw())
+
+    store._client.meta.events.register_first("before-send.s3.PutObject", answer)
+    data = bytearray(os.urandom(3 * MiB))
+    assert store.put("k", memoryview(data)) == "e"
+    (request,) = sent
+    assert isinstance(request.body, ViewBody) and request.body._view.obj is data  # no copy
+    headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+    assert int(headers["content-length"]) == len(data)
+    assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+    # Our own xxh3 in the MANIFEST is the integrity check: no CRC or MD5 pass by the SDK.
+    assert not [k for k in headers if k.startswith("x-amz-checksum") or k == "content-md5"]
+    assert "x-amz-sdk-checksum-algorithm" not in headers
+    store.close()
+
+
+def test_multipart_parts_are_views_of_the_callers_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = S3Store("bkt", endpoint_url="http://127.0.0.1:9", part_bytes=5 * MiB, multipart_threshold=5 * MiB)
+    data = bytearray(os.urandom(12 * MiB))
+    bodies: dict[int, bytes] = {}
+
+    def upload_part(**kw: Any) -> dict[str, str]:
+        assert isinstance(kw["Body"], ViewBody) and kw["Body"]._view.obj is data
+        bodies[kw["PartNumber"]] = bytes(kw["Body"].read())
+        return {"ETag": f'"{kw["PartNumber"]}"'}
+
+    client = store._client
+    monkeypatch.setattr(client, "create_multipart_upload", lambda **kw: {"UploadId": "u"})
+    monkeypatch.setattr(client, "upload_part", upload_part)
+    monkeypatch.setattr(client, "complete_multipart_upload", lambda **kw: {"ETag": '"m"'})
+    assert store.put("k", data) == "m"
+    assert b"".join(bodies[i] for i in sorted(bodies)) == data
+    store.close()
+
+
+def test_the_sidecars_s3_store_puts_each_object_whole() -> None:
+    settings = SidecarSettings(storage="s3://bkt/p", s3_endpoint="http://127.0.0.1:9", object_bytes=8 * MiB)
+    store = open_settings_store(settings)
+    assert isinstance(store, S3Store)
+    assert store.multipart_threshold > settings.object_bytes
+    config = store._client.meta.config
+    assert config.request_checksum_calculation == "when_required"
+    store.close()
+
+
+def test_range_digests_match_one_shot_digests_across_chunk_edges() -> None:
+    data = memoryview(os.urandom(10_000))
+    ranges = [(0, 0), (0, 1000), (1000, 4096), (5096, 1), (5200, 4800)]
+    digests = RangeDigests(ranges)
+    for at in range(0, len(data), 777):
+        digests.update(at, data[at : at + 777])
+    assert digests.hexdigests() == [xxhash.xxh3_64_hexdigest(data[o : o + n]) for o, n in ranges]
+
+
+def test_upload_digests_every_byte_once_for_objects_and_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upload, "DIGEST_CHUNK", 1000)
+    digested = 0
+    real = xxhash.xxh3_64
+
+    class Counting:
+        def __init__(self) -> None:
+            self._h = real()
+
+        def update(self, chunk: memoryview) -> None:
+            nonlocal digested
+            digested += len(chunk)
+            self._h.update(chunk)
+
+        def hexdigest(self) -> str:
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(upload.xxhash, "xxh3_64", Counting)
+    buffer = memoryview(os.urandom(10_000))
+    ranges = [(0, 3000), (3000, 6500), (9500, 500)]
+    tensors = RangeDigests(ranges)
+    store = MemoryStore("t")
+    objects: list[ObjectEntry] = []
+
+    def manifest(entries: list[ObjectEntry]) -> Manifest:
+        objects.extend(entries)
+        return Manifest("ns", "job", 1, 0, 1, 0, "s", len(buffer), {}, [], entries)
+
+    with ThreadPoolExecutor(2) as pool:
+        upload.upload_snapshot(store, pool, "p/", [buffer], 4096, manifest, also=tensors)
+    assert [o.size for o in objects] == [4096, 4096, 1808]
+    for o in objects:
+        assert o.xxh3 == xxhash.xxh3_64_hexdigest(store.get(o.key))
+    assert tensors.hexdigests() == [xxhash.xxh3_64_hexdigest(buffer[a : a + n]) for a, n in ranges]
+    assert digested == 2 * len(buffer)  # each byte once for its object, once for its tensor (in cache)
