@@ -1,10 +1,14 @@
 """The save path's upload: one digest pass per byte, S3 bodies sent from the caller's buffer
-without SDK checksums, one PutObject per snapshot object."""
+without SDK checksums, one PutObject per snapshot object, file objects written past the page
+cache."""
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +20,8 @@ from sidecar.config import SidecarSettings
 from sidecar.manifest import Manifest, ObjectEntry
 from sidecar.pipeline import RangeDigests, upload
 from sidecar.server.app import open_settings_store
+from sidecar.store import file as file_store
+from sidecar.store.file import FileStore
 from sidecar.store.memory import MemoryStore
 from sidecar.store.s3 import S3Store, ViewBody
 
@@ -134,3 +140,37 @@ def test_upload_digests_every_byte_once_for_objects_and_tensors(monkeypatch: pyt
         assert o.xxh3 == xxhash.xxh3_64_hexdigest(store.get(o.key))
     assert tensors.hexdigests() == [xxhash.xxh3_64_hexdigest(buffer[a : a + n]) for a, n in ranges]
     assert digested == 2 * len(buffer)  # each byte once for its object, once for its tensor (in cache)
+
+
+def _direct_supported(directory: Path) -> bool:
+    with open(directory / "probe", "wb", buffering=0) as f:
+        return file_store._set_direct(f.fileno(), True)
+
+
+@pytest.mark.parametrize("skew", [0, 1])  # a page-aligned buffer (as a snapshot's), or not
+def test_large_objects_go_to_the_file_store_past_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skew: int
+) -> None:
+    size = file_store.DIRECT_MIN_BYTES + 3 * 4096 + 123  # an unaligned tail as well
+    region = mmap.mmap(-1, size + 4096)
+    region[skew : skew + size] = os.urandom(size)
+    data = memoryview(region)[skew : skew + size]
+    direct: list[int] = []  # bytes written with O_DIRECT on
+    real_write = os.write
+
+    def write(fd: int, chunk: Any) -> int:
+        n = real_write(fd, chunk)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct.append(n)
+        return n
+
+    monkeypatch.setattr(file_store.os, "write", write)
+    store = FileStore(tmp_path / "store")
+    store.put("obj", data)
+    assert store.get("obj") == data  # every byte, the tail too
+    if _direct_supported(tmp_path) and not skew:
+        assert sum(direct) == size - size % 4096
+    else:
+        assert not direct  # refused before a byte: all through the page cache
+    data.release()
+    region.close()
