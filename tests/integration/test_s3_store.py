@@ -380,6 +380,14 @@ def test_multipart_round_trip_is_byte_exact(make_store: Callable[..., S3Store]) 
     assert store.get_range("big/object", 8 * MiB - 10, 20) == data[8 * MiB - 10 : 8 * MiB + 10]
 
 
+def test_a_single_put_from_a_view_is_byte_exact(make_store: Callable[..., S3Store]) -> None:
+    store = make_store(multipart_threshold=64 * MiB)  # one PutObject, sent from the buffer itself
+    data = bytearray(os.urandom(9 * MiB + 3))
+    store.put("one/object", memoryview(data)[1:])
+    assert store.requests["put"] == 1
+    assert store.get("one/object") == data[1:]
+
+
 def test_failed_multipart_leaves_nothing(
     make_store: Callable[..., S3Store], monkeypatch: pytest.MonkeyPatch
 ) -> None:
