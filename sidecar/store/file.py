@@ -64,6 +64,8 @@ DIRECT_MIN_BYTES = 1 << 20
 #: 512-byte and 4 KiB devices); a tail shorter than this is written through the page cache.
 _DIRECT_ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: how a filesystem or a buffer says "not with O_DIRECT" (before writing anything)
+_NO_DIRECT = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
 
 
 def _set_direct(fd: int, on: bool) -> bool:
@@ -73,7 +75,7 @@ def _set_direct(fd: int, on: bool) -> bool:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if exc.errno in _NO_DIRECT:
             return False
         raise
     return True
@@ -91,7 +93,7 @@ def _write_all(fd: int, data: Buffer) -> None:
             while pos < bulk:
                 pos += os.write(fd, view[pos:bulk])
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno not in _NO_DIRECT:
                 raise
         finally:
             _set_direct(fd, False)

@@ -4,6 +4,7 @@ cache."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -174,3 +175,20 @@ def test_large_objects_go_to_the_file_store_past_the_page_cache(
         assert not direct  # refused before a byte: all through the page cache
     data.release()
     region.close()
+
+
+def test_a_filesystem_without_o_direct_gets_every_byte_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fcntl = fcntl.fcntl
+
+    def refusing(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs before Linux 6.6
+        return int(real_fcntl(fd, cmd, arg))
+
+    monkeypatch.setattr(file_store.fcntl, "fcntl", refusing)
+    data = os.urandom(file_store.DIRECT_MIN_BYTES + 4096)
+    store = FileStore(tmp_path / "store")
+    store.put("obj", data)
+    assert store.get("obj") == data
