@@ -18,6 +18,7 @@ The machine may be shared: wall time is noisy, CPU seconds and counts are not.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import resource
 import signal
@@ -177,7 +178,11 @@ def _reader_counts(storage: str, endpoint: str, job: str) -> dict[str, float]:
     reads (where it lends restores): its GETs, wall and CPU."""
     from sidecar import manifest as mf
     from sidecar.pipeline.plan import read_snapshot
-    from sidecar.shm import RestoreBuffer
+
+    try:
+        from sidecar.shm import RestoreBuffer
+    except ImportError:  # an older sidecar
+        RestoreBuffer = None  # type: ignore[assignment,misc]
 
     store = _open(storage, endpoint)
     try:
@@ -185,14 +190,16 @@ def _reader_counts(storage: str, endpoint: str, job: str) -> dict[str, float]:
         refs = {r.step: r for r in manifest.required_commits}
         before = store.requests["get"]
         out: dict[str, float] = {}
+        lent = "dest" in inspect.signature(read_snapshot).parameters  # (an older reader: no)
         with ThreadPoolExecutor(4) as pool, _measured(out):
-            dest = RestoreBuffer(manifest.total_bytes) if hasattr(os, "memfd_create") else None
+            dest = RestoreBuffer(manifest.total_bytes) if lent and hasattr(os, "memfd_create") else None
+            kwargs = {"dest": dest} if dest is not None else {}
             read_snapshot(
                 store,
                 manifest,
                 lambda s: mf.load_manifest(store, mf.load_ref(store, refs[s]), 0),
                 pool,
-                dest=dest,
+                **kwargs,
             )
         out["gets"] = store.requests["get"] - before
         if dest is not None:
