@@ -235,6 +235,30 @@ def check_digest(entry: TensorEntry | ObjectEntry, data: bytes | bytearray | mem
     return None
 
 
+class Digest:
+    """:func:`check_digest` of one object computed piece by piece, in order, as a read lands."""
+
+    def __init__(self, entry: TensorEntry | ObjectEntry) -> None:
+        self.entry = entry
+        self._xxh3 = xxhash.xxh3_64() if entry.xxh3 else None
+        self._crc = 0
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        if self._xxh3 is not None:
+            self._xxh3.update(piece)
+        elif self.entry.crc32:
+            self._crc = zlib.crc32(piece, self._crc)
+
+    def check(self) -> str | None:
+        if self._xxh3 is not None:
+            got = self._xxh3.hexdigest()
+            return None if got == self.entry.xxh3 else f"xxh3 {got} != {self.entry.xxh3}"
+        if self.entry.crc32:
+            got = f"{self._crc & 0xFFFFFFFF:08x}"
+            return None if got == self.entry.crc32 else f"crc32 {got} != {self.entry.crc32}"
+        return None
+
+
 class StreamDigests:
     """What :func:`check_digest` says of each tensor, computed while a buffer's bytes go past in
     order (``update`` with increasing offsets), so the buffer is not read again."""

@@ -51,6 +51,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -345,6 +346,22 @@ class Segments:
             os.close(fd)
             raise
         return self._handover.lend_fd(fd)
+
+    def restore_buffer(self, size: int) -> RestoreBuffer | None:
+        """A new memfd of ``size`` bytes that a restore is read straight into and then lent
+        (:meth:`lend_buffer`) with no copy; None where segments are not lent over a socket.
+        OSError when there is no room."""
+        if self._handover is None:
+            return None
+        return RestoreBuffer(size)
+
+    def lend_buffer(self, buffer: RestoreBuffer) -> str:
+        """Seal ``buffer`` (a seal against writes needs no writable
+        mapping left) and lend it, as :meth:`handoff` lends its copy; OSError (nothing lent, the
+        buffer still usable) where it cannot be sealed."""
+        if self._handover is None:
+            raise OSError("no handover socket to lend a restore buffer on")
+        return self._handover.lend_fd(buffer.seal())
 
     def _handoff_file(self, blobs: list[memoryview], size: int) -> str:
         name = f"{self._prefix}r{uuid.uuid4().hex[:16]}"
@@ -649,6 +666,80 @@ class Handover:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()
+
+
+class RestoreBuffer:
+    """A restore's bytes in a new memfd, written with pwrite (no writable mapping: a mapping's
+    page tables cost about as much again as the pages here), then sealed against writes,
+    shrinking and growing and lent: what the trainer maps is what was written here, not a copy.
+    Its pages are allocated up front (no room is found now, not halfway)."""
+
+    def __init__(self, size: int) -> None:
+        fd = os.memfd_create("strata-restore", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, max(1, size))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.size = size
+        self._fds = [fd]
+        self._closer = weakref.finalize(self, _close_fd, self._fds)
+
+    @property
+    def fd(self) -> int:
+        if not self._fds:
+            raise ValueError("the restore buffer was sealed or closed")
+        return self._fds[0]
+
+    def write(self, at: int, piece: memoryview) -> None:
+        while len(piece):
+            n = os.pwrite(self.fd, piece, at)
+            at, piece = at + n, piece[n:]
+
+    def read(self, at: int, into: memoryview) -> None:
+        pos = 0
+        while pos < len(into):
+            n = os.preadv(self.fd, [into[pos:]], at + pos)
+            if n <= 0:
+                raise OSError(f"restore buffer ends at {at + pos} of {self.size} bytes")
+            pos += n
+
+    def chunks(self, piece: int = 1 << 20) -> Iterator[memoryview]:
+        """The bytes in order, a piece at a time (a restore streamed over gRPC)."""
+        for at in range(0, self.size, piece):
+            out = memoryview(bytearray(min(piece, self.size - at)))
+            self.read(at, out)
+            yield out
+
+    @contextlib.contextmanager
+    def writable(self) -> Iterator[memoryview]:
+        """A writable view of the bytes, its pages mapped as they are touched (a diff writes a
+        few rows); unmapped on leaving, which sealing needs."""
+        mapped = mmap.mmap(self.fd, max(1, self.size), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        view = memoryview(mapped)
+        part = view[: self.size]
+        try:
+            yield part
+        finally:
+            part.release()
+            view.release()
+            mapped.close()  # BufferError if a view escaped: then nothing can be sealed
+
+    def seal(self) -> int:
+        """Seal the memfd and hand its descriptor over (the caller's now)."""
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALED_COPY)
+        self._closer.detach()
+        return self._fds.pop()
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _close_fd(fds: list[int]) -> None:
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
 
 
 def _write_all(fd: int, blobs: list[memoryview]) -> None:

@@ -12,6 +12,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import warnings
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -140,18 +141,31 @@ def from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.T
         need = fcntl.F_SEAL_SHRINK | (fcntl.F_SEAL_WRITE if header.shm_handoff else 0)
         if seals & need != need:
             raise SegmentChanged(f"shared segment {name} is not sealed against {seal_names(need & ~seals)}")
-        # Populated at once: one call maps every page instead of a fault per 4 KiB.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(fd, header.total_bytes, flags, mmap.PROT_READ) as mapped:
-            source = np.frombuffer(mapped, np.uint8)
+        if header.shm_handoff:
+            # A copy made for this restore, sealed: read with preadv (no page tables to build
+            # for a mapping and tear down), and let go of in the background: the last close
+            # frees its pages, which need not hold up the restore.
             try:
-                with warnings.catch_warnings():  # read-only source: torch only reads it here
-                    warnings.simplefilter("ignore", UserWarning)
-                    bad = _verify.copy_checked(source, targets)
-            finally:
-                del source
+                bad = _verify.copy_checked(fd, targets)
+            except EOFError as exc:
+                raise SegmentGone(f"shared segment {name}: {exc}") from None
+            closing, fd = fd, -1
+            freeing = threading.Thread(target=os.close, args=(closing,), name="strata-free", daemon=True)
+            freeing.start()
+        else:
+            # Populated at once: one call maps every page instead of a fault per 4 KiB.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            with mmap.mmap(fd, header.total_bytes, flags, mmap.PROT_READ) as mapped:
+                source = np.frombuffer(mapped, np.uint8)
+                try:
+                    with warnings.catch_warnings():  # read-only source: torch only reads it here
+                        warnings.simplefilter("ignore", UserWarning)
+                        bad = _verify.copy_checked(source, targets)
+                finally:
+                    del source
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     if bad is not None:
         raise SegmentChanged(f"shared segment {name}: {bad}")
 

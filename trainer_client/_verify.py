@@ -13,6 +13,7 @@ take the same copy, unhashed.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +48,13 @@ class Target:
 class _Digest:
     """One tensor's digest over its chunks in order, whichever threads copied them."""
 
-    def __init__(self, target: Target, source: np.ndarray) -> None:
+    def __init__(self, target: Target, source: np.ndarray | int) -> None:
         self.target = target
-        self.src = source[target.offset : target.offset + target.dst.size]
+        self.fd, self.src = -1, None
+        if isinstance(source, int):
+            self.fd = source
+        else:
+            self.src = source[target.offset : target.offset + target.dst.size]
         self.chunks = -(-target.dst.size // CHUNK)
         self.hasher = xxhash.xxh3_64()
         self.copied: set[int] = set()
@@ -59,7 +64,14 @@ class _Digest:
 
     def copy(self, k: int) -> None:
         lo, hi = k * CHUNK, min((k + 1) * CHUNK, self.target.dst.size)
-        np.copyto(self.target.dst[lo:hi], self.src[lo:hi])
+        if self.src is not None:
+            np.copyto(self.target.dst[lo:hi], self.src[lo:hi])
+        else:  # read from the file: no mapping to build page tables for, or to tear down
+            while lo < hi:
+                n = os.preadv(self.fd, [self.target.dst[lo:hi].data], self.target.offset + lo)
+                if n <= 0:
+                    raise EOFError(f"the source ends before byte {self.target.offset + hi}")
+                lo += n
         if not self.target.digest:
             return
         with self.lock:
@@ -87,11 +99,12 @@ class _Digest:
 
 
 def copy_checked(
-    source: np.ndarray, targets: Sequence[Target], threads: int | None = None
+    source: np.ndarray | int, targets: Sequence[Target], threads: int | None = None
 ) -> DigestMismatch | None:
-    """Copy every target's bytes out of ``source`` (uint8), checking those with a digest as they
-    go: the first tensor (in ``targets`` order) whose bytes differ, or None. Returned, not
-    raised: a traceback would keep views of ``source`` (a mapping the caller closes) alive."""
+    """Copy every target's bytes out of ``source`` (uint8, or a file descriptor read with
+    ``preadv``), checking those with a digest as they go: the first tensor (in ``targets``
+    order) whose bytes differ, or None. Returned, not raised: a traceback would keep views of
+    ``source`` (a mapping the caller closes) alive. EOFError: the file ends too early."""
     digests = [_Digest(t, source) for t in targets]  # unchecked ones too: the same copy, unhashed
     work = [(d, k) for d in digests for k in range(d.chunks)]
     if not work:

@@ -37,6 +37,8 @@ from sidecar.gang import (
     stream_opener,
 )
 from sidecar.pipeline.plan import decode_held, read_snapshot
+from sidecar.shm import RestoreBuffer
+from sidecar.store.base import READ_PIECE_BYTES
 
 from .attempts import Attempts
 from .held import Held
@@ -813,17 +815,31 @@ class Restorer:
                 raise NotFound(f"step {target[1]} names no COMMIT for its base step {older}")
             return mf.load_manifest(self.store, mf.load_ref(self.store, ref), identity.rank)
 
-        # A lossless full comes back as its objects; anything else is decoded into one buffer
-        # while one step's objects are held (a step stores at most its raw size).
+        # A lossless full is read straight into the buffer; anything else is decoded into it
+        # while one step's objects are held besides (a step stores at most its raw size).
         plain = manifest.checkpoint == "full" and not any(t.lossy for t in manifest.tensors)
         need = manifest.total_bytes if plain else 2 * manifest.total_bytes
         memory = self.memory.reserve(kind, need, f"reading step {target[1]} from storage")
-        pieces = read_snapshot(self.store, manifest, load, self.shared.uploads)
-        if len(pieces) == 1 and manifest.checkpoint == "diff":
-            view = pieces[0]
-            for t in manifest.tensors:  # the chain replayed must give back what was saved
-                if not t.lossy and mf.check_digest(t, view[t.offset : t.offset + t.nbytes]) is not None:
-                    raise CorruptObject(f"step {target[1]}", f"{t.name} restored differs from what was saved")
+        # Where restores are lent over the handover socket, into the memfd that is then sealed
+        # and lent as it is: the bytes are written once, by the read.
+        try:
+            lent = self.shared.segments.restore_buffer(manifest.total_bytes)
+        except OSError as exc:
+            log.info("restore read into process memory: no room for a shared buffer (%s)", exc)
+            lent = None
+        try:
+            pieces = read_snapshot(self.store, manifest, load, self.shared.uploads, dest=lent)
+            memory.shrink(manifest.total_bytes)  # a step held besides is gone
+            if manifest.checkpoint == "diff":  # the chain replayed must give back what was saved
+                why = _replayed_differs(manifest.tensors, lent if lent is not None else pieces[0])
+                if why is not None:
+                    raise CorruptObject(f"step {target[1]}", f"{why} restored differs from what was saved")
+        except BaseException:
+            if lent is not None:
+                lent.close()
+            raise
+        # Read back only where a trainer takes no segment (its restore is streamed over gRPC).
+        chunks = lent.chunks() if lent is not None else iter(pieces)
         return RestoreData(
             target[1],
             manifest.tensors,
@@ -831,13 +847,14 @@ class Restorer:
             manifest.total_bytes,
             "storage",
             "",
-            iter(pieces),
+            chunks,
             manifest.restores,
             memory,
             manifest.foreign(),
             target[0],
             storage_restores=manifest.storage_restores,
             restore_class="stored" if any(t.lossy for t in manifest.tensors) else "exact",
+            lendable=lent,
         )
 
     # --- queries -----------------------------------------------------------------------------
@@ -873,6 +890,22 @@ def _other_world(target: Position, saved_by: int, world_size: int) -> str:
         "through torch.distributed.checkpoint loads with trainer_client.dcp's StrataReader, "
         "whose planner reshards"
     )
+
+
+def _replayed_differs(tensors: list[mf.TensorEntry], buf: memoryview | RestoreBuffer) -> str | None:
+    """The first lossless tensor of a replayed chain whose bytes are not what was saved, or None;
+    a memfd is read a piece at a time (mapping it would cost its page tables)."""
+    exact = [t for t in tensors if not t.lossy]
+    if isinstance(buf, memoryview):
+        return next((t.name for t in exact if mf.check_digest(t, buf[t.offset : t.offset + t.nbytes])), None)
+    digests = mf.StreamDigests(exact)
+    piece = memoryview(bytearray(min(READ_PIECE_BYTES, max(1, buf.size))))
+    for at in range(0, buf.size, len(piece)):
+        chunk = piece[: min(len(piece), buf.size - at)]
+        buf.read(at, chunk)
+        digests.update(at, chunk)
+    why = digests.check()  # "name: why"
+    return None if why is None else why.split(": ", 1)[0]
 
 
 def _with_digests(tensors: list[mf.TensorEntry], stored: list[mf.TensorEntry]) -> list[mf.TensorEntry]:

@@ -17,7 +17,7 @@ from sidecar.api import MAX_WORLD_SIZE, pb
 from sidecar.budget import Reservation
 from sidecar.errors import InvalidArgument
 from sidecar.gang import Position
-from sidecar.shm import anonymous
+from sidecar.shm import RestoreBuffer, anonymous
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,9 @@ class RestoreData:
     #: "exact": every tensor as the trainer saved it (lossy ones included); "stored": lossy
     #: tensors as storage holds them
     restore_class: str = "stored"
+    #: the memfd ``chunks`` lie in, to be sealed and lent as it is (no copy into a handed-over
+    #: segment); None where the bytes are in process memory
+    lendable: RestoreBuffer | None = None
 
 
 def drop_buffer(snap: Snapshot) -> None:

@@ -15,12 +15,12 @@ served from memory is then bitwise the one storage would serve.
 
 from __future__ import annotations
 
-import bisect
+import contextlib
 import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -32,7 +32,9 @@ from sidecar.pipeline import encode as enc
 from sidecar.pipeline.policy import start_new_full
 from sidecar.pipeline.settings import Quantization
 from sidecar.pipeline.workers import EncodePool
-from sidecar.store.base import Store
+from sidecar.shm import RestoreBuffer
+from sidecar.store.base import READ_PIECE_BYTES, Store
+from sidecar.store.base import into as store_into
 
 log = logging.getLogger(__name__)
 
@@ -417,12 +419,19 @@ def read_snapshot(
     load: Callable[[int], mf.Manifest],
     executor: Executor,
     max_chain: int = 1024,
+    dest: memoryview | RestoreBuffer | None = None,
 ) -> list[memoryview]:
-    """The snapshot buffer ``manifest`` describes, as consecutive pieces.
+    """The snapshot buffer ``manifest`` describes, in one piece: written into ``dest`` (the
+    snapshot's size: a writable buffer, or a memfd to lend; then nothing is returned) or into a
+    new buffer, returned.
 
-    ``load(step)`` returns the same rank's manifest of an older committed step. A
-    lossless full checkpoint comes back as its objects (no copy); anything else is
-    decoded into one buffer, replaying the chain of diffs from its full checkpoint.
+    ``load(step)`` returns the same rank's manifest of an older committed step. The chain is
+    replayed in one pass over the buffer: the full checkpoint's objects are read straight into it
+    where they hold the tensors' raw bytes at their offsets (else decoded into it), then each
+    diff's tensors are decoded over it in order, oldest first. Every object is read with ranged
+    GETs in parallel into its place, its size checked against the manifest before a byte is read
+    and its digest computed as the bytes land. Only a step that must be decoded (diffs, lossy
+    tensors) is held besides, one step at a time.
     Raises ``CorruptObject``/``NotFound`` naming what is missing or damaged.
     """
     chain = [manifest]
@@ -442,36 +451,148 @@ def read_snapshot(
     chain.reverse()
     if chain[0].checkpoint != "full":
         raise CorruptObject(f"step {chain[0].step}", "the chain does not start with a full checkpoint")
-    first = chain[0]
-    if len(chain) == 1 and all(t.encoding == "raw" and t.stored_offset < 0 for t in first.tensors):
-        return [memoryview(b) for b in _objects(store, first, executor)]
-    out = bytearray(manifest.total_bytes)
-    view = memoryview(out)
+    out: list[memoryview] = []
+    if dest is None:
+        dest = memoryview(bytearray(manifest.total_bytes))
+        out.append(dest)
+    size = len(dest) if isinstance(dest, memoryview) else dest.size
+    if size != manifest.total_bytes:
+        raise ValueError(f"a {size}-byte buffer for a {manifest.total_bytes}-byte snapshot")
     for m in chain:
         try:
-            stream = _Stored(_objects(store, m, executor))
+            if m is chain[0] and _in_place(m, size):
+                read_objects(store, m.objects, dest, executor)
+                continue
+            stored = memoryview(bytearray(sum(o.size for o in m.objects)))
+            read_objects(store, m.objects, stored, executor)
         except (CorruptObject, NotFound) as exc:
             if m is manifest:
                 raise
             raise CorruptObject(
                 f"step {m.step}", f"step {manifest.step} needs step {m.step}, which cannot be read: {exc}"
             ) from None
-        for t in m.tensors:
-            start, size = t.stored()
-            if start + size > stream.size:
-                raise CorruptObject(f"step {m.step}", f"{t.name} lies beyond the stored bytes")
-            try:
-                enc.decode_into(
-                    view[t.offset : t.offset + t.nbytes],
-                    stream.slice(start, size),
-                    t.encoding,
-                    t.dtype,
-                    t.shape,
-                    t.cast,
-                )
-            except ValueError as exc:
-                raise CorruptObject(f"step {m.step}", f"{t.name}: {exc}") from None
-    return [view]
+        with _writable(dest) as view:
+            _decode_step(m, stored, view)
+        del stored
+    return out
+
+
+@contextlib.contextmanager
+def _writable(dest: memoryview | RestoreBuffer) -> Iterator[memoryview]:
+    if isinstance(dest, memoryview):
+        yield dest
+    else:
+        with dest.writable() as view:
+            yield view
+
+
+def _decode_step(m: mf.Manifest, stored: memoryview, view: memoryview) -> None:
+    for t in m.tensors:
+        start, size = t.stored()
+        if start < 0 or size < 0 or start + size > len(stored):
+            raise CorruptObject(f"step {m.step}", f"{t.name} lies beyond the stored bytes")
+        if t.offset < 0 or t.offset + t.nbytes > len(view):
+            raise CorruptObject(f"step {m.step}", f"{t.name} lies beyond the snapshot")
+        try:
+            enc.decode_into(
+                view[t.offset : t.offset + t.nbytes],
+                stored[start : start + size],
+                t.encoding,
+                t.dtype,
+                t.shape,
+                t.cast,
+            )
+        except ValueError as exc:
+            raise CorruptObject(f"step {m.step}", f"{t.name}: {exc}") from None
+
+
+def _in_place(m: mf.Manifest, size: int) -> bool:
+    """Whether ``m``'s objects, one after another, are the snapshot buffer itself: every tensor
+    stored raw at its own offset, the objects exactly the snapshot's length."""
+    return sum(o.size for o in m.objects) == size and all(
+        t.encoding == "raw" and t.stored_offset < 0 and not t.cast for t in m.tensors
+    )
+
+
+#: The most bytes one GET asks for: an object up to this size is one request whose digest is
+#: computed as it lands; a larger one is read in ranges of this size in parallel, then digested.
+RANGE_BYTES = 64 << 20
+
+
+def read_objects(
+    store: Store, objects: Sequence[mf.ObjectEntry], into: memoryview | RestoreBuffer, executor: Executor
+) -> None:
+    """Read ``objects`` one after another into ``into`` (exactly their total size), in parallel
+    ranged reads, each object's size and digest checked: all of them or ``CorruptObject``/
+    ``NotFound`` naming the first that failed. A buffer is read into in place; a memfd is
+    written from one small buffer per read, reused. So in-flight memory is ``into`` itself plus
+    at most a piece per read, whatever the bucket sends (its sizes are checked before its bodies
+    are read)."""
+    total = len(into) if isinstance(into, memoryview) else into.size
+    if sum(o.size for o in objects) != total:
+        raise ValueError(f"{len(objects)} objects for a {total}-byte buffer")
+    tasks: list[tuple[mf.ObjectEntry, int, int, int]] = []  # object, its offset in into, range
+    at = 0
+    for o in objects:
+        for lo in range(0, max(1, o.size), RANGE_BYTES):
+            tasks.append((o, at, lo, min(RANGE_BYTES, o.size - lo)))
+        at += o.size
+
+    def read(task: tuple[mf.ObjectEntry, int, int, int]) -> None:
+        o, base, lo, n = task
+        digest = mf.Digest(o) if n == o.size else None  # else digested once whole, below
+        if isinstance(into, memoryview):
+            place = store_into(into[base + lo : base + lo + n])
+
+            def landed(pos: int, piece: memoryview) -> None:
+                if digest is not None:
+                    digest.update(piece)
+
+        else:
+            scratch = memoryview(bytearray(min(READ_PIECE_BYTES, n)))
+
+            def place(pos: int, want: int) -> memoryview:
+                return scratch[:want]
+
+            def landed(pos: int, piece: memoryview) -> None:
+                into.write(base + lo + pos, piece)
+                if digest is not None:
+                    digest.update(piece)
+
+        got = store.read_into(o.key, lo, n, place, object_size=o.size, on_data=landed)
+        if got != n:
+            raise CorruptObject(o.key, f"size {lo + got} != {o.size} in the manifest")
+        why = digest.check() if digest is not None else None
+        if why is not None:
+            raise CorruptObject(o.key, f"{why} in the manifest")
+
+    futures = [executor.submit(read, t) for t in tasks]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        f.cancel()
+    wait(futures)  # nothing may still write into ``into`` once this returns
+    for f in futures:
+        exc = None if f.cancelled() else f.exception()
+        if exc is not None:
+            raise exc
+    at = 0
+    for o in objects:
+        if o.size > RANGE_BYTES:
+            why = _digest_of(o, into, at)
+            if why is not None:
+                raise CorruptObject(o.key, f"{why} in the manifest")
+        at += o.size
+
+
+def _digest_of(o: mf.ObjectEntry, into: memoryview | RestoreBuffer, at: int) -> str | None:
+    if isinstance(into, memoryview):
+        return mf.check_digest(o, into[at : at + o.size])
+    digest, piece = mf.Digest(o), memoryview(bytearray(min(READ_PIECE_BYTES, o.size)))
+    for lo in range(0, o.size, len(piece)):
+        chunk = piece[: min(len(piece), o.size - lo)]
+        into.read(at + lo, chunk)
+        digest.update(chunk)
+    return digest.check()
 
 
 def decode_held(
@@ -536,39 +657,3 @@ def decode_held(
                 )
             except ValueError as exc:
                 raise ValueError(f"{t.name}: the form {label(i)} holds does not decode: {exc}") from None
-
-
-class _Stored:
-    """A step's objects as one byte stream, without joining them: a tensor within one object
-    is a view of it; only one spanning objects is copied (decoding writes straight into the
-    restore buffer, so a restore holds that buffer plus one step's objects)."""
-
-    def __init__(self, objects: list[bytes]) -> None:
-        self._objects = objects
-        self._starts = [0]
-        for o in objects:
-            self._starts.append(self._starts[-1] + len(o))
-        self.size = self._starts[-1]
-
-    def slice(self, start: int, size: int) -> memoryview:
-        if size == 0:
-            return memoryview(b"")
-        end = start + size
-        i = bisect.bisect_right(self._starts, start) - 1
-        if end <= self._starts[i + 1]:
-            base = self._starts[i]
-            return memoryview(self._objects[i])[start - base : end - base]
-        parts = []
-        while start < end:
-            lo = start - self._starts[i]
-            take = min(end, self._starts[i + 1]) - start
-            parts.append(memoryview(self._objects[i])[lo : lo + take])
-            start += take
-            i += 1
-        return memoryview(b"".join(parts))
-
-
-def _objects(store: Store, manifest: mf.Manifest, executor: Executor) -> list[bytes]:
-    """Read and verify every object before handing out a byte: a restore is all or nothing."""
-    futures = [executor.submit(mf.read_object, store, o) for o in manifest.objects]
-    return [f.result() for f in futures]

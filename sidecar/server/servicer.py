@@ -187,6 +187,14 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         when there is no shm dir, the budget or the tmpfs has no room."""
         if not self.engine.segments.directory:
             return None
+        if data.lendable is not None and data.memory is not None:
+            # Read from storage straight into a memfd: sealed and lent as it is, no copy.
+            data.chunks = iter(())
+            try:
+                return self.engine.segments.lend_buffer(data.lendable), [], data.memory
+            except (BufferError, OSError) as exc:
+                log.warning("a restore buffer could not be lent as it is (%s); lending a copy", exc)
+                data.chunks = data.lendable.chunks()
         blobs = [memoryview(b) for b in data.chunks]
         data.chunks = iter(blobs)
         try:

@@ -5,11 +5,21 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from sidecar import errors
+
 Buffer = bytes | bytearray | memoryview
+#: Where a read puts its bytes: (offset in the range, bytes still wanted) -> a writable buffer
+#: of 1 to that many bytes (a slice of the destination, or a small buffer reused).
+Place = Callable[[int, int], memoryview]
+#: Called with each piece of a read as it lands, in order, and its offset in the range (a
+#: digest computed while the bytes are still in cache, a copy out of a reused buffer).
+OnData = Callable[[int, memoryview], None]
+#: Pieces a read hands to ``on_data``: small enough to stay in cache between copy and digest.
+READ_PIECE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,9 +61,11 @@ class Store(ABC):
       file and memory backends every successful put() makes a new ETag, even
       for identical content; on S3 the ETag is the server's (an MD5 of the
       content for single-part objects), so rewriting identical bytes keeps it.
-    - get()/get_range() raise errors.ObjectNotFound for a missing key; every
-      other backend failure raises errors.StorageError (after the backend's
-      own retries).
+    - get()/get_range()/read_into() raise errors.ObjectNotFound for a missing
+      key; every other backend failure raises errors.StorageError (after the
+      backend's own retries). read_into() given `object_size` raises
+      errors.CorruptObject when the object has another size, reading no more
+      than the caller's buffer holds.
     - list() returns keys in byte-lexicographic order, all pages unless
       `limit` is given; `limit` counts objects plus common prefixes, like S3's
       MaxKeys. `start_after` is exclusive. With a delimiter, keys sharing the
@@ -106,6 +118,39 @@ class Store(ABC):
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Up to `length` bytes from offset `start`; shorter (possibly empty) past the end."""
+
+    def read_into(
+        self,
+        key: str,
+        start: int,
+        length: int,
+        place: Place,
+        *,
+        object_size: int | None = None,
+        on_data: OnData | None = None,
+    ) -> int:
+        """Read up to ``length`` of the object's bytes from offset ``start`` into the buffers
+        ``place`` gives, never more than asked, and return how many came: fewer only where the
+        object ends first. With ``object_size``, an object of any other size is refused
+        (errors.CorruptObject) before its bytes are read. ``on_data`` sees every piece as it
+        lands, in order. This generic form copies out of get_range(); backends read straight
+        into the buffers."""
+        validate_range(start, length)
+        if object_size is not None:
+            info = self.head(key)
+            if info is None:
+                raise errors.ObjectNotFound(f"no such object: {self.url}/{key}")
+            check_size(key, info.size, object_size)
+        data = memoryview(self.get_range(key, start, length))[:length]
+        pos = 0
+        while pos < len(data):
+            dest = place(pos, min(READ_PIECE_BYTES, len(data) - pos))
+            n = len(dest)
+            dest[:] = data[pos : pos + n]
+            if on_data is not None:
+                on_data(pos, dest)
+            pos += n
+        return pos
 
     @abstractmethod
     def head(self, key: str) -> ObjectInfo | None:
@@ -169,6 +214,17 @@ def check_conditions(if_none_match: bool, if_match: str | None) -> None:
         raise ValueError("put() takes if_none_match or if_match, not both")
     if if_match is not None and not if_match:
         raise ValueError("if_match must be a non-empty ETag")
+
+
+def check_size(key: str, size: int, expected: int) -> None:
+    """An object whose size is not the one its reader was told (a MANIFEST's) is refused."""
+    if size != expected:
+        raise errors.CorruptObject(key, f"size {size} != {expected} in the manifest")
+
+
+def into(dest: memoryview) -> Place:
+    """The :data:`Place` of a read into ``dest`` itself: no copy after the read."""
+    return lambda pos, n: dest[pos : pos + n]
 
 
 def validate_range(start: int, length: int) -> None:

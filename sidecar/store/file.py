@@ -25,13 +25,17 @@ from urllib.parse import unquote, urlsplit
 
 from sidecar import errors
 from sidecar.store.base import (
+    READ_PIECE_BYTES,
     Buffer,
     Listing,
     ObjectInfo,
+    OnData,
+    Place,
     Store,
     build_listing,
     check_conditions,
     check_list_args,
+    check_size,
     validate_key,
     validate_prefix,
     validate_range,
@@ -344,6 +348,43 @@ class FileStore(Store):
             raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
         except OSError as exc:
             raise self._fail("get", key, exc) from exc
+
+    def read_into(
+        self,
+        key: str,
+        start: int,
+        length: int,
+        place: Place,
+        *,
+        object_size: int | None = None,
+        on_data: OnData | None = None,
+    ) -> int:
+        validate_range(start, length)
+        path = self._path(key)
+        self._count("get")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
+        except OSError as exc:
+            raise self._fail("get", key, exc) from exc
+        try:
+            if object_size is not None:  # the file we read, even if a put renames over it now
+                check_size(key, os.fstat(fd).st_size, object_size)
+            pos = 0
+            while pos < length:
+                dest = place(pos, min(READ_PIECE_BYTES, length - pos))
+                n = os.preadv(fd, [dest], start + pos)
+                if n <= 0:
+                    break
+                if on_data is not None:
+                    on_data(pos, dest[:n])
+                pos += n
+            return pos
+        except OSError as exc:
+            raise self._fail("get", key, exc) from exc
+        finally:
+            os.close(fd)
 
     def head(self, key: str) -> ObjectInfo | None:
         path = self._path(key)

@@ -34,12 +34,16 @@ from botocore.config import Config
 
 from sidecar import errors
 from sidecar.store.base import (
+    READ_PIECE_BYTES,
     Buffer,
     Listing,
     ObjectInfo,
+    OnData,
+    Place,
     Store,
     check_conditions,
     check_list_args,
+    check_size,
     validate_key,
     validate_prefix,
     validate_range,
@@ -120,6 +124,36 @@ def _unquote(etag: str) -> str:
     return etag.strip('"')
 
 
+def _range_of(resp: dict[str, Any], start: int) -> tuple[int, int]:
+    """(The object's size, the bytes this body holds) of a ranged GET's response: its
+    Content-Range, "bytes first-last/size"."""
+    found = str(resp.get("ContentRange", ""))
+    unit, _, spec = found.partition(" ")
+    span, _, size = spec.partition("/")
+    first, _, last = span.partition("-")
+    try:
+        if unit != "bytes" or int(first) != start or not size.isdigit():
+            raise ValueError
+        return int(size), int(last) - int(first) + 1
+    except ValueError:
+        raise errors.StorageError(f"a ranged GET from {start} answered Content-Range {found!r}") from None
+
+
+def _read_body(raw: Any, at: int, length: int, place: Place, on_data: OnData | None, got: list[int]) -> None:
+    """``length`` bytes of an HTTP body into ``place``'s buffers from range offset ``at``, a
+    piece at a time, counted in ``got[0]`` as they land (short: the body ended)."""
+    readinto = getattr(getattr(raw, "_fp", None), "readinto", None) or raw.readinto
+    while got[0] < length:
+        pos = got[0]
+        dest = place(at + pos, min(READ_PIECE_BYTES, length - pos))
+        n = readinto(dest)
+        if not n:
+            break
+        if on_data is not None:
+            on_data(at + pos, dest[:n])
+        got[0] = pos + n
+
+
 def _conditions(if_none_match: bool, if_match: str | None) -> dict[str, str]:
     if if_none_match:
         return {"IfNoneMatch": "*"}
@@ -171,6 +205,7 @@ class S3Store(Store):
         self.multipart_threshold = multipart_threshold
         self.concurrency = concurrency
         self.page_size = min(page_size, 1000)  # S3 never returns more than 1000 per page
+        self.max_attempts = max_attempts
 
         session = boto3.session.Session()
         if access_key is None and secret_key is None and endpoint_url and session.get_credentials() is None:
@@ -408,6 +443,82 @@ class S3Store(Store):
             ):
                 return b""  # start at or past the end of an existing object
             raise
+
+    def read_into(
+        self,
+        key: str,
+        start: int,
+        length: int,
+        place: Place,
+        *,
+        object_size: int | None = None,
+        on_data: OnData | None = None,
+    ) -> int:
+        """One ranged GET whose body goes from the socket straight into the buffers ``place``
+        gives (urllib3's readinto reads into a new bytes object and copies: the HTTP response
+        under it is read instead). A body cut short is read on from where it stopped, up to
+        max_attempts GETs in all."""
+        validate_range(start, length)
+        full = self._root + validate_key(key)
+        if not length:
+            info = self.head(key)
+            if info is None:
+                raise errors.ObjectNotFound(f"no such object: s3://{self.bucket}/{full}")
+            if object_size is not None:
+                check_size(key, info.size, object_size)
+            return 0
+        pos, failures = 0, 0
+        while pos < length:
+            end = start + length - 1
+            try:
+                resp = self._call(
+                    "get",
+                    full,
+                    lambda first=start + pos, end=end: self._client.get_object(  # type: ignore[misc]
+                        Bucket=self.bucket, Key=full, Range=f"bytes={first}-{end}"
+                    ),
+                )
+            except errors.StorageError as exc:
+                cause = exc.__cause__
+                if isinstance(cause, botocore.exceptions.ClientError) and (
+                    cause.response.get("Error", {}).get("Code") == "InvalidRange"
+                ):
+                    if object_size is not None:  # it ends before the range: shorter than it should be
+                        info = self.head(key)
+                        check_size(key, -1 if info is None else info.size, object_size)
+                    return pos  # start at or past the end of an existing object
+                raise
+            raw = resp["Body"]._raw_stream  # urllib3's response, unread
+            got = [0]  # what came before a failure counts: on_data saw it already
+            try:
+                size, body = _range_of(resp, start + pos)
+                if object_size is not None:
+                    check_size(key, size, object_size)  # before a byte of the body is read
+                body = min(body, length - pos)
+                _read_body(raw, pos, body, place, on_data, got)
+            except errors.CorruptObject:
+                raw.close()
+                raise
+            except (OSError, ValueError, botocore.exceptions.BotoCoreError, errors.StorageError) as exc:
+                raw.close()
+                pos += got[0]
+                failures += 1
+                if failures >= self.max_attempts:
+                    raise errors.StorageError(f"S3 get s3://{self.bucket}/{full} failed: {exc}") from exc
+                continue
+            pos += got[0]
+            if got[0] < body:  # cut short: read on from here
+                raw.close()
+                failures += 1
+                if failures >= self.max_attempts:
+                    raise errors.StorageError(
+                        f"S3 get s3://{self.bucket}/{full}: the body ended after {pos} of {length} bytes"
+                    )
+                continue
+            raw.release_conn()  # read to its end: the connection serves the next GET
+            if start + pos >= size:
+                break  # the object ends here
+        return pos
 
     def head(self, key: str) -> ObjectInfo | None:
         full = self._root + validate_key(key)

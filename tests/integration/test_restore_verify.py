@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from sidecar import manifest as mf
 from trainer_client import RestoreError
 
 
@@ -148,3 +149,32 @@ def test_a_fifo_put_under_the_segments_name_does_not_hang_the_restore(
     assert swapped, "the restore read no segment by name"
     assert second.last_restore is not None and second.last_restore["shared_memory"] is False
     assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
+
+
+def test_a_chain_from_storage_is_lent_as_read_and_restores_bitwise(
+    make_sidecar, make_client, job_name, caplog
+):
+    """A full checkpoint and its diffs read from storage into the memfd that is lent as it is (no
+    copy into a second segment), and the same bytes streamed over gRPC to a client without one."""
+    first = make_sidecar(policy="consecutive")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saved = state(2.0)
+    saved["w"] = torch.randn(256, 64)
+    for step in range(1, 4):
+        if step > 1:
+            saved["w"][step * 10 : step * 10 + 5] += 1.0
+        saver.save(step, saved).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    store = first.engine.shared.store
+    newest = mf.read_commit(store, saver.settings.namespace, job_name, 3)
+    assert mf.load_manifest(store, newest, 0).checkpoint == "diff"
+    second = make_sidecar()  # memory gone: storage
+    for restart, shm in ((1, "on"), (2, "off")):
+        reader = make_client(second, job_name, capture_rng=False, generation=f"s/{restart}", shm=shm)
+        out = state(-1.0)
+        assert reader.restore(out) == 3
+        assert reader.last_restore is not None and reader.last_restore["source"] == "storage"
+        assert reader.last_restore["shared_memory"] is (shm == "on")
+        assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
+    assert "lending a copy" not in caplog.text

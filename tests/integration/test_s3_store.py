@@ -542,3 +542,83 @@ def test_seaweed_start_failure_shows_the_log(short_tmp: Path, monkeypatch: pytes
     with pytest.raises(SeaweedError, match=r"(?s)exited early with status 3.*boom: cannot start"):
         server.start(timeout=10)
     server.stop()  # nothing left to stop; still fine
+
+
+# -- restore reads ---------------------------------------------------------------
+
+
+def test_read_into_reads_a_range_straight_into_place(store: S3Store) -> None:
+    from sidecar.store.base import into
+
+    body = os.urandom(3 * MiB + 5)
+    store.put("big", body)
+    dest = memoryview(bytearray(len(body)))
+    seen: list[tuple[int, int]] = []
+    store.requests.clear()
+    got = store.read_into(
+        "big",
+        0,
+        len(body),
+        into(dest),
+        object_size=len(body),
+        on_data=lambda at, p: seen.append((at, len(p))),
+    )
+    assert (got, bytes(dest)) == (len(body), body)
+    assert store.requests["get"] == 1  # one GET, its body read in pieces as it lands
+    assert [at for at, _ in seen] == [sum(n for _, n in seen[:i]) for i in range(len(seen))]
+    mid = memoryview(bytearray(10))
+    assert store.read_into("big", MiB, 10, into(mid)) == 10 and bytes(mid) == body[MiB : MiB + 10]
+    tail = memoryview(bytearray(10))
+    assert store.read_into("big", len(body) - 4, 10, into(tail)) == 4  # the object ends first
+    assert bytes(tail[:4]) == body[-4:]
+    assert store.read_into("big", len(body), 10, into(tail)) == 0
+    with pytest.raises(errors.ObjectNotFound):
+        store.read_into("missing", 0, 10, into(tail))
+
+
+@pytest.mark.parametrize("told", [MiB, 40 * MiB])
+def test_read_into_refuses_an_object_of_another_size_before_its_body(store: S3Store, told: int) -> None:
+    import tracemalloc
+
+    from sidecar.store.base import into
+
+    store.put("odd", bytes(32 * MiB))
+    dest = memoryview(bytearray(min(told, 32 * MiB)))
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.CorruptObject, match=f"odd: size {32 * MiB} != {told} in the manifest"):
+            store.read_into("odd", 0, len(dest), into(dest), object_size=told)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MiB  # what the bucket sent beyond the MANIFEST's size was never read
+
+
+def test_a_snapshot_is_read_from_s3_into_a_lent_buffer_bitwise(store: S3Store) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sidecar import manifest as mf
+    from sidecar.errors import CorruptObject
+    from sidecar.pipeline import plan
+    from sidecar.shm import RestoreBuffer
+
+    parts = [os.urandom(3 * MiB), os.urandom(MiB + 17)]
+    data = b"".join(parts)
+    objects = []
+    for i, part in enumerate(parts):
+        store.put(f"snap/obj-{i}", part)
+        objects.append(mf.ObjectEntry(f"snap/obj-{i}", len(part), xxh3=mf.xxh3(part)))
+    tensors = [mf.TensorEntry("w", "uint8", [len(data)], len(data), 0, xxh3=mf.xxh3(data))]
+    manifest = mf.Manifest("ns", "job", 1, 0, 1, 0, "s", len(data), {}, tensors, objects)
+    buf = RestoreBuffer(len(data))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            store.requests.clear()
+            plan.read_snapshot(store, manifest, lambda s: manifest, pool, dest=buf)
+            assert store.requests["get"] == 2
+            assert b"".join(bytes(c) for c in buf.chunks()) == data
+            store.put("snap/obj-1", parts[1][:-1] + bytes([parts[1][-1] ^ 1]))
+            with pytest.raises(CorruptObject, match="snap/obj-1: xxh3"):
+                plan.read_snapshot(store, manifest, lambda s: manifest, pool, dest=buf)
+    finally:
+        buf.close()

@@ -152,3 +152,25 @@ def test_a_segment_with_other_bytes_than_the_header_names_is_refused(tmp_path):
 def _write(path: Any, data: bytes) -> Any:
     path.write_bytes(data)
     return path
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_checked_copy_reads_a_file_with_preadv(threads):
+    source, offsets = layout(SIZES)
+    fd = os.memfd_create("copy")
+    try:
+        os.write(fd, source.tobytes())
+        ts = targets(source, offsets, SIZES)
+        assert _verify.copy_checked(fd, ts, threads=threads) is None
+        for t in ts:
+            assert np.array_equal(t.dst, source[t.offset : t.offset + t.dst.size])
+        damaged = source.copy()
+        damaged[offsets[3] + _verify.CHUNK + 5] ^= 1
+        os.pwrite(fd, damaged.tobytes(), 0)
+        bad = _verify.copy_checked(fd, targets(source, offsets, SIZES), threads=threads)
+        assert bad is not None and bad.name == "t3"
+        os.ftruncate(fd, offsets[-1])  # the last tensor is cut off
+        with pytest.raises(EOFError):
+            _verify.copy_checked(fd, targets(source, offsets, SIZES), threads=threads)
+    finally:
+        os.close(fd)
