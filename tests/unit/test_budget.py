@@ -12,7 +12,6 @@ import pytest
 from sidecar.budget import MemoryBudget, cgroup_memory_limit
 from sidecar.errors import ResourceExhausted
 from sidecar.pipeline import quantize as qz
-from sidecar.pipeline.plan import _Stored
 
 
 def test_reserve_release_and_refusal_names_what_is_held() -> None:
@@ -72,15 +71,3 @@ def test_blockwise_error_matches_the_full_computation(bits: int, rows: int) -> N
     assert math.isnan(qz.QuantizedRows.from_bytes(q.to_bytes()).rel_error)
     assert qz.relative_l2_error(values, full) == pytest.approx(want, rel=1e-5)
     assert np.array_equal(qz.dequantize_block(q, 8, 16) if rows > 8 else full[8:16], full[8:16])
-
-
-def test_stored_stream_slices_across_objects_without_joining_inside_one() -> None:
-    objects = [b"abcd", b"", b"efgh", b"ij"]
-    s = _Stored(objects)
-    joined = b"".join(objects)
-    assert s.size == len(joined)
-    for start in range(len(joined)):
-        for size in range(len(joined) - start + 1):
-            assert bytes(s.slice(start, size)) == joined[start : start + size]
-    inside = s.slice(5, 2)
-    assert inside.obj is objects[2]  # a view, not a copy
