@@ -234,7 +234,7 @@ class Segments:
 
     def on_drop(self, drop: Callable[[str], str]) -> None:
         """``drop(name)`` gives up what is held in segment ``name`` when its trainer asks to stage
-        into it again (SHM_RECLAIM_CAPABILITY): "" once done, else why not."""
+        into it again (SHM_STAGING_CAPABILITY): "" once done, else why not."""
         if self._handover is not None:
             self._handover.on_drop = drop
 

@@ -44,7 +44,7 @@ from sidecar.api import (
     RNG_STATE_KEY,
     SHM_HANDOVER_CAPABILITY,
     SHM_HANDOVER_SOCKET,
-    SHM_RECLAIM_CAPABILITY,
+    SHM_STAGING_CAPABILITY,
     TOKEN_METADATA_KEY,
     channel_options,
     pb,
@@ -354,15 +354,20 @@ class CheckpointClient:
         return [HostBuffers(self._segments) for _ in range(self._staging_count())]
 
     def _staging_count(self) -> int:
-        """Shared staging segments: one unless ``staging_buffers`` says 2, or, under "auto", the
-        sidecar reads segments in place without taking one back (an older sidecar). A save never
-        stages while the previous one is in flight (it waits or skips), so a second segment only
-        keeps the newest committed snapshot in memory while the next save stages and uploads."""
+        """Shared staging segments: ``staging_buffers``, or under "auto" what the sidecar suggests
+        (1; 2 where it pushes copies to peers), 2 for an older sidecar that reads segments in
+        place and cannot give one back, 1 where it copies segment files at each save. A save
+        never stages while the previous one is in flight (it waits or skips), so a second
+        segment only keeps the newest committed snapshot in memory while the next save stages
+        and uploads."""
         choice = self.settings.staging_buffers
         if choice != "auto":
             return int(choice)
         caps = self.server_info.capabilities
-        return 1 if SHM_RECLAIM_CAPABILITY in caps or not _handover_socket(caps) else 2
+        for cap in caps:
+            if cap.startswith(SHM_STAGING_CAPABILITY) and cap[len(SHM_STAGING_CAPABILITY) :] in ("1", "2"):
+                return int(cap[len(SHM_STAGING_CAPABILITY) :])
+        return 2 if _handover_socket(caps) else 1
 
     def _stop_shared_memory(self, why: str) -> None:
         if self.settings.shm == "on":

@@ -69,8 +69,8 @@ class ClientSettings:
     shm: str = "auto"
     #: shared-memory staging segments: "1" (the committed snapshot the sidecar keeps is the one
     #: segment, given back to the client before the next save stages into it), "2" (the next save
-    #: stages into the other one: the held copy stays while it does), "auto" (1 where the sidecar
-    #: takes a segment back, which current ones do; else 2)
+    #: stages into the other one: the held copy stays while it does), "auto" (what the sidecar
+    #: suggests: 1, or 2 where it pushes copies to peers)
     staging_buffers: str = "auto"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES

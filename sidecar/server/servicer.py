@@ -14,7 +14,7 @@ from sidecar.api import (
     DEFAULT_CHUNK_BYTES,
     PROTOCOL_VERSION,
     SHM_HANDOVER_CAPABILITY,
-    SHM_RECLAIM_CAPABILITY,
+    SHM_STAGING_CAPABILITY,
     pb,
     pb_grpc,
 )
@@ -78,7 +78,10 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             capabilities=CAPABILITIES
             + (["save.shm"] if shm_dir else [])
             + (
-                [SHM_HANDOVER_CAPABILITY + handover, SHM_RECLAIM_CAPABILITY]
+                [
+                    SHM_HANDOVER_CAPABILITY + handover,
+                    SHM_STAGING_CAPABILITY + ("2" if self.engine.redundancy.enabled else "1"),
+                ]
                 if (handover := self.engine.segments.handover)
                 else []
             ),
