@@ -463,6 +463,26 @@ class SnapshotEncoder:
         )
 
 
+def base_digests(
+    tensors: list[mf.TensorEntry], buffer: memoryview, names: Sequence[str], decoded: Sequence[HeldForms] = ()
+) -> dict[str, np.ndarray]:
+    """Row digests of the tensors ``names`` as the trainer holds them: ``buffer`` (a committed
+    snapshot), with the lossy ones decoded from ``decoded`` where it restored them so (as
+    :meth:`SnapshotEncoder._base` compares)."""
+    out: dict[str, np.ndarray] = {}
+    for t in tensors:
+        if t.name not in names:
+            continue
+        data: memoryview | bytearray = buffer[t.offset : t.offset + t.nbytes]
+        forms = [(e, h[t.name]) for entries, h in decoded if t.name in h for e in entries if e.name == t.name]
+        if forms:
+            data = bytearray(data)
+            for e, form in forms:
+                enc.decode_into(data, form, e.encoding, e.dtype, e.shape, e.cast)
+        out[t.name] = enc.row_digests(enc.as_rows(data, t.shape))
+    return out
+
+
 def _name_seed(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
