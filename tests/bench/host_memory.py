@@ -36,6 +36,12 @@ def pss(pid: int) -> int:
     return 0
 
 
+def cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (seconds)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def segments(*pids: int) -> int:
     """Bytes of the distinct shared segments (``/memfd:strata-*``, ``/dev/shm/*``) ``pids`` map."""
     ends: dict[str, int] = {}
@@ -71,9 +77,10 @@ class Peak:
         self._thread.join()
 
 
-def breakdown(size_gib: float, buffers: str, tmp: str) -> list[tuple[str, int, int, int, int]]:
+def breakdown(size_gib: float, buffers: str, tmp: str) -> list[tuple[str, int, int, int, int, float]]:
     """(phase, trainer PSS, sidecar PSS, their peak since the phase before, shared segments)
-    growth in bytes at each phase of two saves; last, ("state bytes", n, 0, 0, 0)."""
+    growth in bytes at each phase of two saves, and the sidecar's CPU seconds since the phase
+    before; last, ("state bytes", n, 0, 0, 0, 0)."""
     rows = int(size_gib * (1 << 30)) // (TABLES * DIM * 4)
     state = {f"t{i}": torch.randn(rows, DIM) for i in range(TABLES)}
     state_bytes = sum(t.numel() * 4 for t in state.values())
@@ -83,12 +90,14 @@ def breakdown(size_gib: float, buffers: str, tmp: str) -> list[tuple[str, int, i
         assert sidecar.pid is not None
         me, side = os.getpid(), sidecar.pid
         base = (pss(me), pss(side))
-        out: list[tuple[str, int, int, int, int]] = []
+        out: list[tuple[str, int, int, int, int, float]] = []
         peak = Peak(me, side)
+        cpu = [cpu_s(side)]
 
         def phase(name: str) -> None:
             top = peak.take() - base[0] - base[1]
-            out.append((name, pss(me) - base[0], pss(side) - base[1], top, segments(me, side)))
+            used, cpu[0] = cpu_s(side) - cpu[0], cpu_s(side)
+            out.append((name, pss(me) - base[0], pss(side) - base[1], top, segments(me, side), used))
 
         client = CheckpointClient(
             job=f"mem-{buffers}", socket=sock, staging_buffers=buffers, capture_rng=False
@@ -108,7 +117,7 @@ def breakdown(size_gib: float, buffers: str, tmp: str) -> list[tuple[str, int, i
         finally:
             client.close()
             peak.close()
-        out.append(("state bytes", state_bytes, 0, 0, 0))
+        out.append(("state bytes", state_bytes, 0, 0, 0, 0.0))
         return out
     finally:
         sidecar.stop()
@@ -124,16 +133,16 @@ def main() -> None:
     for buffers in args.buffers:
         table = breakdown(args.size_gib, buffers, tmp)
         state_bytes = table[-1][1]
-        print(
-            f"\nstaging buffers {buffers}, state {state_bytes / MiB:.0f} MiB (growth over before the client)"
-        )
-        heads = ("trainer", "sidecar", "both", "ratio", "peak", "ratio", "segments")
+        print(f"\nstaging buffers {buffers}, state {state_bytes / MiB:.0f} MiB")
+        print("growth over before the client; peak: since the phase before; cpu s: the sidecar's, too")
+        heads = ("trainer", "sidecar", "both", "ratio", "peak", "ratio", "segments", "cpu s")
         print(f"{'phase':26} " + " ".join(f"{h:>8}" if h != "ratio" else f"{h:>6}" for h in heads))
-        for name, trainer, side, top, shm in table[:-1]:
+        for name, trainer, side, top, shm, used in table[:-1]:
             both = trainer + side
             print(
                 f"{name:26} {trainer / MiB:8.0f} {side / MiB:8.0f} {both / MiB:8.0f} "
-                f"{both / state_bytes:6.2f} {top / MiB:8.0f} {top / state_bytes:6.2f} {shm / MiB:8.0f}"
+                f"{both / state_bytes:6.2f} {top / MiB:8.0f} {top / state_bytes:6.2f} {shm / MiB:8.0f} "
+                f"{used:8.2f}"
             )
         with contextlib.suppress(OSError):
             for p in Path(tmp).glob(f"store-{buffers}/**/*"):
