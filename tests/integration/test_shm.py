@@ -785,3 +785,17 @@ def test_single_segment_diffs_find_the_changed_rows_from_digests(
     reader = make_client(other, job_name, capture_rng=False)
     assert reader.restore(out) == 2 and reader.last_restore["source"] == "storage"
     assert torch.equal(out["w"].view(torch.int32), w.view(torch.int32))
+
+
+def test_only_the_connection_that_handed_a_segment_over_may_take_it_back(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    (snap,) = server.engine.held.snapshots()
+    name = client._buffers[0].segment.name
+    path = os.path.join(server.settings.shm_dir, server.engine.segments.handover)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+        other.connect(path)
+        other.send(b"drop " + name.encode())
+        assert other.recv(4096).startswith(b"error: segment")
+    assert server.engine.held.exact_positions(snap.identity) == [[0, 1]]  # still held
