@@ -51,7 +51,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -197,7 +197,7 @@ _UNADMITTED = 2
 class Segments:
     """Client segments by name, at most ``per_owner`` per rank.
 
-    A client double-buffers (two segments); a restarted client brings new
+    A client stages into one segment or two (``STRATA_STAGING_BUFFERS``); a restarted client brings new
     ones, and its predecessor's are dropped. A snapshot holds a memoryview of a
     mapped segment, which keeps the mapping alive after it leaves this cache;
     dropping a name only stops reuse.
@@ -231,6 +231,12 @@ class Segments:
         """The name of the socket in the shm dir trainers hand segments over on as sealed memfds
         (capability ``save.shm.fd=<name>``), or "" where there is none."""
         return os.path.basename(self._handover.path) if self._handover is not None else ""
+
+    def on_drop(self, drop: Callable[[str], str]) -> None:
+        """``drop(name)`` gives up what is held in segment ``name`` when its trainer asks to stage
+        into it again (SHM_STAGING_CAPABILITY): "" once done, else why not."""
+        if self._handover is not None:
+            self._handover.on_drop = drop
 
     def held_name(self, name: str) -> str | None:
         """What a restoring trainer reads segment ``name``'s bytes from without a copy: a memfd
@@ -432,6 +438,8 @@ class Handover:
     """
 
     MAX_PENDING = 8
+    #: names a connection handed over that it may ``drop`` (the newest)
+    MAX_HANDED = 64
     MAX_CONNECTIONS = 1024
     MAX_LENT = 256
     LEND_S = 120.0
@@ -450,6 +458,10 @@ class Handover:
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[int, int, socket.socket]] = {}  # name -> fd, size, connection
         self._by_conn: dict[socket.socket, list[str]] = {}
+        #: per connection, the names it handed over (it alone may ``drop`` them)
+        self._handed: dict[socket.socket, list[str]] = {}
+        #: gives the committed snapshot held in a segment up (``drop``): "" once done, else why not
+        self.on_drop: Callable[[str], str] | None = None
         #: one-time names of held segments lent to restoring trainers: read-only fd, expiry
         self._lent: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._prefix = "strata-fd-" + name.removeprefix(".strata-segments-").removesuffix(".sock") + "-"
@@ -580,6 +592,8 @@ class Handover:
         lent = -1
         if data.startswith(b"get ") and not fds:
             answer, lent = self._give(data[4:].decode("ascii", "replace"))
+        elif data.startswith(b"drop ") and not fds:
+            answer = self._drop(data[5:].decode("ascii", "replace"), conn)
         else:
             answer = self._take(data, fds, flags, conn)
         try:
@@ -603,6 +617,18 @@ class Handover:
             return f"error: no segment is lent as {name!r} (it was fetched already, or expired)", -1
         return "ok", entry[0]
 
+    def _drop(self, name: str, conn: socket.socket) -> str:
+        """The trainer stages into segment ``name`` again: what is held in it goes first. Only on
+        the connection that handed it over (no one else knows the name, yet it is not a secret)."""
+        with self._lock:
+            mine = name in self._handed.get(conn, ())
+        if not mine:
+            return f"error: segment {name!r} was not handed over on this connection"
+        if self.on_drop is None:
+            return "error: this sidecar does not take segments back"
+        why = self.on_drop(name)
+        return f"error: {why}" if why else "ok"
+
     def _take(self, data: bytes, fds: list[int], flags: int, conn: socket.socket) -> str:
         if len(fds) != 1 or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
             for fd in fds:
@@ -624,6 +650,9 @@ class Handover:
                 os.close(self._pending.pop(names.pop(0))[0])
             names.append(name)
             self._pending[name] = (fd, size, conn)
+            handed = self._handed.setdefault(conn, [])
+            handed.append(name)
+            del handed[: -self.MAX_HANDED]
         return "ok"
 
     def _check(self, name: str, fd: int) -> str:
@@ -661,6 +690,7 @@ class Handover:
         return ""
 
     def _drop_locked(self, conn: socket.socket) -> None:
+        self._handed.pop(conn, None)
         for name in self._by_conn.pop(conn, []):
             os.close(self._pending.pop(name)[0])
         with contextlib.suppress(KeyError, ValueError):

@@ -104,10 +104,11 @@ class SharedSegment:
                 where = f"the shared-memory directory {directory}" if self.path else "shared memory"
                 raise OSError(
                     exc.errno,
-                    f"{where} is full: no room for a {size}-byte staging segment. Each rank needs two "
-                    f"segments of its snapshot size, and their pages count against the trainer "
-                    f"container's memory limit: raise that emptyDir's sizeLimit (or the tmpfs size) "
-                    f"and the trainer's memory limit by 2 x {size} bytes per rank",
+                    f"{where} is full: no room for a {size}-byte staging segment. Each rank needs one "
+                    f"segment of its snapshot size (two with STRATA_STAGING_BUFFERS=2), and their "
+                    f"pages count against the trainer container's memory limit: raise that "
+                    f"emptyDir's sizeLimit (or the tmpfs size) and the trainer's memory limit by "
+                    f"{size} bytes per segment per rank",
                 ) from None
             if handover is not None:
                 # Every page faulted in now (zeroed: what the first staging would do anyway), so
@@ -190,6 +191,22 @@ class Handover:
                 return
             raise OSError(f"the sidecar closed {self.path} while taking shared segment {name}")
 
+    def drop(self, name: str) -> None:
+        """Ask the sidecar to give up what it holds in segment ``name`` before it is staged into
+        again; OSError unless it did (the answer says why). Only on the connection the segment
+        was handed over on: a new one (the sidecar restarted) is refused, as it should be."""
+        with self._lock:
+            if self._sock is None:
+                raise OSError(f"the connection segment {name} was handed over on is gone")
+            try:
+                self._sock.send(b"drop " + name.encode())
+                answer = self._sock.recv(4096)
+            except OSError:
+                self.close_locked()
+                raise
+        if answer != b"ok":
+            raise OSError(f"the sidecar kept segment {name}: {answer.decode(errors='replace') or 'closed'}")
+
     def close_locked(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -252,6 +269,16 @@ class SegmentFactory:
         if self._owner is None:
             self._owner = OwnerLock(self.directory, self.instance)
         return SharedSegment(self.directory, name, size, owner=self._owner)
+
+    def drop(self, segment: SharedSegment) -> None:
+        """``segment`` is staged into again: the sidecar gives up the snapshot it holds in it
+        first (a memfd it reads in place); OSError if it does not. A file segment needs nothing:
+        the sidecar copied it at the save."""
+        if segment.fd is None:
+            return
+        if self._handover is None:
+            raise OSError("segments are no longer handed over")
+        self._handover.drop(segment.name)
 
     def close(self) -> None:
         """Stop handing over; the owner lock goes (the caller released the segments first)."""

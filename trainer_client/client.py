@@ -44,6 +44,7 @@ from sidecar.api import (
     RNG_STATE_KEY,
     SHM_HANDOVER_CAPABILITY,
     SHM_HANDOVER_SOCKET,
+    SHM_STAGING_CAPABILITY,
     TOKEN_METADATA_KEY,
     channel_options,
     pb,
@@ -344,10 +345,29 @@ class CheckpointClient:
         return None
 
     def _new_buffers(self) -> list[HostBuffers]:
-        # Shared memory double-buffers: the sidecar keeps the committed snapshot in one segment.
+        # Streamed saves: the sidecar holds a copy of every byte, one private buffer does. Shared
+        # memory: the sidecar keeps the committed snapshot in the segment it was staged in; with
+        # two, the next save stages into the other, with one the sidecar gives the snapshot up
+        # before the next save stages into it (see _reclaim).
         if self._segments is None:
             return [HostBuffers()]
-        return [HostBuffers(self._segments), HostBuffers(self._segments)]
+        return [HostBuffers(self._segments) for _ in range(self._staging_count())]
+
+    def _staging_count(self) -> int:
+        """Shared staging segments: ``staging_buffers``, or under "auto" what the sidecar suggests
+        (1; 2 where it pushes copies to peers), 2 for an older sidecar that reads segments in
+        place and cannot give one back, 1 where it copies segment files at each save. A save
+        never stages while the previous one is in flight (it waits or skips), so a second
+        segment only keeps the newest committed snapshot in memory while the next save stages
+        and uploads."""
+        choice = self.settings.staging_buffers
+        if choice != "auto":
+            return int(choice)
+        caps = self.server_info.capabilities
+        for cap in caps:
+            if cap.startswith(SHM_STAGING_CAPABILITY) and cap[len(SHM_STAGING_CAPABILITY) :] in ("1", "2"):
+                return int(cap[len(SHM_STAGING_CAPABILITY) :])
+        return 2 if _handover_socket(caps) else 1
 
     def _stop_shared_memory(self, why: str) -> None:
         if self.settings.shm == "on":
@@ -733,10 +753,12 @@ class CheckpointClient:
             index, bufs, slots, copies = lease.index, lease.bufs, placement.slots, placement.copies
             views = {i: _view(bufs, slots[i]) for i in copies}
         else:
-            index = 0 if self._held is None else 1 - self._held
+            index = 0 if self._held is None or len(self._buffers) == 1 else 1 - self._held
             try:
                 with self._stage_lock:
                     self._revoke(index)
+                    if self._held == index:
+                        self._reclaim(index)
                     self._buffers[index].ensure(flat.tensors)
                     self._busy[index] = self._buffers[index]
             except OSError as exc:  # the shared tmpfs is full or gone
@@ -926,6 +948,22 @@ class CheckpointClient:
             ):
                 self._held = index  # the sidecar keeps this one in memory
 
+    def _reclaim(self, index: int) -> None:
+        """Stage into buffer ``index`` though the sidecar holds the committed snapshot in it (one
+        staging segment; under _stage_lock): the sidecar gives that copy up first, so nothing
+        reads it as a committed step while it is overwritten (storage has it); where it does not,
+        the save stages into a new segment and the old one stays the sidecar's until the next
+        commit."""
+        bufs = self._buffers[index]
+        self._held = None
+        if bufs.segment is None or self._segments is None:
+            return
+        try:
+            self._segments.drop(bufs.segment)
+        except OSError as exc:
+            log.info("staging into a new shared segment: %s", exc)
+            bufs.reset()
+
     def _revoke(self, index: int) -> None:
         """Take back buffer ``index`` if it is lent (under _stage_lock): a stage() staged into it
         but its save has not taken it. That stage's views keep their memory; its save copies
@@ -964,6 +1002,9 @@ class CheckpointClient:
                 self.stats["last_stage_wait_s"] = time.perf_counter() - t0
         with self._stage_lock:
             free = self._free_for_lease()
+            if not free and len(self._buffers) == 1 and self._held == 0 and 0 not in self._busy:
+                self._reclaim(0)
+                free = self._free_for_lease()
             if not free:
                 return None
             # One not lent, best one laid out for this already (the previous save warmed it);

@@ -21,6 +21,7 @@ log = logging.getLogger("strata.client")
 RESUME_POLICIES = ("auto", "never", "require")
 BUSY_POLICIES = ("skip", "wait")
 SHM_POLICIES = ("auto", "on", "off")
+STAGING_POLICIES = ("auto", "1", "2")
 OVERLAP_POLICIES = ("auto", "off")
 REPLICA_POLICIES = ("auto", "off")
 
@@ -66,6 +67,11 @@ class ClientSettings:
     when_busy: str = "skip"
     #: shared-memory saves: "auto" (when the sidecar offers them on this host), "on" (required), "off"
     shm: str = "auto"
+    #: shared-memory staging segments: "1" (the committed snapshot the sidecar keeps is the one
+    #: segment, given back to the client before the next save stages into it), "2" (the next save
+    #: stages into the other one: the held copy stays while it does), "auto" (what the sidecar
+    #: suggests: 1, or 2 where it pushes copies to peers)
+    staging_buffers: str = "auto"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     connect_timeout_s: float = 30.0
@@ -98,6 +104,7 @@ class ClientSettings:
             "resume": _env("STRATA_RESUME"),
             "when_busy": _env("STRATA_WHEN_BUSY"),
             "shm": _env("STRATA_SHM"),
+            "staging_buffers": _env("STRATA_STAGING_BUFFERS"),
             "overlap": _env("STRATA_OVERLAP"),
             "replicas": _env("STRATA_REPLICAS"),
             "chunk_bytes": _env("STRATA_CHUNK_BYTES"),
@@ -134,6 +141,7 @@ class ClientSettings:
         """Raise ValueError naming what is wrong: the environment variable a value came from
         (``sources``: field -> variable), else the argument."""
         where = sources or {}
+        self.staging_buffers = str(self.staging_buffers)  # 1 and "1" alike
 
         def name(field_name: str) -> str:
             return where.get(field_name, field_name)
@@ -144,6 +152,7 @@ class ClientSettings:
             ("resume", RESUME_POLICIES),
             ("when_busy", BUSY_POLICIES),
             ("shm", SHM_POLICIES),
+            ("staging_buffers", STAGING_POLICIES),
             ("overlap", OVERLAP_POLICIES),
             ("replicas", REPLICA_POLICIES),
         ):

@@ -66,6 +66,15 @@ SHM_SEGMENT_PATTERN = r"strata-([A-Za-z0-9]{1,64})-([0-9]{1,9})"
 #: ``.strata-segments-<tag>.sock`` in the shm dir and gets ``ok`` with a read-only descriptor of the
 #: segment (SCM_RIGHTS), or ``error: <why>``. A token is good once, for two minutes.
 SHM_HANDOVER_CAPABILITY = "save.shm.fd="
+#: The sidecar takes back a segment before it is staged into again: on the connection that handed
+#: it over, the client sends ``drop <name>`` (no descriptor) and the sidecar answers ``ok`` once the
+#: committed snapshot held in it is gone from memory (no restore, holdings report or diff reads it
+#: any more; storage has it), or ``error: <why>`` (then the client stages into a new segment).
+#: A sidecar that does so offers ``save.shm.staging=<n>``: the staging segments it suggests per
+#: rank (``STRATA_STAGING_BUFFERS=auto``), 1, or 2 where it pushes copies to peers (redundancy:
+#: the second keeps the newest committed snapshot in memory, and readable for the push, while the
+#: next save stages).
+SHM_STAGING_CAPABILITY = "save.shm.staging="
 SHM_LENT_PATTERN = r"strata-fd-([0-9a-f]{16})-([0-9a-f]{32})"
 SHM_HANDOVER_SOCKET = r"\.strata-segments-([0-9a-f]{16})\.sock"
 

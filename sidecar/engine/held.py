@@ -1,7 +1,8 @@
 """Snapshots held in memory, per rank: the list admission appends to, the save outcomes a
 trainer asks about, the newest committed snapshot kept for fast restore (REFT's double
-buffering), each rank's diff chain with its COMMITs and held lossy forms, their share of the
-memory budget, and the held-bytes gauge.
+buffering; with a single staging segment, until the trainer stages into it again), each rank's
+diff chain with its COMMITs and held lossy forms, their share of the memory budget, and the
+held-bytes gauge.
 
 Every table here is guarded by the shared lock (``Shared.lock``); methods whose name ends in
 ``_locked`` (and ``account``) expect the caller to hold it.
@@ -12,12 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
 
 from sidecar import manifest as mf
 from sidecar.budget import Reservation
 from sidecar.errors import FailedPrecondition, ResourceExhausted
 from sidecar.gang import Position
-from sidecar.pipeline.plan import Chain, HeldForms
+from sidecar.pipeline.plan import Chain, HeldForms, base_digests
 
 from .state import Shared
 from .types import Identity, JobKey, Slot, Snapshot, drop_buffer, outcome_of
@@ -113,6 +116,51 @@ class Held:
                     held.remove(old)
                     self._drop_locked(old)
         self.update_gauge()
+
+    def drop_segment(self, name: str, busy: Callable[[JobKey, Position], bool] | None = None) -> str:
+        """The trainer is about to stage into its shared segment ``name`` again (one staging
+        segment): the committed snapshot held in it goes from memory first, so that no memory
+        restore, holdings report or diff reads it while it is overwritten. Storage has it; the
+        rank's chain stays (its row digests stand for the bytes). Not while ``busy`` says the
+        step is being read for peers (they would get torn bytes): the trainer then stages into a
+        new segment. "" once done, else why not.
+
+        The next diff needs the chain's row digests of what the trainer holds: the encoder kept
+        them unless this step was compared with a copy, or the trainer restored it with lossy
+        tensors decoded; then they are computed here, from the bytes while they are intact."""
+        with self.shared.lock:
+            found = [(held, s) for held in self.slots.values() for s in held if s.segment == name]
+            for _, snap in found:
+                if snap.state != "committed":
+                    return f"segment {name} holds step {snap.step}, still {snap.state}"
+                if busy is not None and busy(snap.identity.job_key, snap.position):
+                    return f"step {snap.step} in segment {name} is being copied to peers"
+            todo = []
+            for _, snap in found:
+                slot = snap.identity.slot
+                chain = self.chains.get(slot)
+                decoded = self.decoded.get(slot) == snap.step
+                if chain is not None and chain.steps[-1] == snap.step and (chain.digests is None or decoded):
+                    forms = [(t, h) for _, t, h in self.layers.get(slot, [])] if decoded else []
+                    todo.append((slot, chain, snap, forms))
+        for slot, chain, snap, forms in todo:  # the trainer waits; nothing else writes these bytes
+            digests = base_digests(snap.tensors, memoryview(snap.buffer), list(chain.since_full), forms)
+            with self.shared.lock:
+                if self.chains.get(slot) is chain:
+                    self.chains[slot] = replace(chain, digests=digests)
+                    self.decoded.pop(slot, None)  # the digests are of the decoded values
+        with self.shared.lock:
+            found = [(held, s) for held in self.slots.values() for s in held if s.segment == name]
+            for held, snap in found:
+                held.remove(snap)
+                self._drop_locked(snap)
+                log.info(
+                    "rank %d: step %d leaves memory, its trainer stages into its segment again",
+                    snap.identity.rank,
+                    snap.step,
+                )
+        self.update_gauge()
+        return ""
 
     def drop_committed_locked(self, identity: Identity, what: str) -> None:
         """Give up the committed copies in memory of ``identity``'s rank (caller holds the lock):

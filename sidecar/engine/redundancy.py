@@ -182,6 +182,11 @@ class Redundancy:
             self._pending.add(item)
         self._queue.put(item)
 
+    def protecting(self, job_key: JobKey, position: Position) -> bool:
+        """Whether ``position`` of the job is queued or being pushed to the members."""
+        with self._lock:
+            return (job_key, position) in self._pending
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()

@@ -90,6 +90,11 @@ class Chain:
     since_full: dict[str, np.ndarray]
     #: sizes of the diffs since the full one, as fractions of a full checkpoint's size
     sizes: tuple[float, ...]
+    #: per diffed tensor, each row's digest (``enc.row_digests``) in the newest step, kept when
+    #: that step's bytes were not compared with a copy of the step before (none was held: the
+    #: trainer stages into a single segment, which the sidecar gives back before it is staged
+    #: into again); the next diff compares digests then (None: only bytes can be compared)
+    digests: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -115,7 +120,9 @@ class SnapshotEncoder:
     """Encodes one rank's snapshot at ``step``.
 
     ``previous`` is the newest committed snapshot's buffer (same rank, still in
-    memory) and ``chain`` what it consists of; without both the checkpoint is full.
+    memory) and ``chain`` what it consists of; without ``previous`` the diff compares the
+    chain's row digests, and without those either the checkpoint is full. Whenever there is no
+    ``previous`` (and diffs are possible) this step's row digests are computed for the next one.
     """
 
     def __init__(
@@ -179,21 +186,35 @@ class SnapshotEncoder:
         self._check_confidence = check_confidence
         self._check_rows = check_rows
         self._tracking: dict[str, str] = {}
+        #: this step's row digests of the diffable tensors, kept in the chain for the next diff
+        self._digests: dict[str, np.ndarray] | None = None
         self._hold = hold
         self._decoded = decoded
         layout = layout_of(tensors)
         self._layout = layout
+        # Digests stand for the previous bytes only where the trainer holds them exactly (not
+        # lossy forms decoded from the held ones: those differ from what was digested).
+        comparable = previous is not None or (chain is not None and chain.digests is not None and not decoded)
         usable = (
             policy != "full"
             and chain is not None
-            and previous is not None
+            and comparable
             and chain.layout == layout
             and bool(chain.since_full)  # something large enough to diff
             and len(chain.sizes) < max_diffs
         )
+        digest = policy != "full" and previous is None
+        if digest:
+            self._digests = {}
         if usable:
-            assert chain is not None and previous is not None
+            assert chain is not None
             self._plan_diff(chain, previous)
+        if digest:
+            assert self._digests is not None
+            for t in tensors:
+                if t.name not in self._digests and enc.diffable(t.shape, t.nbytes):
+                    rows = enc.as_rows(buffer[t.offset : t.offset + t.nbytes], t.shape)
+                    self._digests[t.name] = enc.row_digests(rows)
 
     # --- the decision ---------------------------------------------------------------------
 
@@ -214,13 +235,17 @@ class SnapshotEncoder:
             )
         return enc.encoded_bytes(kind, t.shape, ITEMSIZE[t.dtype], changed or 0, self.bits)
 
-    def _plan_diff(self, chain: Chain, previous: memoryview) -> None:
+    def _plan_diff(self, chain: Chain, previous: memoryview | None) -> None:
         delta: dict[str, np.ndarray] = {}
         for t in self.tensors:
             if t.name in chain.since_full:
                 cur = enc.as_rows(self.buffer[t.offset : t.offset + t.nbytes], t.shape)
-                old = enc.as_rows(self._base(t, previous[t.offset : t.offset + t.nbytes]), t.shape)
-                delta[t.name] = self._changed(t.name, cur, old)
+                if previous is not None:
+                    old = enc.as_rows(self._base(t, previous[t.offset : t.offset + t.nbytes]), t.shape)
+                    delta[t.name] = self._changed(t.name, cur, old)
+                else:
+                    assert chain.digests is not None
+                    delta[t.name] = self._changed_digests(t.name, cur, chain.digests.get(t.name))
         since = {name: chain.since_full[name] | d for name, d in delta.items()}
         write = delta if self.policy == "consecutive" else since
         estimate = sum(
@@ -263,18 +288,38 @@ class SnapshotEncoder:
             enc.decode_into(out, form, e.encoding, e.dtype, e.shape, e.cast)
         return out
 
-    def _changed(self, name: str, cur: np.ndarray, old: np.ndarray) -> np.ndarray:
-        """Rows that changed: the client's lookup bitmap, spot-checked, or a byte comparison.
-
-        The untracked rows are sampled (see :func:`check_sample_size`) and compared; if
-        any of them changed, the bitmap is not trusted and the whole tensor is compared.
-        """
+    def _changed_digests(self, name: str, cur: np.ndarray, old: np.ndarray | None) -> np.ndarray:
+        """Rows that changed, from the previous step's row digests: every row digested and
+        compared, or, with the client's lookup bitmap, a sample of the other rows checked as
+        :meth:`_changed` does and only the looked-up rows digested anew."""
+        assert self._digests is not None
+        if old is None or old.shape != (len(cur), enc.DIGEST_WIDTH):  # never expected: all differ
+            self._digests[name] = enc.row_digests(cur)
+            return np.ones(len(cur), np.bool_)
         bitmap = self._touched.get(name)
-        if bitmap is None:
+        if bitmap is not None:
+            mask = self._tracked(name, len(cur), bitmap)
+            others = self._sample(name, mask)
+            if not (enc.row_digests(cur[others]) != old[others]).any():
+                new = old.copy()
+                rows = np.flatnonzero(mask)
+                new[rows] = enc.row_digests(cur[rows])
+                self._digests[name] = new
+                return mask
+            self._mismatch(name)
+        else:
             self._tracking[name] = "values"
-            return enc.changed_rows(cur, old)
-        looked_up = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=len(cur), bitorder="little")
-        mask = looked_up.astype(np.bool_)
+        new = enc.row_digests(cur)
+        self._digests[name] = new
+        return np.asarray((new != old).any(axis=1))
+
+    def _tracked(self, name: str, rows: int, bitmap: bytes) -> np.ndarray:
+        looked_up = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=rows, bitorder="little")
+        return looked_up.astype(np.bool_)
+
+    def _sample(self, name: str, mask: np.ndarray) -> np.ndarray:
+        """The rows not looked up that are checked (all, or a sample sized by
+        :func:`check_sample_size`), recording in ``_tracking`` how many."""
         others = np.flatnonzero(~mask)
         untracked = len(others)
         if self._check_rows is not None:
@@ -288,22 +333,39 @@ class SnapshotEncoder:
             picked = rng.choice(untracked, k, replace=False)
             picked.sort()
             others = others[picked]
-        if enc.changed_rows(cur[others], old[others]).any():
-            log.warning(
-                "step %d: %s changed in rows it did not look up (weight decay? an edit outside "
-                "training?); diffing it by value in this save",
-                self.step,
-                name,
-            )
-            self.outcome.tracking_mismatches += 1
-            self._tracking[name] = "values: tracking missed a row"
-            return enc.changed_rows(cur, old)
         if not untracked:
             self._tracking[name] = "lookups (every row looked up)"
         elif k == untracked:
             self._tracking[name] = f"lookups (checked all {untracked} untracked rows)"
         else:
             self._tracking[name] = f"lookups (checked {k} of {untracked} untracked rows)"
+        return others
+
+    def _mismatch(self, name: str) -> None:
+        log.warning(
+            "step %d: %s changed in rows it did not look up (weight decay? an edit outside "
+            "training?); diffing it by value in this save",
+            self.step,
+            name,
+        )
+        self.outcome.tracking_mismatches += 1
+        self._tracking[name] = "values: tracking missed a row"
+
+    def _changed(self, name: str, cur: np.ndarray, old: np.ndarray) -> np.ndarray:
+        """Rows that changed: the client's lookup bitmap, spot-checked, or a byte comparison.
+
+        The untracked rows are sampled (see :func:`check_sample_size`) and compared; if
+        any of them changed, the bitmap is not trusted and the whole tensor is compared.
+        """
+        bitmap = self._touched.get(name)
+        if bitmap is None:
+            self._tracking[name] = "values"
+            return enc.changed_rows(cur, old)
+        mask = self._tracked(name, len(cur), bitmap)
+        others = self._sample(name, mask)
+        if enc.changed_rows(cur[others], old[others]).any():
+            self._mismatch(name)
+            return enc.changed_rows(cur, old)
         return mask
 
     # --- encoding -------------------------------------------------------------------------
@@ -398,12 +460,34 @@ class SnapshotEncoder:
                 for t in self.tensors
                 if enc.diffable(t.shape, t.nbytes)
             }
-            return Chain(self._layout, self.step, (self.step,), since, ())
+            return Chain(self._layout, self.step, (self.step,), since, (), self._digests)
         chain = self._chain
         assert chain is not None
         size = o.size_fraction
         steps = (*chain.steps, self.step) if self.policy == "consecutive" else (chain.full_step, self.step)
-        return replace(chain, steps=steps, since_full=self._since, sizes=(*chain.sizes, size))
+        return replace(
+            chain, steps=steps, since_full=self._since, sizes=(*chain.sizes, size), digests=self._digests
+        )
+
+
+def base_digests(
+    tensors: list[mf.TensorEntry], buffer: memoryview, names: Sequence[str], decoded: Sequence[HeldForms] = ()
+) -> dict[str, np.ndarray]:
+    """Row digests of the tensors ``names`` as the trainer holds them: ``buffer`` (a committed
+    snapshot), with the lossy ones decoded from ``decoded`` where it restored them so (as
+    :meth:`SnapshotEncoder._base` compares)."""
+    out: dict[str, np.ndarray] = {}
+    for t in tensors:
+        if t.name not in names:
+            continue
+        data: memoryview | bytearray = buffer[t.offset : t.offset + t.nbytes]
+        forms = [(e, h[t.name]) for entries, h in decoded if t.name in h for e in entries if e.name == t.name]
+        if forms:
+            data = bytearray(data)
+            for e, form in forms:
+                enc.decode_into(data, form, e.encoding, e.dtype, e.shape, e.cast)
+        out[t.name] = enc.row_digests(enc.as_rows(data, t.shape))
+    return out
 
 
 def _name_seed(name: str) -> int:

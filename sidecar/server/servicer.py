@@ -10,7 +10,14 @@ from collections.abc import Iterator
 import grpc
 
 from sidecar import __version__
-from sidecar.api import DEFAULT_CHUNK_BYTES, PROTOCOL_VERSION, SHM_HANDOVER_CAPABILITY, pb, pb_grpc
+from sidecar.api import (
+    DEFAULT_CHUNK_BYTES,
+    PROTOCOL_VERSION,
+    SHM_HANDOVER_CAPABILITY,
+    SHM_STAGING_CAPABILITY,
+    pb,
+    pb_grpc,
+)
 from sidecar.budget import Reservation
 from sidecar.engine import Engine, Identity, RestoreData, TensorSpec, check_protocol, restore_header
 from sidecar.errors import Aborted, InvalidArgument, NotFound, StrataError
@@ -70,7 +77,14 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             server_version=__version__,
             capabilities=CAPABILITIES
             + (["save.shm"] if shm_dir else [])
-            + ([SHM_HANDOVER_CAPABILITY + handover] if (handover := self.engine.segments.handover) else []),
+            + (
+                [
+                    SHM_HANDOVER_CAPABILITY + handover,
+                    SHM_STAGING_CAPABILITY + ("2" if self.engine.redundancy.enabled else "1"),
+                ]
+                if (handover := self.engine.segments.handover)
+                else []
+            ),
             shm_dir=shm_dir,
             max_message_bytes=self.max_message_bytes,
             max_snapshot_bytes=self.engine.settings.max_snapshot_bytes,

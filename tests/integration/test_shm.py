@@ -208,7 +208,8 @@ def test_a_segment_file_is_taken_over_and_only_what_was_taken_is_removed(make_si
 
 def test_the_committed_segment_is_never_staged_into(make_sidecar, make_client, job_name, monkeypatch):
     server = make_sidecar()
-    client = make_client(server, job_name, capture_rng=False)
+    client = make_client(server, job_name, capture_rng=False, staging_buffers=2)
+    assert len(client._buffers) == 2  # two-buffer staging stays available
     client.save(1, state(1.0)).durable.result(30)
     client.save(2, state(2.0)).durable.result(30)
     held_index = client._held
@@ -248,7 +249,7 @@ def test_a_restarted_sidecar_gets_the_save_streamed_then_new_segments(
 ):
     storage = f"file://{short_tmp}/restart-store"
     first = make_sidecar(storage)
-    client = make_client(first, job_name, capture_rng=False)
+    client = make_client(first, job_name, capture_rng=False, staging_buffers=2)
     client.save(1, state(1.0)).durable.result(30)
     client.save(2, state(2.0)).durable.result(30)
     first.stop(grace=1)
@@ -710,3 +711,91 @@ def test_a_handoff_file_truncated_under_the_client_falls_back_to_the_committed_b
     assert truncated, "the restore was not handed over as a file"
     assert restorer.last_restore["shared_memory"] is False  # fell back to gRPC
     assert torch.equal(out["w"], state(5.0)["w"]) and torch.equal(out["b"], state(5.0)["b"])
+
+
+def memfd_segments(client: CheckpointClient) -> list[str]:
+    """The client's staging memfds mapped in this process (the client's and the sidecar's
+    mappings alike), by name, from ``/proc/self/maps``."""
+    assert client._segments is not None
+    with open("/proc/self/maps") as maps:
+        text = maps.read()
+    return sorted(set(re.findall(rf"/memfd:(strata-{client._segments.instance}-[0-9]+)", text)))
+
+
+def test_by_default_one_staging_segment_is_the_held_snapshot(make_sidecar, make_client, job_name):
+    """The default stages every save into one segment: at most one state-sized segment is mapped,
+    and the sidecar's held snapshot is that segment (no copy)."""
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    assert len(client._buffers) == 1
+    for step in range(4):
+        client.save(step, state(float(step))).durable.result(30)
+        assert len(memfd_segments(client)) == 1
+        assert [s.segment for s in server.engine.held.snapshots()] == [client._buffers[0].segment.name]
+    out = state(-1.0)
+    assert client.restore(out) == 3 and client.last_restore["source"] == "memory"
+    assert torch.equal(out["w"], state(3.0)["w"])
+
+
+def test_overwriting_the_single_segment_gives_up_the_held_copy_first(
+    make_sidecar, make_client, job_name, monkeypatch
+):
+    """While the one segment holds the next save's bytes the sidecar no longer holds the
+    committed step there: its holdings report lists no exact copy, and a trainer that dies before
+    that save is sent restores the committed step bitwise from storage, never those bytes."""
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    (snap,) = server.engine.held.snapshots()
+    assert server.engine.held.exact_positions(snap.identity) == [[0, 1]]
+    gate = hold_stream(client, monkeypatch)
+    second = client.save(2, state(2.0))  # staged over step 1's bytes, its header not yet sent
+    assert second.staged.result(10) is None
+    assert len(memfd_segments(client)) == 1
+    assert torch.equal(client._buffers[0].views[0], state(2.0)["w"])
+    assert server.engine.held.exact_positions(snap.identity) == []
+    # The trainer dies here; its successor (same gang generation) restores step 1.
+    reader = make_client(server, job_name, capture_rng=False, generation=client.settings.generation)
+    out = state(-1.0)
+    assert reader.restore(out) == 1 and reader.last_restore["source"] == "storage"
+    assert torch.equal(out["w"], state(1.0)["w"]) and torch.equal(out["b"], state(1.0)["b"])
+    gate.set()
+    assert second.durable.result(30).step == 2
+
+
+def test_single_segment_diffs_find_the_changed_rows_from_digests(
+    make_sidecar, make_client, job_name, short_tmp
+):
+    """With the previous snapshot gone from memory, the next save is still a diff of exactly the
+    rows that changed (the chain's row digests), and restores bitwise from storage."""
+    storage = f"file://{short_tmp}/digest-store"
+    server = make_sidecar(storage)
+    client = make_client(server, job_name, capture_rng=False)
+    w = torch.zeros(4096, 64)
+    client.save(1, {"w": w}).durable.result(30)
+    w[[5, 700, 4095]] += 1.0
+    w[9, 63] = -0.0  # a sign bit alone
+    client.save(2, {"w": w}).durable.result(30)
+    commit = mf.read_commit(server.engine.store, "default", job_name, 2)
+    manifest = mf.load_manifest(server.engine.store, commit, 0)
+    (entry,) = [t for t in manifest.tensors if t.name == "w"]
+    assert manifest.checkpoint == "diff" and entry.changed_rows == 4
+    other = make_sidecar(storage)  # holds nothing: the diff is replayed from storage
+    out = {"w": torch.ones(4096, 64)}
+    reader = make_client(other, job_name, capture_rng=False)
+    assert reader.restore(out) == 2 and reader.last_restore["source"] == "storage"
+    assert torch.equal(out["w"].view(torch.int32), w.view(torch.int32))
+
+
+def test_only_the_connection_that_handed_a_segment_over_may_take_it_back(make_sidecar, make_client, job_name):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    (snap,) = server.engine.held.snapshots()
+    name = client._buffers[0].segment.name
+    path = os.path.join(server.settings.shm_dir, server.engine.segments.handover)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+        other.connect(path)
+        other.send(b"drop " + name.encode())
+        assert other.recv(4096).startswith(b"error: segment")
+    assert server.engine.held.exact_positions(snap.identity) == [[0, 1]]  # still held

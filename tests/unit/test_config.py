@@ -96,6 +96,7 @@ def test_default_socket_is_private(monkeypatch):
         ({"STRATA_COMMIT_TIMEOUT_S": "-1"}, "STRATA_COMMIT_TIMEOUT_S"),
         ({"STRATA_SAVE_ON_SIGTERM_S": "nan"}, "STRATA_SAVE_ON_SIGTERM_S"),
         ({"STRATA_RESUME": "sometimes"}, "STRATA_RESUME='sometimes'"),
+        ({"STRATA_STAGING_BUFFERS": "3"}, "STRATA_STAGING_BUFFERS='3': expected one of auto, 1, 2"),
         ({"STRATA_RANK": "5", "STRATA_WORLD_SIZE": "4"}, "STRATA_RANK"),
     ],
 )

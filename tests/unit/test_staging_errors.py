@@ -16,7 +16,7 @@ def test_full_tmpfs_names_the_sizing_rule(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(
-        OSError, match=r"is full: no room for a 4096-byte staging segment.*two segments"
+        OSError, match=r"is full: no room for a 4096-byte staging segment.*one segment"
     ) as err:
         SharedSegment(str(tmp_path), "strata-x-0", 4096)
     assert err.value.errno == errno.ENOSPC
