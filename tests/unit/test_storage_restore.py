@@ -151,3 +151,47 @@ def test_a_replayed_chain_must_give_back_what_was_saved(store, executor):
         assert _replayed_differs(s.manifest.tensors, buf) is None
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("lent", [False, True])
+def test_a_diff_that_will_not_decode_is_corrupt_also_when_lent(store, executor, lent):
+    """Its error leaves no view of the lent mapping behind (which would turn it into a
+    BufferError at unmapping, one a restore does not fall back from)."""
+    saved = save_chain(store, executor, "off", "consecutive")
+    s = saved[-1]
+    bad = dataclasses.replace(s.manifest.tensors[0], encoding="bogus")
+    m = dataclasses.replace(s.manifest, tensors=[bad, *s.manifest.tensors[1:]])
+    manifests = {x.step: x.manifest for x in saved}
+    buf = RestoreBuffer(m.total_bytes) if lent else None
+    try:
+        with pytest.raises(CorruptObject, match=f"{bad.name}: unknown encoding"):
+            read_snapshot(store, m, manifests.__getitem__, executor, dest=buf)
+    finally:
+        if buf is not None:
+            buf.close()
+
+
+def test_what_a_chain_holds_besides_the_snapshot_is_bounded_before_it_is_allocated(store, executor):
+    saved = save_chain(store, executor, "off", "consecutive")
+    manifests = {x.step: x.manifest for x in saved}
+    s = saved[-1]
+    chain = plan.load_chain(s.manifest, manifests.__getitem__)
+    assert [m.step for m in chain] == [x.step for x in saved]
+    held = plan.held_bytes(chain)  # the largest diff: the full one is read in place
+    assert held == max(sum(o.size for o in x.manifest.objects) for x in saved[1:])
+    assert plan.held_bytes(chain[:1]) == 0
+    (view,) = read_snapshot(store, s.manifest, manifests.__getitem__, executor, max_held=held)
+    for t in s.manifest.tensors:
+        assert tensor(view, t) == tensor(s.buffer, t)
+    # A MANIFEST claiming a far larger object than was reserved: refused, nothing allocated.
+    d = saved[1].manifest
+    huge = dataclasses.replace(d.objects[0], size=1 << 40)
+    manifests[d.step] = dataclasses.replace(d, objects=[huge, *d.objects[1:]])
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptObject, match=rf"step {d.step}: its objects hold \d+ bytes, more than"):
+            read_snapshot(store, s.manifest, manifests.__getitem__, executor, max_held=held)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * s.manifest.total_bytes + (1 << 20)
