@@ -56,6 +56,8 @@ MiB = 1 << 20
 DEFAULT_PART_BYTES = 16 * MiB
 DEFAULT_MULTIPART_THRESHOLD = 32 * MiB
 _MAX_PARTS = 10_000  # S3's limit per multipart upload
+#: The largest body one PutObject takes (S3 answers EntityTooLarge above): larger ones go in parts.
+MAX_PUT_BYTES = 5 << 30
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 #: A conditional write lost (412), or raced another conditional write on the key (409).
@@ -129,6 +131,13 @@ class ViewBody:
 def _body(data: Buffer) -> bytes | ViewBody:
     """What put sends: bytes as they are, any other buffer in place."""
     return data if isinstance(data, bytes) else ViewBody(memoryview(data).cast("B"))
+
+
+def _no_expect_continue(params: dict[str, Any], **_: Any) -> None:
+    """Send bodies without ``Expect: 100-continue``, which botocore adds for every file-like one
+    (:class:`ViewBody`): a server or proxy that never answers 100 would hold each PUT a second
+    before the body goes. A request refused anyway (a lost condition) then sends its body in vain."""
+    params.get("headers", {}).pop("Expect", None)
 
 
 def _unquote(etag: str) -> str:
@@ -219,7 +228,7 @@ class S3Store(Store):
         self.bucket = bucket
         self._root = f"{prefix}/" if prefix else ""
         self.part_bytes = part_bytes
-        self.multipart_threshold = multipart_threshold
+        self.multipart_threshold = min(multipart_threshold, MAX_PUT_BYTES + 1)
         self.concurrency = concurrency
         self.page_size = min(page_size, 1000)  # S3 never returns more than 1000 per page
         self.max_attempts = max_attempts
@@ -254,6 +263,7 @@ class S3Store(Store):
         )
         # before-send fires once per HTTP attempt, so retries and LIST pages all count.
         self._client.meta.events.register("before-send.s3", self._on_send)
+        self._client.meta.events.register_last("before-call.s3", _no_expect_continue)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 

@@ -24,7 +24,7 @@ from sidecar.server.app import open_settings_store
 from sidecar.store import file as file_store
 from sidecar.store.file import FileStore
 from sidecar.store.memory import MemoryStore
-from sidecar.store.s3 import S3Store, ViewBody
+from sidecar.store.s3 import MAX_PUT_BYTES, S3Store, ViewBody
 
 MiB = 1 << 20
 
@@ -65,6 +65,26 @@ def test_an_s3_put_sends_the_buffer_itself_with_no_sdk_checksum() -> None:
     # Our own xxh3 in the MANIFEST is the integrity check: no CRC or MD5 pass by the SDK.
     assert not [k for k in headers if k.startswith("x-amz-checksum") or k == "content-md5"]
     assert "x-amz-sdk-checksum-algorithm" not in headers
+    # No Expect: 100-continue (botocore's default for a file-like body): a server or proxy that
+    # never answers 100 would hold every object a second.
+    assert "expect" not in headers
+    store.close()
+
+
+def test_multipart_parts_go_without_expect_continue_too() -> None:
+    store = S3Store("bkt", endpoint_url="http://127.0.0.1:9", part_bytes=5 * MiB, multipart_threshold=5 * MiB)
+    sent: list[Any] = []
+
+    def answer(request: Any, **_: Any) -> AWSResponse:
+        sent.append(request)
+        return AWSResponse(request.url, 200, {"ETag": '"p"'}, _Raw())
+
+    store._client.meta.events.register_first("before-send.s3.UploadPart", answer)
+    client = store._client  # (this store's own client: nothing to undo)
+    client.create_multipart_upload = lambda **kw: {"UploadId": "u"}
+    client.complete_multipart_upload = lambda **kw: {"ETag": '"m"'}
+    assert store.put("k", bytearray(6 * MiB)) == "m"
+    assert len(sent) == 2 and not [r for r in sent if "Expect" in r.headers]
     store.close()
 
 
@@ -94,6 +114,16 @@ def test_the_sidecars_s3_store_puts_each_object_whole() -> None:
     assert store.multipart_threshold > settings.object_bytes
     config = store._client.meta.config
     assert config.request_checksum_calculation == "when_required"
+    store.close()
+
+
+def test_objects_above_what_one_put_object_takes_go_multipart() -> None:
+    """S3 refuses a PutObject body over 5 GiB (EntityTooLarge): a larger --object-bytes still
+    uploads, those objects in parts."""
+    settings = SidecarSettings(storage="s3://bkt/p", s3_endpoint="http://127.0.0.1:9", object_bytes=6 << 30)
+    store = open_settings_store(settings)
+    assert isinstance(store, S3Store)
+    assert store.multipart_threshold == MAX_PUT_BYTES + 1  # a 5 GiB object is still one PutObject
     store.close()
 
 
