@@ -127,9 +127,17 @@ def test_objects_above_what_one_put_object_takes_go_multipart() -> None:
     store.close()
 
 
+@pytest.mark.parametrize(
+    "ranges", [[(0, 10), (5, 10)], [(0, 10), (0, 1)], [(20, 5), (0, 21)], [(0, -1)], [(-1, 2)]]
+)
+def test_range_digests_refuse_overlapping_ranges(ranges: list[tuple[int, int]]) -> None:
+    with pytest.raises(ValueError, match=r"overlaps|negative"):
+        RangeDigests(ranges)
+
+
 def test_range_digests_match_one_shot_digests_across_chunk_edges() -> None:
     data = memoryview(os.urandom(10_000))
-    ranges = [(0, 0), (0, 1000), (1000, 4096), (5096, 1), (5200, 4800)]
+    ranges = [(0, 1000), (0, 0), (1000, 4096), (5096, 1), (5200, 4800), (6000, 0)]  # empty: anywhere
     digests = RangeDigests(ranges)
     for at in range(0, len(data), 777):
         digests.update(at, data[at : at + 777])
