@@ -332,3 +332,27 @@ def test_a_malformed_content_range_is_a_bounded_failure(monkeypatch, content_ran
         store.read_into("k", 10, len(dest), into(dest))
     assert gets == [(10, 1023)] * store.max_attempts  # not one GET after another for ever
     assert all(r.closed and r._fp.pos == 0 for r in raws)  # no body read
+
+
+def test_file_objects_are_regular_files_only(tmp_path):
+    """A symlink or a FIFO where an object should be is no object: not followed, not blocked on."""
+    from sidecar.errors import ObjectNotFound
+    from sidecar.store.base import into
+
+    store = open_store(f"file://{tmp_path}/store")
+    store.put("real", b"bytes")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not the store's")
+    os.symlink(secret, tmp_path / "store" / "link")
+    os.mkfifo(tmp_path / "store" / "fifo")
+    dest = memoryview(bytearray(16))
+    for key in ("link", "fifo"):
+        for read in (
+            lambda key: store.get(key),
+            lambda key: store.get_versioned(key),
+            lambda key: store.get_range(key, 0, 4),
+            lambda key: store.read_into(key, 0, 4, into(dest)),
+        ):
+            with pytest.raises(ObjectNotFound, match="not a file"):
+                read(key)
+    assert store.get("real") == b"bytes" and store.get_range("real", 1, 2) == b"yt"
