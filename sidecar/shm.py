@@ -751,10 +751,13 @@ class RestoreBuffer:
         part = view[: self.size]
         try:
             yield part
-        finally:
-            part.release()
-            view.release()
-            mapped.close()  # BufferError if a view escaped: then nothing can be sealed
+        except BaseException:
+            # A view the error's traceback still holds keeps the mapping (until it goes): that
+            # BufferError must not replace the error itself.
+            with contextlib.suppress(BufferError):
+                _unmap(part, view, mapped)
+            raise
+        _unmap(part, view, mapped)  # BufferError if a view escaped: then nothing can be sealed
 
     def seal(self) -> int:
         """Seal the memfd and hand its descriptor over (the caller's now)."""
@@ -764,6 +767,12 @@ class RestoreBuffer:
 
     def close(self) -> None:
         self._closer()
+
+
+def _unmap(part: memoryview, view: memoryview, mapped: mmap.mmap) -> None:
+    part.release()
+    view.release()
+    mapped.close()
 
 
 def _close_fd(fds: list[int]) -> None:

@@ -149,9 +149,9 @@ def from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.T
                 bad = _verify.copy_checked(fd, targets)
             except EOFError as exc:
                 raise SegmentGone(f"shared segment {name}: {exc}") from None
-            closing, fd = fd, -1
-            freeing = threading.Thread(target=os.close, args=(closing,), name="strata-free", daemon=True)
+            freeing = threading.Thread(target=os.close, args=(fd,), name="strata-free", daemon=True)
             freeing.start()
+            fd = -1  # the thread's now (closed below if it never started)
         else:
             # Populated at once: one call maps every page instead of a fault per 4 KiB.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)

@@ -36,7 +36,7 @@ from sidecar.gang import (
     sign_fetch,
     stream_opener,
 )
-from sidecar.pipeline.plan import decode_held, read_snapshot
+from sidecar.pipeline.plan import decode_held, held_bytes, load_chain, read_snapshot
 from sidecar.shm import RestoreBuffer
 from sidecar.store.base import READ_PIECE_BYTES
 
@@ -816,9 +816,11 @@ class Restorer:
             return mf.load_manifest(self.store, mf.load_ref(self.store, ref), identity.rank)
 
         # A lossless full is read straight into the buffer; anything else is decoded into it
-        # while one step's objects are held besides (a step stores at most its raw size).
-        plain = manifest.checkpoint == "full" and not any(t.lossy for t in manifest.tensors)
-        need = manifest.total_bytes if plain else 2 * manifest.total_bytes
+        # while one step's objects are held besides: reserved, as the manifests size them,
+        # before a byte is allocated (the reader refuses a step larger than that).
+        chain = {m.step: m for m in load_chain(manifest, load)}  # read once, replayed below
+        held = held_bytes(list(chain.values()))
+        need = manifest.total_bytes + held
         memory = self.memory.reserve(kind, need, f"reading step {target[1]} from storage")
         # Where restores are lent over the handover socket, into the memfd that is then sealed
         # and lent as it is: the bytes are written once, by the read.
@@ -828,7 +830,9 @@ class Restorer:
             log.info("restore read into process memory: no room for a shared buffer (%s)", exc)
             lent = None
         try:
-            pieces = read_snapshot(self.store, manifest, load, self.shared.uploads, dest=lent)
+            pieces = read_snapshot(
+                self.store, manifest, chain.__getitem__, self.shared.uploads, dest=lent, max_held=held
+            )
             memory.shrink(manifest.total_bytes)  # a step held besides is gone
             if manifest.checkpoint == "diff":  # the chain replayed must give back what was saved
                 why = _replayed_differs(manifest.tensors, lent if lent is not None else pieces[0])

@@ -497,27 +497,12 @@ def _name_seed(name: str) -> int:
 # --- restore -------------------------------------------------------------------------------------
 
 
-def read_snapshot(
-    store: Store,
-    manifest: mf.Manifest,
-    load: Callable[[int], mf.Manifest],
-    executor: Executor,
-    max_chain: int = 1024,
-    dest: memoryview | RestoreBuffer | None = None,
-) -> list[memoryview]:
-    """The snapshot buffer ``manifest`` describes, in one piece: written into ``dest`` (the
-    snapshot's size: a writable buffer, or a memfd to lend; then nothing is returned) or into a
-    new buffer, returned.
-
-    ``load(step)`` returns the same rank's manifest of an older committed step. The chain is
-    replayed in one pass over the buffer: the full checkpoint's objects are read straight into it
-    where they hold the tensors' raw bytes at their offsets (else decoded into it), then each
-    diff's tensors are decoded over it in order, oldest first. Every object is read with ranged
-    GETs in parallel into its place, its size checked against the manifest before a byte is read
-    and its digest computed as the bytes land. Only a step that must be decoded (diffs, lossy
-    tensors) is held besides, one step at a time.
-    Raises ``CorruptObject``/``NotFound`` naming what is missing or damaged.
-    """
+def load_chain(
+    manifest: mf.Manifest, load: Callable[[int], mf.Manifest], max_chain: int = 1024
+) -> list[mf.Manifest]:
+    """The steps a restore of ``manifest`` replays, oldest (the full checkpoint) first: ``load(step)``
+    returns the same rank's manifest of an older committed step. Raises ``CorruptObject`` where a
+    base cannot be read, has another layout, or the chain is too long or starts with a diff."""
     chain = [manifest]
     while chain[-1].base_step is not None:
         if len(chain) > max_chain:
@@ -535,6 +520,48 @@ def read_snapshot(
     chain.reverse()
     if chain[0].checkpoint != "full":
         raise CorruptObject(f"step {chain[0].step}", "the chain does not start with a full checkpoint")
+    return chain
+
+
+def held_bytes(chain: Sequence[mf.Manifest]) -> int:
+    """The most bytes :func:`read_snapshot` holds besides the snapshot while replaying ``chain``
+    (from :func:`load_chain`): the stored size of its largest step that is decoded rather than read
+    in place. As the manifests say: a caller reserves it before reading and passes it as
+    ``max_held``. (Not bounded by the snapshot's size: a diff of every row outgrows its tensor.)"""
+    size = chain[-1].total_bytes
+    return max(
+        (_stored_size(m) for i, m in enumerate(chain) if not (i == 0 and _in_place(m, size))), default=0
+    )
+
+
+def _stored_size(m: mf.Manifest) -> int:
+    return sum(o.size for o in m.objects)
+
+
+def read_snapshot(
+    store: Store,
+    manifest: mf.Manifest,
+    load: Callable[[int], mf.Manifest],
+    executor: Executor,
+    max_chain: int = 1024,
+    dest: memoryview | RestoreBuffer | None = None,
+    max_held: int | None = None,
+) -> list[memoryview]:
+    """The snapshot buffer ``manifest`` describes, in one piece: written into ``dest`` (the
+    snapshot's size: a writable buffer, or a memfd to lend; then nothing is returned) or into a
+    new buffer, returned.
+
+    ``load(step)`` returns the same rank's manifest of an older committed step (see
+    :func:`load_chain`). The chain is replayed in one pass over the buffer: the full checkpoint's
+    objects are read straight into it where they hold the tensors' raw bytes at their offsets (else
+    decoded into it), then each diff's tensors are decoded over it in order, oldest first. Every
+    object is read with ranged GETs in parallel into its place, its size checked against the
+    manifest before a byte is read and its digest computed as the bytes land. Only a step that must
+    be decoded (diffs, lossy tensors) is held besides, one step at a time, and none of more than
+    ``max_held`` bytes (see :func:`held_bytes`) is allocated.
+    Raises ``CorruptObject``/``NotFound`` naming what is missing or damaged.
+    """
+    chain = load_chain(manifest, load, max_chain)
     out: list[memoryview] = []
     if dest is None:
         dest = memoryview(bytearray(manifest.total_bytes))
@@ -547,7 +574,12 @@ def read_snapshot(
             if m is chain[0] and _in_place(m, size):
                 read_objects(store, m.objects, dest, executor)
                 continue
-            stored = memoryview(bytearray(sum(o.size for o in m.objects)))
+            need = _stored_size(m)
+            if max_held is not None and need > max_held:
+                raise CorruptObject(
+                    f"step {m.step}", f"its objects hold {need} bytes, more than the {max_held} reserved"
+                )
+            stored = memoryview(bytearray(need))
             read_objects(store, m.objects, stored, executor)
         except (CorruptObject, NotFound) as exc:
             if m is manifest:
@@ -577,17 +609,19 @@ def _decode_step(m: mf.Manifest, stored: memoryview, view: memoryview) -> None:
             raise CorruptObject(f"step {m.step}", f"{t.name} lies beyond the stored bytes")
         if t.offset < 0 or t.offset + t.nbytes > len(view):
             raise CorruptObject(f"step {m.step}", f"{t.name} lies beyond the snapshot")
-        try:
-            enc.decode_into(
-                view[t.offset : t.offset + t.nbytes],
-                stored[start : start + size],
-                t.encoding,
-                t.dtype,
-                t.shape,
-                t.cast,
-            )
-        except ValueError as exc:
-            raise CorruptObject(f"step {m.step}", f"{t.name}: {exc}") from None
+        why = _decoded(view[t.offset : t.offset + t.nbytes], stored[start : start + size], t)
+        if why is not None:
+            raise CorruptObject(f"step {m.step}", f"{t.name}: {why}")
+
+
+def _decoded(out: memoryview, payload: memoryview, t: mf.TensorEntry) -> str | None:
+    """Decode ``t`` into ``out``, or say why it does not decode. Only the message leaves: the
+    error's traceback holds views of ``out``, and a mapping with views left cannot be unmapped."""
+    try:
+        enc.decode_into(out, payload, t.encoding, t.dtype, t.shape, t.cast)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _in_place(m: mf.Manifest, size: int) -> bool:
@@ -610,8 +644,9 @@ def read_objects(
     ranged reads, each object's size and digest checked: all of them or ``CorruptObject``/
     ``NotFound`` naming the first that failed. A buffer is read into in place; a memfd is
     written from one small buffer per read, reused. So in-flight memory is ``into`` itself plus
-    at most a piece per read, whatever the bucket sends (its sizes are checked before its bodies
-    are read)."""
+    at most a piece per read, however large the objects the bucket sends (their sizes are checked
+    before their bodies are read). ``into`` is the caller's, sized from manifests, which come
+    from the bucket too: bound it before allocating it (see :func:`held_bytes`)."""
     total = len(into) if isinstance(into, memoryview) else into.size
     if sum(o.size for o in objects) != total:
         raise ValueError(f"{len(objects)} objects for a {total}-byte buffer")

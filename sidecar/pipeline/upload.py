@@ -20,10 +20,19 @@ DIGEST_CHUNK = 1 << 20
 
 class RangeDigests:
     """XXH3-64 of byte ranges ``(offset, nbytes)`` of a stream, computed from chunks that go
-    past in order (:meth:`update`), so a stream digested for another purpose is not read again."""
+    past in order (:meth:`update`), so a stream digested for another purpose is not read again.
+    The ranges may not overlap (a chunk feeds each byte to one range only): ValueError."""
 
     def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
-        self._order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+        self._order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+        end = 0
+        for i in self._order:
+            start, size = ranges[i]
+            if start < 0 or size < 0:
+                raise ValueError(f"range {i} ({start}, {size}) has a negative offset or size")
+            if size and start < end:
+                raise ValueError(f"range {i} ({start}, {size}) overlaps another, which ends at {end}")
+            end = max(end, start + size)
         self._ranges = list(ranges)
         self._hashers = [xxhash.xxh3_64() for _ in ranges]
         self._next = 0  # ranges in _order before it are complete

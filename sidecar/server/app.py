@@ -227,7 +227,8 @@ def _open_settings_store(settings: SidecarSettings) -> Store:
         concurrency=settings.upload_concurrency,
         # A snapshot's objects (object_bytes at most) go up in parallel already: each is one
         # PutObject, not CreateMultipartUpload + parts + Complete (~6x the requests, and the
-        # per-request CPU of botocore and the server, for no more parallelism).
+        # per-request CPU of botocore and the server, for no more parallelism). Objects over
+        # 5 GiB go in parts all the same: S3Store caps this at what one PutObject takes.
         multipart_threshold=settings.object_bytes + 1,
         max_attempts=settings.storage_attempts,
     )

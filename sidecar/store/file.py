@@ -61,8 +61,9 @@ def _fsync_dir(path: Path) -> None:
 
 #: Objects from this size up are written with O_DIRECT where the filesystem takes it: the bytes
 #: go from the caller's buffer to the disk, not copied into the page cache and written back
-#: from there (0.2-2.8 kernel CPU-s per GiB on a 2-core node, and a checkpoint's worth of the
-#: trainer's cached files evicted each time). A later read comes from the disk, not the cache.
+#: from there (kernel CPU a node's cores are short of: the README's file-store paragraph has the
+#: figures), nor evict a checkpoint's worth of the trainer's cached files. A later read comes
+#: from the disk, not the cache.
 DIRECT_MIN_BYTES = 1 << 20
 #: O_DIRECT wants buffer, length and file offset aligned to the device's block (4096 covers
 #: 512-byte and 4 KiB devices); a tail shorter than this is written through the page cache.
@@ -314,40 +315,56 @@ class FileStore(Store):
 
     # -- reads ------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
+    def _open(self, op: str, key: str) -> int:
+        """A descriptor of the regular file holding ``key``, else ObjectNotFound: a symlink there
+        is not followed and a FIFO does not block the open (O_NONBLOCK; regular files read as
+        ever), and neither is read (list and head show only regular files too)."""
         path = self._path(key)
-        self._count("get")
+        self._count(op)
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
         try:
-            return path.read_bytes()
+            fd = os.open(path, flags)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
         except OSError as exc:
-            raise self._fail("get", key, exc) from exc
+            if exc.errno == errno.ELOOP:  # a symlink
+                raise errors.ObjectNotFound(f"no such object: {self.url}/{key} (not a file)") from exc
+            raise self._fail(op, key, exc) from exc
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            os.close(fd)
+            raise self._fail(op, key, exc) from exc
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise errors.ObjectNotFound(f"no such object: {self.url}/{key} (not a file)")
+        return fd
+
+    def get(self, key: str) -> bytes:
+        return self.get_versioned(key)[0]
 
     def get_versioned(self, key: str) -> tuple[bytes, str]:
-        path = self._path(key)
-        self._count("get")
+        fd = self._open("get", key)
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())  # the file we read, even if a put renames over it now
+            with open(fd, "rb", closefd=False) as f:
+                st = os.fstat(fd)  # the file we read, even if a put renames over it now
                 return f.read(), _etag(st)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
         except OSError as exc:
             raise self._fail("get", key, exc) from exc
+        finally:
+            os.close(fd)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         validate_range(start, length)
-        path = self._path(key)
-        self._count("get")
+        fd = self._open("get", key)
         try:
-            with open(path, "rb") as f:
+            with open(fd, "rb", closefd=False) as f:
                 f.seek(start)
                 return f.read(length)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
         except OSError as exc:
             raise self._fail("get", key, exc) from exc
+        finally:
+            os.close(fd)
 
     def read_into(
         self,
@@ -360,14 +377,7 @@ class FileStore(Store):
         on_data: OnData | None = None,
     ) -> int:
         validate_range(start, length)
-        path = self._path(key)
-        self._count("get")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-            raise errors.ObjectNotFound(f"no such object: {self.url}/{key}") from exc
-        except OSError as exc:
-            raise self._fail("get", key, exc) from exc
+        fd = self._open("get", key)
         try:
             if object_size is not None:  # the file we read, even if a put renames over it now
                 check_size(key, os.fstat(fd).st_size, object_size)

@@ -21,6 +21,7 @@ cannot repair a `limit` cut made in tree order.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import math
 import threading
 from collections.abc import Callable, Iterable
@@ -55,6 +56,8 @@ MiB = 1 << 20
 DEFAULT_PART_BYTES = 16 * MiB
 DEFAULT_MULTIPART_THRESHOLD = 32 * MiB
 _MAX_PARTS = 10_000  # S3's limit per multipart upload
+#: The largest body one PutObject takes (S3 answers EntityTooLarge above): larger ones go in parts.
+MAX_PUT_BYTES = 5 << 30
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects
 _MISSING = frozenset({"NoSuchKey", "404", "NotFound"})
 #: A conditional write lost (412), or raced another conditional write on the key (409).
@@ -78,6 +81,16 @@ _KINDS = {
 }
 
 _T = TypeVar("_T")
+
+#: How reading a GET's body fails (a chunked body cut short: http.client.IncompleteRead);
+#: each counts as one of max_attempts.
+_READ_FAILURES = (
+    OSError,
+    ValueError,
+    http.client.HTTPException,
+    botocore.exceptions.BotoCoreError,
+    errors.StorageError,
+)
 
 
 class ViewBody:
@@ -120,23 +133,36 @@ def _body(data: Buffer) -> bytes | ViewBody:
     return data if isinstance(data, bytes) else ViewBody(memoryview(data).cast("B"))
 
 
+def _no_expect_continue(params: dict[str, Any], **_: Any) -> None:
+    """Send bodies without ``Expect: 100-continue``, which botocore adds for every file-like one
+    (:class:`ViewBody`): a server or proxy that never answers 100 would hold each PUT a second
+    before the body goes. A request refused anyway (a lost condition) then sends its body in vain."""
+    params.get("headers", {}).pop("Expect", None)
+
+
 def _unquote(etag: str) -> str:
     return etag.strip('"')
 
 
-def _range_of(resp: dict[str, Any], start: int) -> tuple[int, int]:
-    """(The object's size, the bytes this body holds) of a ranged GET's response: its
-    Content-Range, "bytes first-last/size"."""
+def _range_of(resp: dict[str, Any], start: int, end: int) -> tuple[int, int]:
+    """(The object's size, the bytes this body holds) of the response to a GET of bytes
+    ``start``-``end``: its Content-Range, "bytes first-last/size", must be a part of that range,
+    ``first`` = ``start`` <= ``last`` <= ``end`` and ``last`` < ``size`` (the bucket is not
+    trusted: a body of no bytes or of more than was asked would read on forever or overrun)."""
     found = str(resp.get("ContentRange", ""))
     unit, _, spec = found.partition(" ")
     span, _, size = spec.partition("/")
     first, _, last = span.partition("-")
-    try:
-        if unit != "bytes" or int(first) != start or not size.isdigit():
-            raise ValueError
-        return int(size), int(last) - int(first) + 1
-    except ValueError:
-        raise errors.StorageError(f"a ranged GET from {start} answered Content-Range {found!r}") from None
+    if (
+        unit == "bytes"
+        and first.isdigit()
+        and last.isdigit()
+        and size.isdigit()
+        and start == int(first) <= int(last) <= end
+        and int(last) < int(size)
+    ):
+        return int(size), int(last) - start + 1
+    raise errors.StorageError(f"a GET of bytes {start}-{end} answered Content-Range {found!r}")
 
 
 def _read_body(raw: Any, at: int, length: int, place: Place, on_data: OnData | None, got: list[int]) -> None:
@@ -202,7 +228,7 @@ class S3Store(Store):
         self.bucket = bucket
         self._root = f"{prefix}/" if prefix else ""
         self.part_bytes = part_bytes
-        self.multipart_threshold = multipart_threshold
+        self.multipart_threshold = min(multipart_threshold, MAX_PUT_BYTES + 1)
         self.concurrency = concurrency
         self.page_size = min(page_size, 1000)  # S3 never returns more than 1000 per page
         self.max_attempts = max_attempts
@@ -237,6 +263,7 @@ class S3Store(Store):
         )
         # before-send fires once per HTTP attempt, so retries and LIST pages all count.
         self._client.meta.events.register("before-send.s3", self._on_send)
+        self._client.meta.events.register_last("before-call.s3", _no_expect_continue)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -468,13 +495,13 @@ class S3Store(Store):
                 check_size(key, info.size, object_size)
             return 0
         pos, failures = 0, 0
+        end = start + length - 1
         while pos < length:
-            end = start + length - 1
             try:
                 resp = self._call(
                     "get",
                     full,
-                    lambda first=start + pos, end=end: self._client.get_object(  # type: ignore[misc]
+                    lambda first=start + pos: self._client.get_object(  # type: ignore[misc]
                         Bucket=self.bucket, Key=full, Range=f"bytes={first}-{end}"
                     ),
                 )
@@ -490,34 +517,36 @@ class S3Store(Store):
                 raise
             raw = resp["Body"]._raw_stream  # urllib3's response, unread
             got = [0]  # what came before a failure counts: on_data saw it already
+            body, failure = 0, None
             try:
-                size, body = _range_of(resp, start + pos)
+                size, body = _range_of(resp, start + pos, end)
                 if object_size is not None:
                     check_size(key, size, object_size)  # before a byte of the body is read
-                body = min(body, length - pos)
                 _read_body(raw, pos, body, place, on_data, got)
             except errors.CorruptObject:
-                raw.close()
                 raise
-            except (OSError, ValueError, botocore.exceptions.BotoCoreError, errors.StorageError) as exc:
-                raw.close()
-                pos += got[0]
-                failures += 1
-                if failures >= self.max_attempts:
-                    raise errors.StorageError(f"S3 get s3://{self.bucket}/{full} failed: {exc}") from exc
-                continue
+            except _READ_FAILURES as exc:
+                failure = exc
+            finally:
+                if got[0] == body and body:
+                    raw.release_conn()  # read to its end: the connection serves the next GET
+                else:
+                    raw.close()  # cut short, refused or failed: never back into the pool
             pos += got[0]
-            if got[0] < body:  # cut short: read on from here
-                raw.close()
-                failures += 1
-                if failures >= self.max_attempts:
-                    raise errors.StorageError(
-                        f"S3 get s3://{self.bucket}/{full}: the body ended after {pos} of {length} bytes"
-                    )
+            if failure is None and got[0] == body:
+                if start + pos >= size:
+                    break  # the object ends here
                 continue
-            raw.release_conn()  # read to its end: the connection serves the next GET
-            if start + pos >= size:
-                break  # the object ends here
+            # A failed GET, or one cut short: read on from here, a bounded number of times.
+            failures += 1
+            if failures >= self.max_attempts:
+                if failure is not None:
+                    raise errors.StorageError(
+                        f"S3 get s3://{self.bucket}/{full} failed: {failure}"
+                    ) from failure
+                raise errors.StorageError(
+                    f"S3 get s3://{self.bucket}/{full}: the body ended after {pos} of {length} bytes"
+                )
         return pos
 
     def head(self, key: str) -> ObjectInfo | None:

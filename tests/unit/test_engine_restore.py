@@ -128,3 +128,33 @@ def test_queries(make_shared):
     assert listed == [(3, False), (5, True)]
     commit, manifest = restorer.describe("ns", "job", 3, 0)
     assert commit.step == 3 and mf.Manifest.from_json(manifest, "m").step == 3
+
+
+def test_a_step_decoded_from_storage_reserves_what_its_objects_hold_besides_the_snapshot(make_shared):
+    """Its objects may hold more than the snapshot (a diff of every row, padding): what the
+    manifests say is reserved before the read, not twice the snapshot's size."""
+    shared = make_shared()
+    restorer = restorer_of(shared)
+    prefix = mf.rank_prefix("ns", "job", 3, 0, "abc", 0)
+    stored = bytes(16) + DATA + bytes(6)  # the tensor's bytes stored 16 bytes in
+    shared.store.put(prefix + "obj-00000", stored)
+    entry = mf.TensorEntry("w", "uint8", [10], 10, 0, stored_offset=16, stored_bytes=10, crc32=mf.crc32(DATA))
+    manifest = mf.Manifest(
+        "ns", "job", 3, 0, 1, 0, "abc", 10, {"w": 1}, [entry],
+        [mf.ObjectEntry(prefix + "obj-00000", len(stored), mf.crc32(stored))],
+    )  # fmt: skip
+    mf.write_manifest(shared.store, prefix, manifest)
+    mf.write_commit(shared.store, "ns", "job", 3, 1, 0)
+    reserved: list[int] = []
+    reserve = shared.memory.reserve
+
+    def spy(kind: str, nbytes: int, what: str, **kw: bool):
+        reserved.append(nbytes)
+        return reserve(kind, nbytes, what, **kw)
+
+    shared.memory.reserve = spy
+    data = restorer._from_storage(SOLO, (0, 3))
+    assert body(data) == DATA
+    assert reserved == [10 + len(stored)]
+    assert data.memory is not None and shared.memory.held()["restore"] == 10  # once read
+    data.memory.release()

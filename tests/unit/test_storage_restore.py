@@ -151,3 +151,208 @@ def test_a_replayed_chain_must_give_back_what_was_saved(store, executor):
         assert _replayed_differs(s.manifest.tensors, buf) is None
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("lent", [False, True])
+def test_a_diff_that_will_not_decode_is_corrupt_also_when_lent(store, executor, lent):
+    """Its error leaves no view of the lent mapping behind (which would turn it into a
+    BufferError at unmapping, one a restore does not fall back from)."""
+    saved = save_chain(store, executor, "off", "consecutive")
+    s = saved[-1]
+    bad = dataclasses.replace(s.manifest.tensors[0], encoding="bogus")
+    m = dataclasses.replace(s.manifest, tensors=[bad, *s.manifest.tensors[1:]])
+    manifests = {x.step: x.manifest for x in saved}
+    buf = RestoreBuffer(m.total_bytes) if lent else None
+    try:
+        with pytest.raises(CorruptObject, match=f"{bad.name}: unknown encoding"):
+            read_snapshot(store, m, manifests.__getitem__, executor, dest=buf)
+    finally:
+        if buf is not None:
+            buf.close()
+
+
+def test_what_a_chain_holds_besides_the_snapshot_is_bounded_before_it_is_allocated(store, executor):
+    saved = save_chain(store, executor, "off", "consecutive")
+    manifests = {x.step: x.manifest for x in saved}
+    s = saved[-1]
+    chain = plan.load_chain(s.manifest, manifests.__getitem__)
+    assert [m.step for m in chain] == [x.step for x in saved]
+    held = plan.held_bytes(chain)  # the largest diff: the full one is read in place
+    assert held == max(sum(o.size for o in x.manifest.objects) for x in saved[1:])
+    assert plan.held_bytes(chain[:1]) == 0
+    (view,) = read_snapshot(store, s.manifest, manifests.__getitem__, executor, max_held=held)
+    for t in s.manifest.tensors:
+        assert tensor(view, t) == tensor(s.buffer, t)
+    # A MANIFEST claiming a far larger object than was reserved: refused, nothing allocated.
+    d = saved[1].manifest
+    huge = dataclasses.replace(d.objects[0], size=1 << 40)
+    manifests[d.step] = dataclasses.replace(d, objects=[huge, *d.objects[1:]])
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptObject, match=rf"step {d.step}: its objects hold \d+ bytes, more than"):
+            read_snapshot(store, s.manifest, manifests.__getitem__, executor, max_held=held)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * s.manifest.total_bytes + (1 << 20)
+
+
+# --- S3 ranged reads against a bucket that misbehaves (answers faked at the client) -----------
+
+
+class _Fp:
+    """http.client's response under urllib3's: ``cut`` bytes of ``data``, then EOF or ``fail``."""
+
+    def __init__(self, data: bytes, cut: int, fail: BaseException | None) -> None:
+        self.data, self.cut, self.fail, self.pos = data, cut, fail, 0
+
+    def readinto(self, dest: memoryview) -> int:
+        n = min(len(dest), self.cut - self.pos)
+        if n <= 0:
+            if self.fail is not None:
+                raise self.fail
+            return 0
+        dest[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+class _Raw:
+    def __init__(self, fp: _Fp) -> None:
+        self._fp, self.closed, self.released = fp, False, False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release_conn(self) -> None:
+        self.released = True
+
+
+class _Body:
+    def __init__(self, raw: _Raw) -> None:
+        self._raw_stream = raw
+
+
+OBJECT = bytes(range(256)) * 4
+
+
+def faked_s3(monkeypatch, answers):
+    """An S3Store whose GETs are answered by ``answers(first, last)`` -> (Content-Range or None,
+    body bytes, bytes sent before it stops, what it then raises); the GETs' ranges and bodies
+    are recorded."""
+    from sidecar.store.s3 import S3Store
+
+    store = S3Store("bkt", endpoint_url="http://127.0.0.1:9", max_attempts=3)
+    gets: list[tuple[int, int]] = []
+    raws: list[_Raw] = []
+
+    def get_object(Bucket, Key, Range):  # boto3's names
+        first, last = (int(x) for x in Range.removeprefix("bytes=").split("-"))
+        gets.append((first, last))
+        content_range, data, cut, fail = answers(first, last)
+        raws.append(_Raw(_Fp(data, cut, fail)))
+        resp = {"Body": _Body(raws[-1])}
+        if content_range is not None:
+            resp["ContentRange"] = content_range
+        return resp
+
+    monkeypatch.setattr(store._client, "get_object", get_object)
+    return store, gets, raws
+
+
+def whole(first: int, last: int, cut: int | None = None, fail: BaseException | None = None):
+    data = OBJECT[first : last + 1]
+    return f"bytes {first}-{last}/{len(OBJECT)}", data, len(data) if cut is None else cut, fail
+
+
+@pytest.mark.parametrize("how", ["eof", "chunked"])
+def test_an_s3_body_cut_short_is_read_on_from_where_it_stopped(monkeypatch, how):
+    import http.client
+
+    from sidecar.store.base import into
+
+    fail = http.client.IncompleteRead(b"") if how == "chunked" else None
+    store, gets, raws = faked_s3(
+        monkeypatch, lambda a, b: whole(a, b, cut=300, fail=fail) if a == 0 else whole(a, b)
+    )
+    dest = memoryview(bytearray(len(OBJECT)))
+    seen: list[tuple[int, int]] = []
+    got = store.read_into(
+        "k",
+        0,
+        len(OBJECT),
+        into(dest),
+        object_size=len(OBJECT),
+        on_data=lambda at, p: seen.append((at, len(p))),
+    )
+    assert got == len(OBJECT) and bytes(dest) == OBJECT
+    assert gets == [(0, len(OBJECT) - 1), (300, len(OBJECT) - 1)]
+    assert raws[0].closed and not raws[0].released  # never back into the pool half read
+    assert raws[1].released and not raws[1].closed
+    assert sum(n for _, n in seen) == len(OBJECT)
+
+
+def test_an_s3_body_that_keeps_failing_fails_after_max_attempts_each_connection_closed(monkeypatch):
+    import http.client
+
+    from sidecar.errors import StorageError
+    from sidecar.store.base import into
+
+    store, gets, raws = faked_s3(
+        monkeypatch, lambda a, b: whole(a, b, cut=10, fail=http.client.IncompleteRead(b""))
+    )
+    dest = memoryview(bytearray(len(OBJECT)))
+    with pytest.raises(StorageError, match="S3 get s3://bkt/k failed: IncompleteRead"):
+        store.read_into("k", 0, len(OBJECT), into(dest))
+    assert gets == [(0, 1023), (10, 1023), (20, 1023)]  # progress kept, then max_attempts
+    assert all(r.closed for r in raws)
+    assert bytes(dest[:30]) == OBJECT[:30]
+
+
+@pytest.mark.parametrize(
+    "content_range",
+    [
+        None,  # a 200: the whole object, the Range ignored
+        "bytes 10--1/1024",
+        "bytes 10-9/1024",  # no bytes at all
+        "bytes 10-1023/1000",  # ends past the object
+        "bytes 10-2047/4096",  # more than was asked
+        "bytes 0-1023/1024",  # not where it was asked
+        "items 10-1023/1024",
+        "bytes 10-1023/*",
+    ],
+)
+def test_a_malformed_content_range_is_a_bounded_failure(monkeypatch, content_range):
+    from sidecar.errors import StorageError
+    from sidecar.store.base import into
+
+    store, gets, raws = faked_s3(monkeypatch, lambda a, b: (content_range, OBJECT, len(OBJECT), None))
+    dest = memoryview(bytearray(len(OBJECT) - 10))
+    with pytest.raises(StorageError, match="Content-Range"):
+        store.read_into("k", 10, len(dest), into(dest))
+    assert gets == [(10, 1023)] * store.max_attempts  # not one GET after another for ever
+    assert all(r.closed and r._fp.pos == 0 for r in raws)  # no body read
+
+
+def test_file_objects_are_regular_files_only(tmp_path):
+    """A symlink or a FIFO where an object should be is no object: not followed, not blocked on."""
+    from sidecar.errors import ObjectNotFound
+    from sidecar.store.base import into
+
+    store = open_store(f"file://{tmp_path}/store")
+    store.put("real", b"bytes")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not the store's")
+    os.symlink(secret, tmp_path / "store" / "link")
+    os.mkfifo(tmp_path / "store" / "fifo")
+    dest = memoryview(bytearray(16))
+    for key in ("link", "fifo"):
+        for read in (
+            lambda key: store.get(key),
+            lambda key: store.get_versioned(key),
+            lambda key: store.get_range(key, 0, 4),
+            lambda key: store.read_into(key, 0, 4, into(dest)),
+        ):
+            with pytest.raises(ObjectNotFound, match="not a file"):
+                read(key)
+    assert store.get("real") == b"bytes" and store.get_range("real", 1, 2) == b"yt"

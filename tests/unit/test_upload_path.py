@@ -24,7 +24,7 @@ from sidecar.server.app import open_settings_store
 from sidecar.store import file as file_store
 from sidecar.store.file import FileStore
 from sidecar.store.memory import MemoryStore
-from sidecar.store.s3 import S3Store, ViewBody
+from sidecar.store.s3 import MAX_PUT_BYTES, S3Store, ViewBody
 
 MiB = 1 << 20
 
@@ -65,6 +65,26 @@ def test_an_s3_put_sends_the_buffer_itself_with_no_sdk_checksum() -> None:
     # Our own xxh3 in the MANIFEST is the integrity check: no CRC or MD5 pass by the SDK.
     assert not [k for k in headers if k.startswith("x-amz-checksum") or k == "content-md5"]
     assert "x-amz-sdk-checksum-algorithm" not in headers
+    # No Expect: 100-continue (botocore's default for a file-like body): a server or proxy that
+    # never answers 100 would hold every object a second.
+    assert "expect" not in headers
+    store.close()
+
+
+def test_multipart_parts_go_without_expect_continue_too() -> None:
+    store = S3Store("bkt", endpoint_url="http://127.0.0.1:9", part_bytes=5 * MiB, multipart_threshold=5 * MiB)
+    sent: list[Any] = []
+
+    def answer(request: Any, **_: Any) -> AWSResponse:
+        sent.append(request)
+        return AWSResponse(request.url, 200, {"ETag": '"p"'}, _Raw())
+
+    store._client.meta.events.register_first("before-send.s3.UploadPart", answer)
+    client = store._client  # (this store's own client: nothing to undo)
+    client.create_multipart_upload = lambda **kw: {"UploadId": "u"}
+    client.complete_multipart_upload = lambda **kw: {"ETag": '"m"'}
+    assert store.put("k", bytearray(6 * MiB)) == "m"
+    assert len(sent) == 2 and not [r for r in sent if "Expect" in r.headers]
     store.close()
 
 
@@ -97,9 +117,27 @@ def test_the_sidecars_s3_store_puts_each_object_whole() -> None:
     store.close()
 
 
+def test_objects_above_what_one_put_object_takes_go_multipart() -> None:
+    """S3 refuses a PutObject body over 5 GiB (EntityTooLarge): a larger --object-bytes still
+    uploads, those objects in parts."""
+    settings = SidecarSettings(storage="s3://bkt/p", s3_endpoint="http://127.0.0.1:9", object_bytes=6 << 30)
+    store = open_settings_store(settings)
+    assert isinstance(store, S3Store)
+    assert store.multipart_threshold == MAX_PUT_BYTES + 1  # a 5 GiB object is still one PutObject
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "ranges", [[(0, 10), (5, 10)], [(0, 10), (0, 1)], [(20, 5), (0, 21)], [(0, -1)], [(-1, 2)]]
+)
+def test_range_digests_refuse_overlapping_ranges(ranges: list[tuple[int, int]]) -> None:
+    with pytest.raises(ValueError, match=r"overlaps|negative"):
+        RangeDigests(ranges)
+
+
 def test_range_digests_match_one_shot_digests_across_chunk_edges() -> None:
     data = memoryview(os.urandom(10_000))
-    ranges = [(0, 0), (0, 1000), (1000, 4096), (5096, 1), (5200, 4800)]
+    ranges = [(0, 1000), (0, 0), (1000, 4096), (5096, 1), (5200, 4800), (6000, 0)]  # empty: anywhere
     digests = RangeDigests(ranges)
     for at in range(0, len(data), 777):
         digests.update(at, data[at : at + 777])

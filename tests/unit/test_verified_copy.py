@@ -5,7 +5,9 @@ before, its tensors counted as unverified."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,3 +176,32 @@ def test_a_checked_copy_reads_a_file_with_preadv(threads):
             _verify.copy_checked(fd, targets(source, offsets, SIZES), threads=threads)
     finally:
         os.close(fd)
+
+
+def test_a_lent_copy_is_closed_when_the_thread_that_would_close_it_cannot_start(monkeypatch):
+    from trainer_client import _receive
+
+    source, offsets, tensors = case()
+    h = header(source, tensors, offsets, digests=True)
+    h.shm.CopyFrom(pb.SharedSegment(name=f"strata-fd-{'a' * 16}-{'b' * 32}", size=len(source)))
+    h.shm_handoff = True
+    fd = os.memfd_create("lent", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, source.tobytes())
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    monkeypatch.setattr(_receive, "open_segment", lambda directory, name: fd)
+
+    class Unstartable(threading.Thread):  # (the copy's own threads still start)
+        def start(self) -> None:
+            if self.name == "strata-free":
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(_receive.threading, "Thread", Unstartable)
+    targets_ = [
+        _verify.Target(o, np.zeros(t.numel(), np.uint8), m.xxh3, m.name)
+        for o, t, m in zip(offsets, tensors, h.tensors, strict=True)
+    ]
+    with pytest.raises(RuntimeError, match="can't start"):
+        from_segment(h, str(os.getcwd()), targets_)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed, not leaked
