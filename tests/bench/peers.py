@@ -17,8 +17,8 @@ same run, each building the foundation's state (``foundation.BenchModel`` at ``-
   memory they hold, the others from their files in the page cache);
 - ``exact``: one more save; right after the call returns, an optimizer step whose gradient touches
   every element, then training steps until the save is durable; then a restore compared bit for bit
-  with a clone taken just before the call. DLRover is checked twice: its memory restore and its
-  persisted file.
+  with a clone taken just before the call. Strata and DLRover are checked twice: their memory
+  restore and their restore from storage or disk (``restore_storage_s`` below).
 
 The systems and their configurations:
 
