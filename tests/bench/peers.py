@@ -54,7 +54,9 @@ Two more figures per system, in both sections:
   storage (the client's ``last_restore["source"]`` must say so); for DLRover, ``torch.load`` of
   its persisted file into the live model (its memory restore stays ``restore_s``); the others
   restore from their files anyway, so theirs is ``restore_s``. Before it, one more optimizer step
-  that touches every element, so a restore that did nothing would not pass.
+  that touches every element, so a restore that did nothing would not pass. Its CPU per GiB
+  restored (no training meanwhile), read as ``cpu_s_per_gib`` below: ``restore_storage_cpu_s_per_gib``
+  and the parts (``restore_storage_sidecar_cpu_s_per_gib``, ...).
 - ``cpu_s_per_gib``: the CPU the saves of the overhead loop cost, per GiB checkpointed. The child
   reads the CPU (utime + stime from ``/proc/PID/stat``) of its process tree (itself, with its
   waited-for children, and the helpers alive when the loop starts: the sidecar, DLRover's saver)
@@ -80,7 +82,10 @@ in the table), and for ``strata_full_s3`` ``restore_storage_gibps`` (object byte
 step over ``restore_storage_s``) against ``boto3_download_gibps`` (the same objects, listed under
 the step's prefix, fetched with ``get_object().read()`` ``upload_concurrency`` at a time) and
 ``boto3_transfer_download_gibps`` (each with TransferManager's ``download_fileobj``: ranged parts in
-parallel).
+parallel); SeaweedFS shares the cores, so its CPU per GiB on Strata's full checkpoints and restore
+(``seaweed_cpu_s_per_gib_full_s3``, ``restore_storage_seaweed_cpu_s_per_gib_full_s3``) stands beside
+its CPU per GiB on those plain GETs and on a plain ``upload_fileobj`` of the same bytes
+(``boto3_download_seaweed_cpu_s_per_gib``, ``boto3_upload_seaweed_cpu_s_per_gib``).
 
 Picking systems: ``BENCH_PEERS=strata_full,dlrover`` (comma-separated names) runs only those
 in either section (the key ratios then use whichever peers ran); unset, all of them.
@@ -314,6 +319,12 @@ def run_dense(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Ro
         ("restore_storage_gibps", f"{p}strata_full_s3_restore_storage_gibps"),
         ("boto3_download_gibps", f"{p}strata_full_s3_boto3_download_gibps"),
         ("boto3_transfer_download_gibps", f"{p}strata_full_s3_boto3_transfer_download_gibps"),
+        ("boto3_upload_seaweed_cpu_s_per_gib", f"{p}strata_full_s3_boto3_upload_seaweed_cpu_s_per_gib"),
+        ("boto3_download_seaweed_cpu_s_per_gib", f"{p}strata_full_s3_boto3_download_seaweed_cpu_s_per_gib"),
+        (
+            "restore_storage_seaweed_cpu_s_per_gib_full_s3",
+            f"{p}strata_full_s3_restore_storage_seaweed_cpu_s_per_gib",
+        ),
     ):
         if source in figures:
             figures[key] = figures[source]
@@ -722,15 +733,17 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def _boto3_download(endpoint: str, url: str, step: int) -> dict[str, float]:
+def _boto3_floor(endpoint: str, url: str, step: int, weed_pid: int) -> dict[str, float]:
     """The floor of a restore from S3: the restored step's objects (everything under its
     ``steps/<step>/`` prefix) fetched with plain boto3, ``get_object().read()`` with the sidecar's
-    storage concurrency, then each with TransferManager's ``download_fileobj`` (ranged parts)."""
+    storage concurrency, then each with TransferManager's ``download_fileobj`` (ranged parts).
+    Then the same bytes uploaded as one object with ``upload_fileobj`` (the store's part size):
+    the SeaweedFS CPU per GiB of each, beside what it spends on Strata's uploads and restores."""
     import io
     from concurrent.futures import ThreadPoolExecutor
 
     from sidecar.config import SidecarSettings
-    from tests.bench.foundation import s3_client
+    from tests.bench.foundation import proc_cpu_s, s3_client
 
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     concurrency = SidecarSettings().upload_concurrency
@@ -743,28 +756,35 @@ def _boto3_download(endpoint: str, url: str, step: int) -> dict[str, float]:
     if not objects:
         raise RuntimeError(f"no objects of step {step} under {url}")
     nbytes = sum(objects.values())
+    gib = nbytes / GiB
+    out: dict[str, float] = {"restore_objects": len(objects), "restore_object_bytes": nbytes}
+    bodies: list[bytes] = []
 
-    def get(key: str) -> int:
-        return len(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    def get(key: str) -> bytes:
+        return bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
 
-    t0 = time.perf_counter()
+    weed0, t0 = proc_cpu_s(weed_pid), time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        got = sum(pool.map(get, objects))
-    plain = time.perf_counter() - t0
-    if got != nbytes:
-        raise RuntimeError(f"boto3 read {got} bytes of {nbytes}")
+        bodies.extend(pool.map(get, objects))
+    out["boto3_download_s"] = elapsed = time.perf_counter() - t0
+    out["boto3_download_seaweed_cpu_s_per_gib"] = (proc_cpu_s(weed_pid) - weed0) / gib
+    out["boto3_download_gibps"] = gib / elapsed
+    if sum(map(len, bodies)) != nbytes:
+        raise RuntimeError(f"boto3 read {sum(map(len, bodies))} bytes of {nbytes}")
     t0 = time.perf_counter()
     for key in objects:
         client.download_fileobj(bucket, key, io.BytesIO(), Config=transfer)
-    managed = time.perf_counter() - t0
-    return {
-        "restore_objects": len(objects),
-        "restore_object_bytes": nbytes,
-        "boto3_download_s": plain,
-        "boto3_download_gibps": nbytes / plain / GiB,
-        "boto3_transfer_download_s": managed,
-        "boto3_transfer_download_gibps": nbytes / managed / GiB,
-    }
+    out["boto3_transfer_download_s"] = elapsed = time.perf_counter() - t0
+    out["boto3_transfer_download_gibps"] = gib / elapsed
+    body = b"".join(bodies)
+    del bodies
+    key = f"{prefix}/boto3-floor"
+    weed0, t0 = proc_cpu_s(weed_pid), time.perf_counter()
+    client.upload_fileobj(io.BytesIO(body), bucket, key, Config=transfer)
+    out["boto3_upload_s"] = time.perf_counter() - t0
+    out["boto3_upload_seaweed_cpu_s_per_gib"] = (proc_cpu_s(weed_pid) - weed0) / gib
+    client.delete_object(Bucket=bucket, Key=key)
+    return out
 
 
 def child(args: argparse.Namespace) -> dict[str, float]:
@@ -844,9 +864,13 @@ def child(args: argparse.Namespace) -> dict[str, float]:
             # From storage or disk now: every element moved again first, so a no-op would fail.
             _step_every_row(trainer, grads)
             system.before_storage_restore()
+            probes = _probes(system, args.seaweed_pid)  # the fresh sidecar's, for Strata
+            cpu0 = {name: probe() for name, probe in probes.items()}
             t0 = time.perf_counter()
             system.restore_storage()
             out["restore_storage_s"] = time.perf_counter() - t0
+            for name, probe in probes.items():  # no training meanwhile: all of it is the restore's
+                out[f"restore_storage_{name}_s_per_gib"] = (probe() - cpu0[name]) / (nbytes / GiB)
             wrong = _mismatches(reference, trainer.plain_state())
             out["restore_storage_mismatched_tensors"] = wrong
             bad += wrong
@@ -857,7 +881,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         if isinstance(system, DLRover):
             out["start_retries"] = system.retries
         if args.system == "strata_full_s3" and isinstance(system, Strata):
-            floor = _boto3_download(args.s3_endpoint, system.storage, system.restored_step)
+            floor = _boto3_floor(args.s3_endpoint, system.storage, system.restored_step, args.seaweed_pid)
             out.update(floor)
             out["restore_storage_gibps"] = floor["restore_object_bytes"] / out["restore_storage_s"] / GiB
     finally:
@@ -985,8 +1009,16 @@ def rows_dense(f: dict[str, Any]) -> list[Row]:
             target="reported",
         )
     )
-    for key in ("sidecar_cpu_s_per_gib_full_s3", "seaweed_cpu_s_per_gib_full_s3"):
-        rows.append(Row(key, get(key), "cpu-s/GiB"))
+    for key, ref in (
+        ("sidecar_cpu_s_per_gib_full_s3", ""),
+        ("seaweed_cpu_s_per_gib_full_s3", "boto3_upload_seaweed_cpu_s_per_gib"),
+        ("boto3_upload_seaweed_cpu_s_per_gib", ""),
+        ("restore_storage_seaweed_cpu_s_per_gib_full_s3", "boto3_download_seaweed_cpu_s_per_gib"),
+        ("boto3_download_seaweed_cpu_s_per_gib", ""),
+    ):
+        value, base = get(key), get(ref) if ref else None
+        ratio = value / base if value is not None and base else None
+        rows.append(Row(key, value, "cpu-s/GiB", ratio, ref.removesuffix("_cpu_s_per_gib") if ratio else ""))
     restore, boto3 = get("restore_storage_gibps"), get("boto3_download_gibps")
     rows.append(
         Row(
