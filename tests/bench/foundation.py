@@ -23,6 +23,9 @@ Method notes:
   ``save_overhead_grpc_s`` (bytes streamed over gRPC instead) and ``save_overhead_full_s``
   (every checkpoint full, as DCP writes them); ``time_to_durable_first_s`` is the first,
   full checkpoint, first-save costs included.
+- ``DenseTrainer`` (beside ``Trainer``, used by the ``peers_dense`` section) is the dense variant of
+  the state: the same bytes as a stack of Linear layers trained by AdamW, so every parameter and
+  both Adam moments change every step, as in an LLM.
 - Time to durable against the storage floor: ``time_to_durable_full_s`` (a sidecar with policy
   full, every repeat the whole state) alternates ABBA with ``boto3_multipart_same_bytes_s``, a
   plain boto3 TransferManager upload of the same bytes to the same SeaweedFS with the S3 store's
@@ -49,7 +52,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -182,11 +185,93 @@ class Trainer:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
 
 
+# --- the dense variant: every parameter and Adam moment changes every step ----------------------
+
+DENSE_LAYERS = 4
+DENSE_BATCH = 8  # samples per micro-batch; ``reps`` micro-batches are accumulated per optimizer step
+
+
+class DenseModel(nn.Module):
+    """LLM-shaped as a checkpoint sees it: a stack of square Linear layers, every parameter trained."""
+
+    def __init__(self, width: int, layers: int = DENSE_LAYERS) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+
+def dense_width(size_bytes: float, layers: int = DENSE_LAYERS) -> int:
+    """The width whose fp32 parameters are a third of ``size_bytes``: AdamW's two moments, as large
+    again each, make up the rest, so the checkpointed state is ``size_bytes`` like the sparse one's."""
+    params = size_bytes / 3 / 4 / layers  # per layer: width * width weights + width biases
+    return max(16, int((math.sqrt(1 + 4 * params) - 1) / 2))
+
+
+class DenseTrainer:
+    """The dense counterpart of :class:`Trainer`: ``reps`` micro-batches through the whole stack
+    (gradient accumulation: the knob that sets the step time), then an AdamW step with weight decay,
+    so every parameter and both moments of every element change every step, and a diff is the
+    whole state. Gradients stay allocated between steps (zeroed, not freed), as a caching
+    allocator keeps them on a GPU: no page faults of a third of the state per step."""
+
+    def __init__(self, model: DenseModel, reps: int = 1) -> None:
+        self.model = model
+        self.reps = reps
+        first = model.layers[0]
+        assert isinstance(first, nn.Linear)
+        self.width = int(first.in_features)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        self._gen = torch.Generator().manual_seed(0)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        for _ in range(self.reps):
+            h = torch.randn(DENSE_BATCH, self.width, generator=self._gen)
+            for layer in self.model.layers:
+                h = torch.tanh(layer(h))
+            h.square().mean().backward()
+        self.opt.step()
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.opt}
+
+    def plain_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+
+class Stepper(Protocol):
+    """All the overhead estimator needs: one training step per call."""
+
+    def step(self) -> None: ...
+
+
+class Steps(Stepper, Protocol):
+    """What the measurements need of a trainer: :class:`Trainer` or :class:`DenseTrainer`."""
+
+    reps: int
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def opt(self) -> torch.optim.Optimizer: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def plain_state(self) -> dict[str, Any]: ...
+
+
+def make_trainer(state: str, size_gib: float) -> Trainer | DenseTrainer:
+    """The foundation's state at ``size_gib``: ``sparse`` (tables, SGD) or ``dense`` (AdamW)."""
+    if state == "dense":
+        return DenseTrainer(DenseModel(dense_width(size_gib * GiB)))
+    return Trainer(BenchModel(max(1024, int(size_gib * GiB / (TABLES * DIM * 4)))))
+
+
 def state_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def calibrate(trainer: Trainer, target_s: float, repeats: int) -> float:
+def calibrate(trainer: Steps, target_s: float, repeats: int) -> float:
     """Pick ``trainer.reps`` so a step takes about ``target_s``; returns the measured median step."""
 
     def step_time(reps: int) -> float:
@@ -247,7 +332,7 @@ def measure_torch_save(trainer: Trainer, directory: Path, repeats: int) -> float
         path.unlink(missing_ok=True)
 
 
-def dcp_save(trainer: Trainer, directory: Path, stager: DefaultStager | None = None) -> Any:
+def dcp_save(trainer: Steps, directory: Path, stager: DefaultStager | None = None) -> Any:
     """DCP async_save of the state as a user would call it (Stateful objects, FileSystemWriter)."""
     writer = dcp.FileSystemWriter(str(directory), overwrite=True)
     return dcp.async_save(trainer.state(), storage_writer=writer, async_stager=stager, no_dist=True)
@@ -402,7 +487,7 @@ def run_loop(trainer: Trainer, steps: int, k: int = 0, save: Callable[[], None] 
     return LoopRun(time.perf_counter() - t0, steps, save_calls=calls)
 
 
-def steps_until(trainer: Trainer, fut: Future[Any], min_steps: int = 2, timeout: float = 600.0) -> None:
+def steps_until(trainer: Steps, fut: Future[Any], min_steps: int = 2, timeout: float = 600.0) -> None:
     """Keep training until ``fut`` resolves (a warm-up save finishing under load)."""
     deadline = time.monotonic() + timeout
     n = 0
@@ -444,6 +529,7 @@ def make_client(
     optimizers: list[torch.optim.Optimizer] | None = None,
     shm: str = "auto",
     overlap: str = "auto",
+    **settings: Any,
 ) -> Any:
     return CheckpointClient(
         job=job,
@@ -454,6 +540,7 @@ def make_client(
         resume="never",
         when_busy="skip",
         connect_timeout_s=60.0,
+        **settings,
     )
 
 
@@ -478,8 +565,15 @@ class Attributed:
         return median_ci(self.overheads)
 
 
+QUIET_STEPS = 4  # steps without a save on each side of every save's span
+
+
 def attributed_overhead(
-    trainer: Trainer, n: int, save: Callable[[], Future[Any]], quiet: int = 4, margin: int = 1
+    trainer: Stepper,
+    n: int,
+    save: Callable[[], Future[Any]],
+    quiet: int = QUIET_STEPS,
+    margin: int = 1,
 ) -> Attributed:
     """(loop time with a save - the same steps without one), per save, measured where it happens.
 
@@ -519,6 +613,24 @@ def attributed_overhead(
         res.spans.append(len(span))
         before = after
     return res
+
+
+def saves_cpu_s(per_step: list[float], spans: list[int], quiet: int = QUIET_STEPS) -> tuple[float, float]:
+    """(CPU the saves added, CPU of a step without a save) from the CPU of every step of one
+    ``attributed_overhead`` loop, in order (``quiet`` steps, then per save its span and ``quiet``
+    steps). The CPU of the spans' steps less as many times the mean of the quiet steps' CPU: what
+    the same training steps would have cost without saves. The mean, not the median: /proc counts
+    CPU in ticks of 10 ms, a good part of a short step, and the mean of many steps does not round."""
+    quiet_cpu, span_cpu, span_steps, i = list(per_step[:quiet]), 0.0, 0, quiet
+    for span in spans:
+        span_cpu += sum(per_step[i : i + span])
+        span_steps += span
+        quiet_cpu += per_step[i + span : i + span + quiet]
+        i += span + quiet
+    if i != len(per_step) or not quiet_cpu:
+        raise ValueError(f"{len(per_step)} steps do not match spans {spans} with {quiet} quiet steps")
+    step_cpu = sum(quiet_cpu) / len(quiet_cpu)
+    return span_cpu - span_steps * step_cpu, step_cpu
 
 
 def null_save(delay: float) -> Callable[[], Future[Any]]:
@@ -598,20 +710,16 @@ def proc_cpu_s(pid: int | None) -> float:
         return math.nan
 
 
-def boto3_floor(endpoint: str, bucket: str) -> tuple[Callable[[str, bytes], float], dict[str, int]]:
-    """A plain boto3 multipart upload (TransferManager's upload_fileobj) to ``endpoint``: the
-    floor a full checkpoint's time to durable is held against. Its client is configured as
-    Strata's S3 store configures its own (no CRC trailers, no payload signing where TLS allows,
-    path-style), with the store's part size and threshold and the sidecar's upload concurrency, so
-    the two differ in the pipeline only. Returns ``upload(key, body) -> seconds`` and the settings."""
+def s3_client(endpoint: str, concurrency: int) -> tuple[Any, Any]:
+    """A boto3 S3 client for SeaweedFS configured as Strata's S3 store configures its own (no CRC
+    trailers, no payload signing where TLS allows, path-style), and a TransferConfig with the
+    store's part size and threshold and ``concurrency`` parts in flight."""
     import boto3
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    from sidecar.config import SidecarSettings
     from sidecar.store.s3 import DEFAULT_MULTIPART_THRESHOLD, DEFAULT_PART_BYTES
 
-    concurrency = SidecarSettings().upload_concurrency
     client = boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint,
@@ -632,6 +740,20 @@ def boto3_floor(endpoint: str, bucket: str) -> tuple[Callable[[str, bytes], floa
         use_threads=True,
         preferred_transfer_client="classic",
     )
+    return client, transfer
+
+
+def boto3_floor(endpoint: str, bucket: str) -> tuple[Callable[[str, bytes], float], dict[str, int]]:
+    """A plain boto3 multipart upload (TransferManager's upload_fileobj) to ``endpoint``: the
+    floor a full checkpoint's time to durable is held against. Its client is configured as
+    Strata's S3 store configures its own (no CRC trailers, no payload signing where TLS allows,
+    path-style), with the store's part size and threshold and the sidecar's upload concurrency, so
+    the two differ in the pipeline only. Returns ``upload(key, body) -> seconds`` and the settings."""
+    from sidecar.config import SidecarSettings
+    from sidecar.store.s3 import DEFAULT_PART_BYTES
+
+    concurrency = SidecarSettings().upload_concurrency
+    client, transfer = s3_client(endpoint, concurrency)
 
     def upload(key: str, body: bytes) -> float:
         t0 = time.perf_counter()
@@ -702,7 +824,7 @@ def durable_vs_boto3(
     return out
 
 
-def state_tensors(trainer: Trainer) -> list[torch.Tensor]:
+def state_tensors(trainer: Steps) -> list[torch.Tensor]:
     """The tensors a save of ``trainer.state()`` carries: parameters and optimizer state."""
     tensors = list(trainer.model.state_dict().values())
     for per_param in trainer.opt.state_dict()["state"].values():

@@ -35,6 +35,7 @@ SECTIONS = (
     "operator",
     "dcp",
     "peers",
+    "peers_dense",
     "neighbour",
     "verify",
     "torchrec",
