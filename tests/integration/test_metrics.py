@@ -74,7 +74,7 @@ def test_metrics_endpoint_reports_what_the_trainer_did(make_sidecar, make_client
     server = make_sidecar(metrics_port=port, metrics_host="127.0.0.1")
     assert server.metrics_port == port
     # One generation for both: a second client of its own would be a new attempt fencing the first off.
-    client = make_client(server, job_name, capture_rng=False, generation="metrics/0")
+    client = make_client(server, job_name, capture_rng=False, generation="metrics/0", staging_buffers=2)
     # same rank, same attempt: shares the sidecar's slot
     other = make_client(server, job_name, capture_rng=False, generation="metrics/0")
 
