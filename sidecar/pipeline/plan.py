@@ -302,11 +302,12 @@ class SnapshotEncoder:
         bitmap = self._touched.get(name)
         if bitmap is not None:
             g = enc.digest_group(width)
-            touched = np.unique(np.flatnonzero(self._tracked(name, rows, bitmap)) // g)
+            mask = self._tracked(name, rows, bitmap)
+            touched = np.unique(np.flatnonzero(mask) // g)
             marked = np.zeros(len(old), np.bool_)
             marked[touched] = True
-            mask = enc.rows_of_groups(marked, rows, width)
-            others = np.unique(self._sample(name, mask) // g)
+            # Rows sharing a group with a looked-up one cannot be checked against their digest.
+            others = np.unique(self._sample(name, mask, enc.rows_of_groups(marked, rows, width)) // g)
             if not (enc.group_digests(cur, others) != old[others]).any():
                 new = old.copy()
                 new[touched] = enc.group_digests(cur, touched)
@@ -323,20 +324,21 @@ class SnapshotEncoder:
         looked_up = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=rows, bitorder="little")
         return looked_up.astype(np.bool_)
 
-    def _sample(self, name: str, mask: np.ndarray) -> np.ndarray:
+    def _sample(self, name: str, mask: np.ndarray, unchecked: np.ndarray | None = None) -> np.ndarray:
         """The rows not looked up that are checked (all, or a sample sized by
-        :func:`check_sample_size`), recording in ``_tracking`` how many."""
-        others = np.flatnonzero(~mask)
-        untracked = len(others)
+        :func:`check_sample_size`), recording in ``_tracking`` how many; none of ``unchecked``
+        (rows that cannot be checked)."""
+        untracked = int(len(mask) - np.count_nonzero(mask))
+        others = np.flatnonzero(~(mask if unchecked is None else mask | unchecked))
         if self._check_rows is not None:
-            k = min(self._check_rows, untracked)
+            k = min(self._check_rows, len(others))
         else:
-            k = check_sample_size(untracked, self._check_fraction, self._check_confidence)
-        if k < untracked:
+            k = min(check_sample_size(untracked, self._check_fraction, self._check_confidence), len(others))
+        if k < len(others):
             # Deterministic per step and tensor, so a rerun checks the same rows, and
             # different from step to step. Sorted, so the gather walks memory forwards.
             rng = np.random.default_rng([self.step % (1 << 63), _name_seed(name)])
-            picked = rng.choice(untracked, k, replace=False)
+            picked = rng.choice(len(others), k, replace=False)
             picked.sort()
             others = others[picked]
         if not untracked:
