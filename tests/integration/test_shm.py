@@ -906,3 +906,55 @@ def test_a_refused_drop_leaves_the_old_segment_mapped_only_while_its_step_is_hel
         assert len(memfd_segments(client)) == 1
     out = state(-1.0)
     assert client.restore(out) == 5 and client.last_restore["source"] == "memory"
+
+
+def test_a_restarted_sidecar_with_one_staging_segment_gets_new_segments(
+    make_sidecar, make_client, job_name, short_tmp
+):
+    """The default (one segment): the new sidecar never saw the segment nor the connection its
+    drop goes on; the save stages into a new segment, handed over to the new sidecar."""
+    storage = f"file://{short_tmp}/restart-one"
+    first = make_sidecar(storage)
+    client = make_client(first, job_name, capture_rng=False)
+    assert len(client._buffers) == 1
+    client.save(1, state(1.0)).durable.result(30)
+    first.stop(grace=0.2)
+    second = make_sidecar(storage, socket=first.socket_path)
+    assert client.save(2, state(2.0)).durable.result(30).step == 2
+    assert client.save(3, state(3.0)).durable.result(30).step == 3
+    assert all(b.segment is not None and b.segment.fd is not None for b in client._buffers)  # memfds
+    assert shm_files(second) == []
+    assert [x.segment for x in second.engine.held.snapshots()] == [client._buffers[0].segment.name]
+    out = state(-1.0)
+    assert make_client(second, job_name, capture_rng=False).restore(out) == 3
+    assert torch.equal(out["w"], state(3.0)["w"])
+    assert mf.committed_steps(second.store, "default", job_name) == [1, 2, 3]
+
+
+def test_a_save_staged_into_the_held_segment_without_a_drop_is_refused_at_admission(
+    make_sidecar, make_client, job_name, monkeypatch, caplog
+):
+    """A client that stages into its one segment without asking for it back first: the sidecar
+    refuses the save that names the segment still holding the committed step (it is streamed), and
+    the scribbled-over step is never served from memory."""
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    assert client._segments is not None
+    monkeypatch.setattr(client._segments, "drop", lambda segment: None)
+    admit = server.engine.admission.begin_save
+    refused: list[str] = []
+
+    def watch(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return admit(*args, **kwargs)
+        except Exception as exc:
+            refused.append(str(exc))
+            raise
+
+    monkeypatch.setattr(server.engine.admission, "begin_save", watch)
+    assert client.save(2, state(2.0)).durable.result(30).step == 2
+    assert any("still holds step 1" in why for why in refused), refused
+    out = state(-1.0)
+    assert make_client(server, job_name, capture_rng=False).restore(out, step=1) == 1
+    assert torch.equal(out["w"], state(1.0)["w"])
