@@ -120,11 +120,16 @@ def _hash(groups: U8) -> npt.NDArray[np.uint32]:
         fresh = (raw[DIGEST_WIDTH:].reshape(limbs, DIGEST_WIDTH).copy(), raw[:DIGEST_WIDTH].copy())
         keys = _DIGEST_KEYS.setdefault(limbs, fresh)
     mult, add = keys
-    block = max(1, (4 << 20) // (8 * limbs))
+    block = min(n, max(1, (4 << 20) // (8 * limbs)))
     shift = np.uint64(32)
+    # One widened block reused: a fresh one per block would fault in new pages every time (the
+    # kernel zeroing them cost as much CPU as the hashing).
+    wide = np.empty((block, limbs), np.uint64)
     for s in range(0, n, block):
-        wide = np.ascontiguousarray(groups[s : s + block]).view(word).astype(np.uint64)
-        out[s : s + block] = (wide @ mult + add) >> shift  # unsigned: wraps mod 2**64
+        part = np.ascontiguousarray(groups[s : s + block]).view(word)
+        w = wide[: len(part)]
+        np.copyto(w, part)
+        out[s : s + block] = (w @ mult + add) >> shift  # unsigned: wraps mod 2**64
     return out
 
 
