@@ -5,10 +5,12 @@ sidecar hold (``metadata``: its state tree parsed and as its MANIFEST carries it
 list), restore buffers (read from storage, or decoded from held lossy forms), restores read
 ahead, and encode scratch (quantized and diffed payloads while they upload). Not charged:
 shared-memory segments. The trainer creates and first touches them, so their pages belong to the
-trainer container's memory limit and to the emptyDir's ``sizeLimit``: two segments per rank,
-each the rank's snapshot size. What no reservation covers is bounded by a limit instead: one
-gRPC message (--max-message-bytes), a state tree (--max-tree-bytes, before it is parsed), the
-tensors of one save (--max-tensors), names and dimensions (sidecar.engine.admission).
+trainer container's memory limit and to the emptyDir's ``sizeLimit``: one segment per rank by
+default, two with ``STRATA_STAGING_BUFFERS=2`` or redundancy (or after a refused drop), each the
+rank's snapshot size. The chains' digests (``sidecar.engine.held``) are charged as encode
+memory. What no reservation covers is bounded by a limit instead: one gRPC message
+(--max-message-bytes), a state tree (--max-tree-bytes, before it is parsed), the tensors of one
+save (--max-tensors), names and dimensions (sidecar.engine.admission).
 
 A reservation that does not fit is refused with RESOURCE_EXHAUSTED, naming what asked, what is
 held and the limit; nothing waits for memory, so nothing deadlocks on it. The limit comes from

@@ -52,6 +52,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -232,11 +233,29 @@ class Segments:
         (capability ``save.shm.fd=<name>``), or "" where there is none."""
         return os.path.basename(self._handover.path) if self._handover is not None else ""
 
-    def on_drop(self, drop: Callable[[str], str]) -> None:
-        """``drop(name)`` gives up what is held in segment ``name`` when its trainer asks to stage
-        into it again (SHM_STAGING_CAPABILITY): "" once done, else why not."""
+    def on_drop(self, drop: Callable[[str, object], str]) -> None:
+        """``drop(name, owner)`` gives up what is held in segment ``name`` of rank ``owner`` when
+        its trainer asks to stage into it again (SHM_STAGING_CAPABILITY): "" once done, else why
+        not. Where it is not done, the trainer stages into a new segment and never this one again:
+        it leaves the cache (its mapping lives as long as the snapshot held in it)."""
         if self._handover is not None:
-            self._handover.on_drop = drop
+            self._handover.on_drop = lambda name, inode: self._drop(drop, name, inode)
+
+    def _drop(self, drop: Callable[[str, object], str], name: str, inode: tuple[int, int]) -> str:
+        with self._lock:
+            owner = next(
+                (o for o, m in self._maps.items() if name in m and _inode(m[name]) == inode),
+                None,
+            )
+        if owner is None:  # no save named this connection's segment: nothing is held in it
+            return ""
+        why = drop(name, owner)
+        if why:
+            with self._lock:
+                maps = self._maps.get(owner)
+                if maps is not None and name in maps:
+                    self._forget(maps.pop(name))
+        return why
 
     def held_name(self, name: str) -> str | None:
         """What a restoring trainer reads segment ``name``'s bytes from without a copy: a memfd
@@ -421,6 +440,14 @@ class Segments:
             _LIVE.discard(self._id)
 
 
+def _inode(segment: Segment) -> tuple[int, int] | None:
+    """The device and inode of a mapped segment's memfd (None for a file segment)."""
+    if segment.mapped is None:
+        return None
+    info = os.fstat(segment.mapped.fd)
+    return info.st_dev, info.st_ino
+
+
 def _instance(name: str) -> str:
     """The client instance of a name that matched SHM_SEGMENT_PATTERN."""
     return name.split("-")[1]
@@ -458,10 +485,15 @@ class Handover:
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[int, int, socket.socket]] = {}  # name -> fd, size, connection
         self._by_conn: dict[socket.socket, list[str]] = {}
-        #: per connection, the names it handed over (it alone may ``drop`` them)
-        self._handed: dict[socket.socket, list[str]] = {}
+        #: per connection, the names it handed over and their memfds' device and inode (it alone
+        #: may ``drop`` them, and only the segment it handed over under that name)
+        self._handed: dict[socket.socket, list[tuple[str, tuple[int, int]]]] = {}
         #: gives the committed snapshot held in a segment up (``drop``): "" once done, else why not
-        self.on_drop: Callable[[str], str] | None = None
+        self.on_drop: Callable[[str, tuple[int, int]], str] | None = None
+        #: drops run here, off the selector thread (one may hash a snapshot); their connections
+        #: are read again once answered (``_rearm``)
+        self._drops = ThreadPoolExecutor(2, thread_name_prefix="strata-shm-drop")
+        self._rearm: list[socket.socket] = []
         #: one-time names of held segments lent to restoring trainers: read-only fd, expiry
         self._lent: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._prefix = "strata-fd-" + name.removeprefix(".strata-segments-").removesuffix(".sock") + "-"
@@ -539,6 +571,7 @@ class Handover:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(10)
+        self._drops.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for fd, _ in self._lent.values():
                 os.close(fd)
@@ -553,7 +586,9 @@ class Handover:
                 for key, _ in self._selector.select():
                     if key.fileobj is self._listener:
                         self._accept()
-                    elif key.fileobj is not self._wake_r:
+                    elif key.fileobj is self._wake_r:
+                        self._rearm_answered()
+                    else:
                         self._receive(key.fileobj)  # type: ignore[arg-type]
         except Exception:  # never expected: the sidecar goes on, taking segment files only
             log.exception("the shared-memory handover socket stopped")
@@ -593,7 +628,10 @@ class Handover:
         if data.startswith(b"get ") and not fds:
             answer, lent = self._give(data[4:].decode("ascii", "replace"))
         elif data.startswith(b"drop ") and not fds:
-            answer = self._drop(data[5:].decode("ascii", "replace"), conn)
+            # Not a message more from this connection until it is answered.
+            self._selector.unregister(conn)
+            self._drops.submit(self._answer_drop, data[5:].decode("ascii", "replace"), conn)
+            return
         else:
             answer = self._take(data, fds, flags, conn)
         try:
@@ -617,16 +655,44 @@ class Handover:
             return f"error: no segment is lent as {name!r} (it was fetched already, or expired)", -1
         return "ok", entry[0]
 
+    def _answer_drop(self, name: str, conn: socket.socket) -> None:
+        try:
+            answer = self._drop(name, conn)
+        except Exception as exc:  # never expected: the trainer stages into a new segment
+            log.exception("giving up what segment %s holds failed", name)
+            answer = f"error: internal error: {type(exc).__name__}"
+        try:
+            conn.send(answer.encode())
+        except OSError:
+            with self._lock:
+                self._drop_locked(conn)
+            return
+        with self._lock:
+            self._rearm.append(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"r")
+
+    def _rearm_answered(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_r.recv(4096)
+        with self._lock:
+            conns, self._rearm = self._rearm, []
+            for conn in conns:
+                if conn in self._by_conn:
+                    self._selector.register(conn, selectors.EVENT_READ)
+
     def _drop(self, name: str, conn: socket.socket) -> str:
         """The trainer stages into segment ``name`` again: what is held in it goes first. Only on
-        the connection that handed it over (no one else knows the name, yet it is not a secret)."""
+        the connection that handed it over (no one else knows the name, yet it is not a secret),
+        and only the memfd it handed over under that name (another connection may hand one over
+        under a name a save of another rank already named)."""
         with self._lock:
-            mine = name in self._handed.get(conn, ())
-        if not mine:
+            inode = next((i for n, i in reversed(self._handed.get(conn, ())) if n == name), None)
+        if inode is None:
             return f"error: segment {name!r} was not handed over on this connection"
         if self.on_drop is None:
             return "error: this sidecar does not take segments back"
-        why = self.on_drop(name)
+        why = self.on_drop(name, inode)
         return f"error: {why}" if why else "ok"
 
     def _take(self, data: bytes, fds: list[int], flags: int, conn: socket.socket) -> str:
@@ -640,7 +706,8 @@ class Handover:
         if why:
             os.close(fd)
             return f"error: {why}"
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        size = info.st_size
         with self._lock:
             if name in self._pending or conn not in self._by_conn:
                 os.close(fd)
@@ -651,7 +718,7 @@ class Handover:
             names.append(name)
             self._pending[name] = (fd, size, conn)
             handed = self._handed.setdefault(conn, [])
-            handed.append(name)
+            handed.append((name, (info.st_dev, info.st_ino)))
             del handed[: -self.MAX_HANDED]
         return "ok"
 

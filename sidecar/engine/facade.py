@@ -47,7 +47,9 @@ class Engine:
         self.attempts = Attempts(shared, self.held, self.reports)
         self.commits = Commits(shared, self.held, self.reports, self.redundancy)
         self.restorer = Restorer(shared, self.held, self.attempts, self.redundancy)
-        self.segments.on_drop(lambda name: self.held.drop_segment(name, self.redundancy.protecting))
+        self.segments.on_drop(
+            lambda name, owner: self.held.drop_segment(name, owner, self.redundancy.protecting)  # type: ignore[arg-type]
+        )
         self.attempts.holdings_of = self._holdings
         self.admission = Admission(
             shared, self.held, self.attempts, self.commits, self.restorer, self.reports

@@ -16,11 +16,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from sidecar import manifest as mf
 from sidecar.budget import Reservation
 from sidecar.errors import FailedPrecondition, ResourceExhausted
 from sidecar.gang import Position
-from sidecar.pipeline.plan import Chain, HeldForms, base_digests
+from sidecar.pipeline.plan import Chain, HeldForms, base_digests, layout_of
 
 from .state import Shared
 from .types import Identity, JobKey, Slot, Snapshot, drop_buffer, outcome_of
@@ -117,42 +119,50 @@ class Held:
                     self._drop_locked(old)
         self.update_gauge()
 
-    def drop_segment(self, name: str, busy: Callable[[JobKey, Position], bool] | None = None) -> str:
-        """The trainer is about to stage into its shared segment ``name`` again (one staging
-        segment): the committed snapshot held in it goes from memory first, so that no memory
-        restore, holdings report or diff reads it while it is overwritten. Storage has it; the
-        rank's chain stays (its row digests stand for the bytes). Not while ``busy`` says the
+    def drop_segment(
+        self, name: str, slot: Slot, busy: Callable[[JobKey, Position], bool] | None = None
+    ) -> str:
+        """The trainer of rank ``slot`` is about to stage into its shared segment ``name`` again
+        (one staging segment): the committed snapshot held in it goes from memory first, so that
+        no memory restore, holdings report or diff reads it while it is overwritten. Storage has
+        it; the rank's chain stays (its digests stand for the bytes). Not while ``busy`` says the
         step is being read for peers (they would get torn bytes): the trainer then stages into a
-        new segment. "" once done, else why not.
+        new segment. "" once done, else why not (of that rank's own steps only).
 
-        The next diff needs the chain's row digests of what the trainer holds: the encoder kept
-        them unless this step was compared with a copy, or the trainer restored it with lossy
-        tensors decoded; then they are computed here, from the bytes while they are intact."""
+        The next diff needs the chain's digests of what the trainer holds: the encoder kept them
+        unless this step was compared with a copy, or the trainer restored it with lossy tensors
+        decoded; then they are computed here, from the bytes while they are intact, when a diff
+        can follow (not under policy full, nor at the end of a chain)."""
         with self.shared.lock:
-            found = [(held, s) for held in self.slots.values() for s in held if s.segment == name]
-            for _, snap in found:
+            found = [s for s in self.slots.get(slot, []) if s.segment == name]
+            for snap in found:
                 if snap.state != "committed":
                     return f"segment {name} holds step {snap.step}, still {snap.state}"
                 if busy is not None and busy(snap.identity.job_key, snap.position):
                     return f"step {snap.step} in segment {name} is being copied to peers"
             todo = []
-            for _, snap in found:
-                slot = snap.identity.slot
-                chain = self.chains.get(slot)
+            chain = self.chains.get(slot)
+            for snap in found:
                 decoded = self.decoded.get(slot) == snap.step
-                if chain is not None and chain.steps[-1] == snap.step and (chain.digests is None or decoded):
+                if (
+                    chain is not None
+                    and chain.steps[-1] == snap.step
+                    and (chain.digests is None or decoded)
+                    and self._diff_may_follow(chain, snap)
+                ):
                     forms = [(t, h) for _, t, h in self.layers.get(slot, [])] if decoded else []
-                    todo.append((slot, chain, snap, forms))
-        for slot, chain, snap, forms in todo:  # the trainer waits; nothing else writes these bytes
-            digests = base_digests(snap.tensors, memoryview(snap.buffer), list(chain.since_full), forms)
+                    todo.append((chain, snap, memoryview(snap.buffer), forms))
+        for chain, snap, view, forms in todo:  # the trainer waits; nothing else writes these bytes
+            digests = self._base_digests(chain, snap, view, forms)
             with self.shared.lock:
                 if self.chains.get(slot) is chain:
                     self.chains[slot] = replace(chain, digests=digests)
-                    self.decoded.pop(slot, None)  # the digests are of the decoded values
+                    if digests is not None:
+                        self.decoded.pop(slot, None)  # the digests are of the decoded values
+                    self.account(slot)
         with self.shared.lock:
-            found = [(held, s) for held in self.slots.values() for s in held if s.segment == name]
-            for held, snap in found:
-                held.remove(snap)
+            for snap in [s for s in self.slots.get(slot, []) if s.segment == name]:
+                self.slots[slot].remove(snap)
                 self._drop_locked(snap)
                 log.info(
                     "rank %d: step %d leaves memory, its trainer stages into its segment again",
@@ -161,6 +171,43 @@ class Held:
                 )
         self.update_gauge()
         return ""
+
+    def _diff_may_follow(self, chain: Chain, snap: Snapshot) -> bool:
+        """Whether the next checkpoint after ``chain`` may be a diff: digests are needed then only."""
+        settings = self.shared.settings
+        return (
+            settings.policy != "full"
+            and bool(chain.since_full)
+            and len(chain.sizes) < settings.max_diffs
+            and chain.layout == layout_of(snap.tensors)
+        )
+
+    def _base_digests(
+        self, chain: Chain, snap: Snapshot, view: memoryview, forms: list[HeldForms]
+    ) -> dict[str, np.ndarray] | None:
+        """The digests of the snapshot in ``view`` as its trainer holds it; None (the next
+        checkpoint is full) where they cannot be computed within the memory budget."""
+        names = list(chain.since_full)
+        if any(t.offset + t.nbytes > len(view) for t in snap.tensors if t.name in names):
+            return None
+        decoded = {n for _, h in forms for n in h}
+        widest = max((t.nbytes for t in snap.tensors if t.name in decoded), default=0)
+        rank = snap.identity.rank
+        room = None
+        try:
+            if widest:  # a decoded tensor is copied, one at a time, as commit._encoder does
+                room = self.shared.memory.reserve(
+                    "encode", widest, f"digesting step {snap.step} (rank {rank})"
+                )
+            return base_digests(snap.tensors, view, names, forms)
+        except (ResourceExhausted, FailedPrecondition, ValueError, MemoryError) as exc:
+            log.warning(
+                "rank %d: no digests of step %d (%s); its next checkpoint is full", rank, snap.step, exc
+            )
+            return None
+        finally:
+            if room is not None:
+                room.release()
 
     def drop_committed_locked(self, identity: Identity, what: str) -> None:
         """Give up the committed copies in memory of ``identity``'s rank (caller holds the lock):
@@ -377,13 +424,28 @@ class Held:
                 self.storage_restores[key] = lossy
 
     def account(self, slot: Slot) -> None:
-        """Charge a rank's held lossy forms to the budget (caller holds the shared lock). When
-        they do not fit they are dropped: memory restores of that chain then read storage."""
+        """Charge a rank's held lossy forms and its chain's digests to the budget (caller holds
+        the shared lock). Digests that do not fit are dropped (the next checkpoint is full unless
+        the previous snapshot is still held); lossy forms that do not fit are dropped too: memory
+        restores of that chain then read storage."""
         old = self.layer_memory.pop(slot, None)
         if old is not None:
             old.release()
         layers = self.layers.get(slot, [])
         size = sum(len(b) for _, _, held in layers for b in held.values())
+        chain = self.chains.get(slot)
+        digests = sum(d.nbytes for d in chain.digests.values()) if chain and chain.digests else 0
+        if not size + digests:
+            return
+        what = f"rank {slot[2]}'s held lossy forms and digests"
+        try:
+            self.layer_memory[slot] = self.shared.memory.reserve("encode", size + digests, what)
+            return
+        except (ResourceExhausted, FailedPrecondition) as exc:
+            if digests:
+                log.warning("rank %d: %s; its next diff needs a held copy to compare with", slot[2], exc)
+                assert chain is not None
+                self.chains[slot] = replace(chain, digests=None)
         if not size:
             return
         try:

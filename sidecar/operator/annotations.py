@@ -452,7 +452,9 @@ POD_ANNOTATION_DOCS: dict[str, str] = {
     "(`strata.dev/encode-workers`) is what uses CPU",
     "strata.dev/shm-size": "`sizeLimit` of this pod's shared-memory emptyDir, a Kubernetes quantity of at "
     "least 1Mi (e.g. `8Gi`); default: the chart's `sidecar.shmSize`. The segments' pages are charged "
-    "to the trainer: its memory limit must cover two segments per rank. With `strata.dev/redundancy` add "
+    "to the trainer: its memory limit must cover two segments per rank (one by default, two with "
+    "`STRATA_STAGING_BUFFERS=2` or redundancy, and headroom for a refused drop). "
+    "With `strata.dev/redundancy` add "
     "what the sidecar holds for other pods there (buddy: 2 x snapshot; parity: 2 x snapshot / (group - 1), "
     "the complete copy and the next one being built), "
     "which counts in the sidecar's memory (`strata.dev/sidecar-memory`)",

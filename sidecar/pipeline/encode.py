@@ -84,22 +84,31 @@ def changed_rows(current: U8, previous: U8) -> Bool1D:
     return out
 
 
-#: Per-row digests (:func:`row_digests`): two 32-bit hashes per row
+#: Per-group digests (:func:`row_digests`): two 32-bit hashes per group of rows
 DIGEST_WIDTH = 2
-#: Keys of this process's row digests, by row width in limbs: random, so no data is more likely
+#: A digest stands for a group of consecutive rows of at least this many bytes, so digests
+#: cost at most 8 bytes per 256 of a tensor (1/32) however narrow its rows: a 1-D tensor
+#: (ZeRO/FSDP flat parameters, optimizer partitions) has a row per element.
+DIGEST_GROUP_BYTES = 256
+#: Keys of this process's digests, by group width in limbs: random, so no data is more likely
 #: than another to collide; digests live with a chain in this process only, never stored.
-_DIGEST_KEYS: dict[int, npt.NDArray[np.uint64]] = {}
+_DIGEST_KEYS: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = {}
 
 
-def row_digests(rows: U8) -> npt.NDArray[np.uint32]:
-    """Two independent multilinear-shift hashes of every row (Lemire and Kaser, "Strongly
-    universal string hashing is fast"): the row as 32-bit limbs x_i (16- or 8-bit where its width
-    is not a multiple of 4), h = (sum k_i x_i mod 2**64) >> 32 with random 64-bit keys k_i. Two
-    different rows get the same 32-bit hash with probability at most 2**-32 for each of the two
-    independent key sets, 2**-64 for both, whatever the data (the keys are drawn at random in
-    this process). 8 bytes per row, about twice the CPU of comparing the row with a copy of it,
-    for one read of it instead of two."""
-    n, width = rows.shape
+def digest_group(row_bytes: int) -> int:
+    """Rows a digest stands for: ``ceil(DIGEST_GROUP_BYTES / row_bytes)`` (a changed group marks
+    all its rows changed, a superset of those that did)."""
+    return max(1, -(-DIGEST_GROUP_BYTES // row_bytes)) if row_bytes > 0 else 1
+
+
+def digest_groups(rows: int, row_bytes: int) -> int:
+    """How many digests a tensor of ``rows`` rows of ``row_bytes`` has."""
+    return -(-rows // digest_group(row_bytes))
+
+
+def _hash(groups: U8) -> npt.NDArray[np.uint32]:
+    """Both hashes of every row of ``groups`` (see :func:`row_digests`), block by block."""
+    n, width = groups.shape
     out = np.zeros((n, DIGEST_WIDTH), np.uint32)
     if not n or not width:
         return out
@@ -107,14 +116,68 @@ def row_digests(rows: U8) -> npt.NDArray[np.uint32]:
     limbs = width // np.dtype(word).itemsize
     keys = _DIGEST_KEYS.get(limbs)
     if keys is None:
-        raw = np.frombuffer(os.urandom(8 * limbs * DIGEST_WIDTH), np.uint64)
-        keys = _DIGEST_KEYS.setdefault(limbs, raw.reshape(limbs, DIGEST_WIDTH).copy())
-    block = max(1, (4 << 20) // (8 * limbs))
+        raw = np.frombuffer(os.urandom(8 * (limbs + 1) * DIGEST_WIDTH), np.uint64)
+        fresh = (raw[DIGEST_WIDTH:].reshape(limbs, DIGEST_WIDTH).copy(), raw[:DIGEST_WIDTH].copy())
+        keys = _DIGEST_KEYS.setdefault(limbs, fresh)
+    mult, add = keys
+    block = min(n, max(1, (4 << 20) // (8 * limbs)))
     shift = np.uint64(32)
+    # One widened block reused: a fresh one per block would fault in new pages every time (the
+    # kernel zeroing them cost as much CPU as the hashing).
+    wide = np.empty((block, limbs), np.uint64)
     for s in range(0, n, block):
-        wide = np.ascontiguousarray(rows[s : s + block]).view(word).astype(np.uint64)
-        out[s : s + block] = (wide @ keys) >> shift  # unsigned: wraps mod 2**64
+        part = np.ascontiguousarray(groups[s : s + block]).view(word)
+        w = wide[: len(part)]
+        np.copyto(w, part)
+        out[s : s + block] = (w @ mult + add) >> shift  # unsigned: wraps mod 2**64
     return out
+
+
+def row_digests(rows: U8) -> npt.NDArray[np.uint32]:
+    """Two independent multilinear hashes (Lemire and Kaser, "Strongly universal string hashing
+    is fast") of every group of :func:`digest_group` rows (the last group may be shorter): the
+    group as 32-bit limbs x_i (16- or 8-bit where its width is not a multiple of 4),
+    h = ((k_0 + sum k_i x_i) mod 2**64) >> 32 with random 64-bit keys k_i. Two different groups
+    get the same 32-bit hash with probability at most about 2**-31 for each of the two independent
+    key sets, 2**-62 for both, whatever the data (the keys are drawn at random in this process).
+    8 bytes per group, about twice the CPU of comparing the bytes with a copy of them, for one
+    read of them instead of two."""
+    n, width = rows.shape
+    g = digest_group(width)
+    whole = n // g
+    out = np.zeros((digest_groups(n, width), DIGEST_WIDTH), np.uint32)
+    if not n or not width:
+        return out
+    out[:whole] = _hash(rows[: whole * g].reshape(whole, g * width))
+    if whole * g < n:
+        out[whole:] = _hash(np.ascontiguousarray(rows[whole * g :]).reshape(1, -1))
+    return out
+
+
+def group_digests(rows: U8, which: npt.NDArray[np.intp]) -> npt.NDArray[np.uint32]:
+    """What :func:`row_digests` gives for the groups ``which`` (ascending) only, gathered block by
+    block: the temporary copy stays small however many rows are looked up."""
+    n, width = rows.shape
+    g = digest_group(width)
+    whole = n // g
+    out = np.zeros((len(which), DIGEST_WIDTH), np.uint32)
+    if not n or not width or not len(which):
+        return out
+    groups = rows[: whole * g].reshape(whole, g * width)
+    block = max(1, _BLOCK_BYTES // (g * width))
+    for s in range(0, len(which), block):
+        idx = which[s : s + block]
+        inside = idx < whole
+        part = out[s : s + block]
+        part[inside] = _hash(groups[idx[inside]])
+        if not inside.all():  # the last, shorter group
+            part[~inside] = _hash(np.ascontiguousarray(rows[whole * g :]).reshape(1, -1))
+    return out
+
+
+def rows_of_groups(changed: Bool1D, rows: int, row_bytes: int) -> Bool1D:
+    """Per row: whether its digest group is marked in ``changed``."""
+    return np.repeat(changed, digest_group(row_bytes))[:rows]
 
 
 @dataclass

@@ -90,7 +90,8 @@ class Chain:
     since_full: dict[str, np.ndarray]
     #: sizes of the diffs since the full one, as fractions of a full checkpoint's size
     sizes: tuple[float, ...]
-    #: per diffed tensor, each row's digest (``enc.row_digests``) in the newest step, kept when
+    #: per diffed tensor, a digest per group of rows (``enc.row_digests``: at most 1/32 of its
+    #: bytes, charged to the memory budget with the chain's held forms) in the newest step, kept when
     #: that step's bytes were not compared with a copy of the step before (none was held: the
     #: trainer stages into a single segment, which the sidecar gives back before it is staged
     #: into again); the next diff compares digests then (None: only bytes can be compared)
@@ -289,21 +290,27 @@ class SnapshotEncoder:
         return out
 
     def _changed_digests(self, name: str, cur: np.ndarray, old: np.ndarray | None) -> np.ndarray:
-        """Rows that changed, from the previous step's row digests: every row digested and
-        compared, or, with the client's lookup bitmap, a sample of the other rows checked as
-        :meth:`_changed` does and only the looked-up rows digested anew."""
+        """Rows that changed, from the previous step's digests (one per group of rows,
+        :func:`enc.digest_group`): every group digested and compared, or, with the client's
+        lookup bitmap, a sample of the groups without a looked-up row checked as :meth:`_changed`
+        does and only the groups with one digested anew (a group's rows change together)."""
         assert self._digests is not None
-        if old is None or old.shape != (len(cur), enc.DIGEST_WIDTH):  # never expected: all differ
-            self._digests[name] = enc.row_digests(cur)
-            return np.ones(len(cur), np.bool_)
+        rows, width = cur.shape
+        if old is None or old.shape != (enc.digest_groups(rows, width), enc.DIGEST_WIDTH):
+            self._digests[name] = enc.row_digests(cur)  # never expected: all differ
+            return np.ones(rows, np.bool_)
         bitmap = self._touched.get(name)
         if bitmap is not None:
-            mask = self._tracked(name, len(cur), bitmap)
-            others = self._sample(name, mask)
-            if not (enc.row_digests(cur[others]) != old[others]).any():
+            g = enc.digest_group(width)
+            mask = self._tracked(name, rows, bitmap)
+            touched = np.unique(np.flatnonzero(mask) // g)
+            marked = np.zeros(len(old), np.bool_)
+            marked[touched] = True
+            # Rows sharing a group with a looked-up one cannot be checked against their digest.
+            others = np.unique(self._sample(name, mask, enc.rows_of_groups(marked, rows, width)) // g)
+            if not (enc.group_digests(cur, others) != old[others]).any():
                 new = old.copy()
-                rows = np.flatnonzero(mask)
-                new[rows] = enc.row_digests(cur[rows])
+                new[touched] = enc.group_digests(cur, touched)
                 self._digests[name] = new
                 return mask
             self._mismatch(name)
@@ -311,26 +318,27 @@ class SnapshotEncoder:
             self._tracking[name] = "values"
         new = enc.row_digests(cur)
         self._digests[name] = new
-        return np.asarray((new != old).any(axis=1))
+        return enc.rows_of_groups(np.asarray((new != old).any(axis=1)), rows, width)
 
     def _tracked(self, name: str, rows: int, bitmap: bytes) -> np.ndarray:
         looked_up = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=rows, bitorder="little")
         return looked_up.astype(np.bool_)
 
-    def _sample(self, name: str, mask: np.ndarray) -> np.ndarray:
+    def _sample(self, name: str, mask: np.ndarray, unchecked: np.ndarray | None = None) -> np.ndarray:
         """The rows not looked up that are checked (all, or a sample sized by
-        :func:`check_sample_size`), recording in ``_tracking`` how many."""
-        others = np.flatnonzero(~mask)
-        untracked = len(others)
+        :func:`check_sample_size`), recording in ``_tracking`` how many; none of ``unchecked``
+        (rows that cannot be checked)."""
+        untracked = int(len(mask) - np.count_nonzero(mask))
+        others = np.flatnonzero(~(mask if unchecked is None else mask | unchecked))
         if self._check_rows is not None:
-            k = min(self._check_rows, untracked)
+            k = min(self._check_rows, len(others))
         else:
-            k = check_sample_size(untracked, self._check_fraction, self._check_confidence)
-        if k < untracked:
+            k = min(check_sample_size(untracked, self._check_fraction, self._check_confidence), len(others))
+        if k < len(others):
             # Deterministic per step and tensor, so a rerun checks the same rows, and
             # different from step to step. Sorted, so the gather walks memory forwards.
             rng = np.random.default_rng([self.step % (1 << 63), _name_seed(name)])
-            picked = rng.choice(untracked, k, replace=False)
+            picked = rng.choice(len(others), k, replace=False)
             picked.sort()
             others = others[picked]
         if not untracked:

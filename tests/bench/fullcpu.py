@@ -1,7 +1,8 @@
 """Where a full checkpoint's CPU goes: ``python -m tests.bench.fullcpu [--size-gib 1] [--saves 3]``.
 
 A sidecar in its own process with ``policy="full"`` saves a dense state (every byte rewritten
-with fresh random values before each save, as Adam does to every parameter and moment) to
+with fresh random values before each save, as Adam does to every parameter and moment; ``--changed
+0.01 --set policy=intermittent``: a sparse update of 1% of the rows, saved as diffs) to
 ``file://`` and to a local SeaweedFS (S3). Per GiB of state, over ``--saves`` saves after a
 warm-up one, it prints the CPU-seconds (user + system, from /proc) of the sidecar's process tree,
 of the trainer process between the save call and durable (the random fill is outside the
@@ -162,6 +163,7 @@ def measure(
     profile: Path | None,
     settings: dict[str, Any],
     perf: bool = False,
+    changed: float = 1.0,
 ) -> dict[str, float]:
     import torch
 
@@ -172,7 +174,8 @@ def measure(
     gen = torch.Generator().manual_seed(0)
     nbytes = sum(t.numel() * 4 for t in state.values())
     gib = nbytes / GiB
-    sidecar = Sidecar(storage, str(tmp / f"{label}.sock"), s3_endpoint=endpoint, policy="full", **settings)
+    settings = {"policy": "full", **settings}
+    sidecar = Sidecar(storage, str(tmp / f"{label}.sock"), s3_endpoint=endpoint, **settings)
     sidecar.start()
     client = make_client(sidecar.socket, f"fullcpu-{uuid.uuid4().hex[:8]}")
     spy: subprocess.Popen[bytes] | None = None
@@ -203,8 +206,12 @@ def measure(
         by_thread = {k: -v for k, v in thread_cpu(sidecar.pid).items()}
         durable = 0.0
         for step in range(2, 2 + saves):
-            for t in state.values():  # every byte changes, outside the measured window
-                t.uniform_(generator=gen)
+            for t in state.values():  # outside the measured window
+                if changed >= 1:  # every byte changes
+                    t.uniform_(generator=gen)
+                else:  # a fraction of the rows (a sparse update; diffs under --set policy=...)
+                    pick = torch.randperm(rows, generator=gen)[: max(1, int(changed * rows))]
+                    t[pick] = torch.rand(len(pick), DIM, generator=gen)
             s0, t0, w0 = tree_usage(sidecar.pid), self_usage(), tree_usage(weed_pid) if weed_pid else Usage()
             c0 = time.perf_counter()
             client.save(step, state).durable.result(600)
@@ -248,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storage", choices=("file", "s3", "both"), default="both")
     p.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles of the sidecar here")
     p.add_argument("--perf", action="store_true", help="profile with perf record -g (kernel time too)")
+    p.add_argument("--changed", type=float, default=1.0, help="fraction of rows changed before each save")
     p.add_argument("--set", action="append", default=[], help="sidecar setting NAME=VALUE (int if it parses)")
     args = p.parse_args(argv)
     settings: dict[str, Any] = {}
@@ -269,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.profile,
                 settings,
                 args.perf,
+                args.changed,
             )
             shutil.rmtree(tmp / "store", ignore_errors=True)
         if args.storage in ("s3", "both"):
@@ -288,13 +297,18 @@ def main(argv: list[str] | None = None) -> int:
                     args.profile,
                     settings,
                     args.perf,
+                    args.changed,
                 )
             finally:
                 weed.stop()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     keys = list(next(iter(results.values())))
-    print(f"full checkpoints of a dense {args.size_gib:g} GiB state, {args.saves} saves each, per GiB saved")
+    policy = settings.get("policy", "full")
+    print(
+        f"policy {policy}, {args.changed:.0%} of the rows of a {args.size_gib:g} GiB state changed before "
+        f"each save, {args.saves} saves each, per GiB of state"
+    )
     print(f"{'figure':28}" + "".join(f"{k:>12}" for k in results))
     for k in keys:
         print(f"{k:28}" + "".join(f"{results[s][k]:>12.3f}" for s in results))

@@ -799,3 +799,162 @@ def test_only_the_connection_that_handed_a_segment_over_may_take_it_back(make_si
         other.send(b"drop " + name.encode())
         assert other.recv(4096).startswith(b"error: segment")
     assert server.engine.held.exact_positions(snap.identity) == [[0, 1]]  # still held
+
+
+def forged_memfd(size: int = 4096) -> int:
+    """A memfd as a client hands one over: every page written, then sealed."""
+    fd = os.memfd_create("forged", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    os.pwrite(fd, b"x" * size, 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+    return fd
+
+
+def test_a_memfd_handed_over_under_another_ranks_segment_name_drops_nothing(
+    make_sidecar, make_client, job_name
+):
+    """Another connection hands over a memfd of its own named like a held segment, then asks to
+    take it back: the held snapshot is not its to give up, and the answer says nothing of it."""
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    (snap,) = server.engine.held.snapshots()
+    name = client._buffers[0].segment.name
+    path = os.path.join(server.settings.shm_dir, server.engine.segments.handover)
+    fd = forged_memfd()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+            other.settimeout(10)
+            other.connect(path)
+            socket.send_fds(other, [name.encode()], [fd])
+            other.recv(4096)
+            other.send(b"drop " + name.encode())
+            answer = other.recv(4096).decode()
+    finally:
+        os.close(fd)
+    assert "step" not in answer and job_name not in answer, answer
+    assert server.engine.held.exact_positions(snap.identity) == [[0, 1]]  # still held
+    assert client.save(2, state(2.0)).durable.result(30).step == 2  # its own drop still works
+    assert len(memfd_segments(client)) == 1
+
+
+def test_a_drop_that_fails_is_refused_and_the_handover_socket_serves_on(
+    make_sidecar, make_client, job_name, monkeypatch
+):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+
+    def broken(*args: Any, **kwargs: Any) -> str:
+        raise MemoryError("no room for a decoded copy")
+
+    monkeypatch.setattr(server.engine.held, "drop_segment", broken)
+    assert client.save(2, state(2.0)).durable.result(30).step == 2  # staged into a new segment
+    monkeypatch.undo()
+    assert client.save(3, state(3.0)).durable.result(30).step == 3
+    assert all(b.segment is not None and b.segment.fd is not None for b in client._buffers)  # memfds
+    assert shm_files(server) == []
+
+
+def test_a_slow_drop_holds_up_no_other_handover(make_sidecar, make_client, job_name, monkeypatch):
+    """A drop may hash a whole snapshot: the socket's thread answers other trainers meanwhile."""
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    held = server.engine.held
+    drop, entered, release = held.drop_segment, threading.Event(), threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> str:
+        entered.set()
+        release.wait(10)
+        return drop(*args, **kwargs)
+
+    monkeypatch.setattr(held, "drop_segment", slow)
+    saving = threading.Thread(target=lambda: client.save(2, state(2.0)).durable.result(30))
+    saving.start()
+    try:
+        assert entered.wait(10)
+        fd = forged_memfd()
+        try:
+            path = os.path.join(server.settings.shm_dir, server.engine.segments.handover)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+                other.settimeout(2)
+                other.connect(path)
+                socket.send_fds(other, [b"strata-bystander-0"], [fd])
+                assert other.recv(4096) == b"ok"
+        finally:
+            os.close(fd)
+    finally:
+        release.set()
+        saving.join(30)
+    assert client._buffers[0].segment is not None and len(memfd_segments(client)) == 1
+
+
+def test_a_refused_drop_leaves_the_old_segment_mapped_only_while_its_step_is_held(
+    make_sidecar, make_client, job_name, monkeypatch
+):
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    held = server.engine.held
+    drop = held.drop_segment
+    refusals = iter(["step 1 in segment is being copied to peers"])
+    monkeypatch.setattr(held, "drop_segment", lambda *a, **k: next(refusals, None) or drop(*a, **k))
+    first = client._buffers[0].segment.name
+    for step in range(2, 6):
+        client.save(step, state(float(step))).durable.result(30)
+        assert first not in memfd_segments(client), step  # step 1 left memory at step 2's commit
+        assert len(memfd_segments(client)) == 1
+    out = state(-1.0)
+    assert client.restore(out) == 5 and client.last_restore["source"] == "memory"
+
+
+def test_a_restarted_sidecar_with_one_staging_segment_gets_new_segments(
+    make_sidecar, make_client, job_name, short_tmp
+):
+    """The default (one segment): the new sidecar never saw the segment nor the connection its
+    drop goes on; the save stages into a new segment, handed over to the new sidecar."""
+    storage = f"file://{short_tmp}/restart-one"
+    first = make_sidecar(storage)
+    client = make_client(first, job_name, capture_rng=False)
+    assert len(client._buffers) == 1
+    client.save(1, state(1.0)).durable.result(30)
+    first.stop(grace=0.2)
+    second = make_sidecar(storage, socket=first.socket_path)
+    assert client.save(2, state(2.0)).durable.result(30).step == 2
+    assert client.save(3, state(3.0)).durable.result(30).step == 3
+    assert all(b.segment is not None and b.segment.fd is not None for b in client._buffers)  # memfds
+    assert shm_files(second) == []
+    assert [x.segment for x in second.engine.held.snapshots()] == [client._buffers[0].segment.name]
+    out = state(-1.0)
+    assert make_client(second, job_name, capture_rng=False).restore(out) == 3
+    assert torch.equal(out["w"], state(3.0)["w"])
+    assert mf.committed_steps(second.store, "default", job_name) == [1, 2, 3]
+
+
+def test_a_save_staged_into_the_held_segment_without_a_drop_is_refused_at_admission(
+    make_sidecar, make_client, job_name, monkeypatch, caplog
+):
+    """A client that stages into its one segment without asking for it back first: the sidecar
+    refuses the save that names the segment still holding the committed step (it is streamed), and
+    the scribbled-over step is never served from memory."""
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    client.save(1, state(1.0)).durable.result(30)
+    assert client._segments is not None
+    monkeypatch.setattr(client._segments, "drop", lambda segment: None)
+    admit = server.engine.admission.begin_save
+    refused: list[str] = []
+
+    def watch(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return admit(*args, **kwargs)
+        except Exception as exc:
+            refused.append(str(exc))
+            raise
+
+    monkeypatch.setattr(server.engine.admission, "begin_save", watch)
+    assert client.save(2, state(2.0)).durable.result(30).step == 2
+    assert any("still holds step 1" in why for why in refused), refused
+    out = state(-1.0)
+    assert make_client(server, job_name, capture_rng=False).restore(out, step=1) == 1
+    assert torch.equal(out["w"], state(1.0)["w"])

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+
+import numpy as np
 
 from sidecar import manifest as mf
 from sidecar.engine.held import Held
@@ -191,3 +194,71 @@ def test_buffers():
     s = snap(RANK0, 1, "committed")
     drop_buffer(s)
     assert s.buffer == bytearray()
+
+
+def digest_chain(*steps: int, rows: int = 64) -> Chain:
+    layout = (("w", "float32", (rows, 64), 0),)
+    since = {"w": np.zeros(rows, np.bool_)}
+    digests = {"w": np.zeros((rows, 2), np.uint32)}
+    return Chain(layout, steps[0], steps, since, tuple(0.0 for _ in steps[1:]), digests)
+
+
+def test_a_chains_digests_are_charged_and_dropped_when_they_do_not_fit(make_shared):
+    held = Held(make_shared(memory_budget=1 << 20))
+    budget = held.shared.memory
+    held.chain_committed(RANK0.slot, digest_chain(1), 1, ref(1), [], {})
+    assert budget.held()["encode"] == 64 * 8
+    budget.limit = 256  # another holder took the room
+    with held.shared.lock:
+        held.account(RANK0.slot)
+    chain_ = held.chains[RANK0.slot]  # the chain stays (a held copy can still be compared with)
+    assert chain_.digests is None and budget.held()["encode"] == 0
+
+
+def committed_in(identity: Identity, step: int, segment: str, rows: int = 64) -> Snapshot:
+    s = snap(identity, step, "committed", size=rows * 256)
+    s.segment = segment
+    s.tensors = [mf.TensorEntry("w", "float32", [rows, 64], rows * 256, 0)]
+    return s
+
+
+def test_a_drop_gives_up_only_the_naming_ranks_snapshot(make_shared):
+    held = Held(make_shared())
+    mine, theirs = committed_in(RANK0, 1, "strata-a-0"), committed_in(RANK1, 7, "strata-a-0")
+    hold(held, mine, theirs)
+    theirs.state = "uploading"
+    assert held.drop_segment("strata-a-0", RANK0.slot) == ""
+    assert held.snapshots() == [theirs]  # the other rank's, under the same name, stays
+
+
+def test_a_drop_hashes_nothing_when_no_diff_can_follow(make_shared, monkeypatch):
+    from sidecar.engine import held as held_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(held_module, "base_digests", lambda *a, **k: calls.append("hash") or {})
+    for policy, expect in (("full", []), ("intermittent", ["hash"])):
+        held = Held(make_shared(policy=policy))
+        s = committed_in(RANK0, 1, "strata-a-0")
+        hold(held, s)
+        full = digest_chain(1)
+        with held.shared.lock:
+            held.chains[RANK0.slot] = replace(full, digests=None)
+        calls.clear()
+        assert held.drop_segment("strata-a-0", RANK0.slot) == ""
+        assert calls == expect and held.snapshots() == []
+
+
+def test_a_drop_that_cannot_digest_within_the_budget_ends_the_diffs(make_shared):
+    held = Held(make_shared(memory_budget=1 << 20))
+    s = committed_in(RANK0, 1, "strata-a-0", rows=8192)  # 2 MiB, decoded: a copy over the budget
+    hold(held, s)
+    with held.shared.lock:
+        held.chains[RANK0.slot] = replace(
+            digest_chain(1, rows=8192), layout=(("w", "float32", (8192, 64), 0),)
+        )
+        held.layers[RANK0.slot] = [
+            (1, [replace(s.tensors[0], encoding="raw")], {"w": bytes(s.tensors[0].nbytes)})
+        ]
+        held.decoded[RANK0.slot] = 1
+    assert held.drop_segment("strata-a-0", RANK0.slot) == ""
+    assert held.snapshots() == [] and held.decoded.get(RANK0.slot) == 1  # next diff: full
