@@ -5,9 +5,9 @@ shared segment the client reads by name may hold other bytes than the sidecar ch
 who can write the tmpfs can rename a file over it), so the client checks what it copies: the
 bytes move in chunks small enough to stay in the core's cache, and each chunk is hashed right
 after it is copied, from the cache, not read from memory a second time. Chunks are copied by
-several threads (torch's intra-op count); a tensor's digest runs over its chunks in order, on
-whichever thread finds the next one copied, while the others copy on. Tensors without a digest
-take the same copy, unhashed.
+several threads (the cores the process may use: ``restore_threads``); a tensor's digest runs over
+its chunks in order, on whichever thread finds the next one copied, while the others copy on.
+Tensors without a digest take the same copy, unhashed.
 """
 
 from __future__ import annotations
@@ -98,6 +98,21 @@ class _Digest:
         )
 
 
+#: most threads a restore copies with: past a few, the copies wait on memory bandwidth
+MAX_RESTORE_THREADS = 8
+
+
+def restore_threads() -> int:
+    """Threads to copy a restore with: the cores this process may run on (no training step runs
+    while it restores, so a trainer holding torch to one thread still has them), at least torch's
+    thread count, at most ``MAX_RESTORE_THREADS``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(torch.get_num_threads(), min(cores, MAX_RESTORE_THREADS))
+
+
 def copy_checked(
     source: np.ndarray | int, targets: Sequence[Target], threads: int | None = None
 ) -> DigestMismatch | None:
@@ -109,7 +124,7 @@ def copy_checked(
     work = [(d, k) for d in digests for k in range(d.chunks)]
     if not work:
         return None
-    workers = max(1, min(threads or torch.get_num_threads(), len(work)))
+    workers = max(1, min(threads or restore_threads(), len(work)))
     taken = itertools.count()  # next() on a count is atomic: each chunk goes to one thread
 
     def run() -> None:

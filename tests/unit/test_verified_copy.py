@@ -205,3 +205,15 @@ def test_a_lent_copy_is_closed_when_the_thread_that_would_close_it_cannot_start(
         from_segment(h, str(os.getcwd()), targets_)
     with pytest.raises(OSError):
         os.fstat(fd)  # closed, not leaked
+
+
+def test_a_restore_copies_on_every_core_it_may_use_even_with_torch_held_to_one_thread(monkeypatch):
+    # A trainer holding torch to one thread (as training loops leave the other cores to
+    # checkpointing) still restores on all its cores: nothing trains while it restores.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert _verify.restore_threads() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert _verify.restore_threads() == _verify.MAX_RESTORE_THREADS
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 12)
+    assert _verify.restore_threads() == 12
