@@ -183,8 +183,9 @@ def print_table(rows: list[Row]) -> None:
 # --- a sidecar in its own process --------------------------------------------------------------
 
 
-def _serve_sidecar(options: dict[str, Any], ready: Any, stop: Any) -> None:
-    """Child process body (spawn): run a sidecar until ``stop`` is set."""
+def _serve_sidecar(options: dict[str, Any], ready: Any, stop: Any, report: Any = None) -> None:
+    """Child process body (spawn): run a sidecar until ``stop`` is set; its store's request
+    counts go to the ``report`` queue, if one is given, as it stops."""
     import logging
 
     from sidecar.budget import tune_allocator
@@ -201,6 +202,8 @@ def _serve_sidecar(options: dict[str, Any], ready: Any, stop: Any) -> None:
     try:
         stop.wait()
     finally:
+        if report is not None:
+            report.put(dict(server.store.requests))
         server.stop(grace=30)
 
 
@@ -255,3 +258,16 @@ class SidecarProcess:
 
 def finite_positive(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc's children lists."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    todo.extend(int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split())
+    return out

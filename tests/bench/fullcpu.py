@@ -28,24 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.bench.common import GiB, MiB
+from tests.bench.common import GiB, MiB, _serve_sidecar, process_tree
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 TENSORS = 8
 DIM = 256
-
-
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError):
-                    todo.extend(int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split())
-    return out
 
 
 @dataclass
@@ -64,7 +52,7 @@ class Usage:
 def tree_usage(pid: int) -> Usage:
     """utime + stime and minor faults of ``pid`` and its live descendants."""
     total = Usage()
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total.cpu_s += (int(fields[11]) + int(fields[12])) / TICK
@@ -76,7 +64,7 @@ def tree_usage(pid: int) -> Usage:
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU-seconds of ``pid``'s tree by thread name (digits dropped, so pools add up)."""
     out: dict[str, float] = {}
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{p}/task"):
                 with contextlib.suppress(OSError, ValueError, IndexError):
@@ -95,34 +83,13 @@ def self_usage() -> Usage:
 # --- the sidecar, in its own process, reporting its store's requests at stop ------------------
 
 
-def _serve(options: dict[str, Any], ready: Any, stop: Any, report: Any) -> None:
-    import logging
-
-    from sidecar.budget import tune_allocator
-    from sidecar.config import SidecarSettings
-    from sidecar.server import SidecarServer
-    from sidecar.server.app import yield_cpu
-
-    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
-    settings = SidecarSettings(**options)
-    yield_cpu(settings)
-    tune_allocator()
-    server = SidecarServer(settings).start()
-    ready.set()
-    try:
-        stop.wait()
-    finally:
-        report.put(dict(server.store.requests))
-        server.stop(grace=30)
-
-
 class Sidecar:
     def __init__(self, storage: str, socket: str, **settings: Any) -> None:
         ctx = mp.get_context("spawn")
         self.socket = socket
         self._ready, self._stop, self._report = ctx.Event(), ctx.Event(), ctx.Queue()
         options = {"storage": storage, "socket": socket, "metrics_port": 0, **settings}
-        self.proc = ctx.Process(target=_serve, args=(options, self._ready, self._stop, self._report))
+        self.proc = ctx.Process(target=_serve_sidecar, args=(options, self._ready, self._stop, self._report))
 
     def start(self) -> Sidecar:
         self.proc.start()

@@ -121,7 +121,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from tests.bench.common import GiB, Phases, Row, median
+from tests.bench.common import GiB, Phases, Row, median, process_tree
 from tests.bench.common import Options as BaseOptions
 
 SYSTEMS = ("strata", "strata_s3", "dlrover", "torchsnapshot", "torch_save", "dcp")
@@ -157,19 +157,6 @@ class Options(BaseOptions):
 # --- the parent: one child per system, its memory sampled from here ---------------------------------
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants, from /proc's children lists."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError):
-                    todo.extend(int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split())
-    return out
-
-
 def _pss_bytes(pids: list[int]) -> int:
     """Proportional set size of ``pids`` together: shared pages (the shared-memory copies a trainer
     and its helper both map) count once in the sum."""
@@ -197,7 +184,7 @@ class TreeSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            pids = _tree(self.pid)
+            pids = process_tree(self.pid)
             self.seen.update(pids)
             self.samples.append((time.time(), _pss_bytes(pids)))
 
@@ -749,7 +736,7 @@ def _probes(system: System, weed_pid: int) -> dict[str, Callable[[], float]]:
     from tests.bench.foundation import proc_cpu_s
 
     me = os.getpid()
-    others = [p for p in _tree(me) if p != me]
+    others = [p for p in process_tree(me) if p != me]
 
     def tree() -> float:
         # This process's own CPU to the nanosecond (/proc counts 10 ms ticks); its children that
