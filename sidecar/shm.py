@@ -35,6 +35,7 @@ over and never saved from are dropped with their handover connection.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -46,6 +47,7 @@ import resource
 import selectors
 import socket
 import stat
+import struct
 import threading
 import time
 import uuid
@@ -380,6 +382,19 @@ class Segments:
             return None
         return RestoreBuffer(size)
 
+    def lendable_files(self) -> int:
+        """The most descriptors one restore may lend (:meth:`lend_files`): 0 where nothing is
+        lent over a socket; a quarter of what may be lent at once, so a few ranks restore together."""
+        return 0 if self._handover is None else max(1, self._handover.max_lent // 4)
+
+    def lend_files(self, fds: list[int]) -> str:
+        """Lend ``fds`` (now this object's: read-only descriptors of a restore's object files) under
+        one name; OSError (closed) where there is no handover socket or they are too many."""
+        if self._handover is None:
+            _close_fd(list(fds))
+            raise OSError("no handover socket to lend files on")
+        return self._handover.lend_fds(fds, files=True)
+
     def lend_buffer(self, buffer: RestoreBuffer) -> str:
         """Seal ``buffer`` (a seal against writes needs no writable
         mapping left) and lend it, as :meth:`handoff` lends its copy; OSError (nothing lent, the
@@ -468,7 +483,11 @@ class Handover:
     #: names a connection handed over that it may ``drop`` (the newest)
     MAX_HANDED = 64
     MAX_CONNECTIONS = 1024
-    MAX_LENT = 256
+    #: descriptors lent at once, all names together (a restore from files lends one per object)
+    MAX_LENT = 4096
+    #: descriptors one answer to ``get`` carries (the kernel's SCM_MAX_FD is 253); more follow
+    #: in further messages
+    FDS_PER_MESSAGE = 200
     LEND_S = 120.0
     _NEEDED = (
         ("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK),
@@ -494,8 +513,11 @@ class Handover:
         #: are read again once answered (``_rearm``)
         self._drops = ThreadPoolExecutor(2, thread_name_prefix="strata-shm-drop")
         self._rearm: list[socket.socket] = []
-        #: one-time names of held segments lent to restoring trainers: read-only fd, expiry
-        self._lent: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        #: one-time names of what is lent to restoring trainers: read-only fds, expiry
+        self._lent: OrderedDict[str, tuple[list[int], float]] = OrderedDict()
+        #: names lent as files (not sealed memfds): given only to a trainer that cannot write them
+        self._files: set[str] = set()
+        self._lent_fds = 0
         self._prefix = "strata-fd-" + name.removeprefix(".strata-segments-").removesuffix(".sock") + "-"
         assert _SOCKET.fullmatch(name), name
         self._selector = selectors.DefaultSelector()
@@ -540,14 +562,33 @@ class Handover:
 
     def lend_fd(self, fd: int) -> str:
         """A one-time name under which a trainer gets ``fd`` (now this object's) on this socket."""
+        return self.lend_fds([fd])
+
+    def lend_fds(self, fds: list[int], files: bool = False) -> str:
+        """A one-time name under which a trainer gets ``fds`` (now this object's), in order, on
+        this socket; the oldest names lent go first where there would be more than ``max_lent``
+        descriptors. OSError (the descriptors closed) when ``fds`` alone are more. ``files``:
+        read-only descriptors of files, given only to a trainer that could not write them
+        anyway (:func:`writable_by`)."""
+        if not 0 < len(fds) <= self.max_lent:
+            _close_fd(list(fds))
+            raise OSError(errno.EMFILE, f"{len(fds)} descriptors to lend; at most {self.max_lent} at once")
         name = self._prefix + uuid.uuid4().hex
         now = time.monotonic()
         with self._lock:
             self._expire_locked(now)
-            while len(self._lent) >= self.max_lent:
-                os.close(self._lent.popitem(last=False)[1][0])
-            self._lent[name] = (fd, now + self.LEND_S)
+            while self._lent and self._lent_fds + len(fds) > self.max_lent:
+                self._close_locked(self._lent.popitem(last=False)[1][0])
+            self._lent[name] = (list(fds), now + self.LEND_S)
+            self._lent_fds += len(fds)
+            if files:
+                self._files.add(name)
         return name
+
+    def _close_locked(self, fds: list[int]) -> None:
+        self._files.intersection_update(self._lent)
+        self._lent_fds -= len(fds)
+        _close_fd(fds)
 
     def lent(self, name: str) -> bool:
         """Whether ``name`` is still lent: neither fetched by a trainer nor expired nor withdrawn."""
@@ -559,12 +600,12 @@ class Handover:
         """Stop lending ``name`` (a trainer that has its descriptor already keeps it)."""
         with self._lock:
             entry = self._lent.pop(name, None)
-        if entry is not None:
-            os.close(entry[0])
+            if entry is not None:
+                self._close_locked(entry[0])
 
     def _expire_locked(self, now: float) -> None:
         for name in [n for n, (_, until) in self._lent.items() if until < now]:
-            os.close(self._lent.pop(name)[0])
+            self._close_locked(self._lent.pop(name)[0])
 
     def close(self) -> None:
         self._closed = True
@@ -573,8 +614,8 @@ class Handover:
         self._thread.join(10)
         self._drops.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            for fd, _ in self._lent.values():
-                os.close(fd)
+            for fds, _ in self._lent.values():
+                self._close_locked(fds)
             self._lent.clear()
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self._inode:  # still ours, not a successor's
@@ -624,9 +665,9 @@ class Handover:
             with self._lock:
                 self._drop_locked(conn)
             return
-        lent = -1
+        lent: list[int] = []
         if data.startswith(b"get ") and not fds:
-            answer, lent = self._give(data[4:].decode("ascii", "replace"))
+            answer, lent = self._give(data[4:].decode("ascii", "replace"), conn)
         elif data.startswith(b"drop ") and not fds:
             # Not a message more from this connection until it is answered.
             self._selector.unregister(conn)
@@ -635,24 +676,32 @@ class Handover:
         else:
             answer = self._take(data, fds, flags, conn)
         try:
-            if lent >= 0:
-                socket.send_fds(conn, [answer.encode()], [lent])
-            else:
+            if not lent:
                 conn.send(answer.encode())
+            if len(lent) > 1:  # every message says how many come in all
+                answer = f"{answer} {len(lent)}"
+            for at in range(0, len(lent), self.FDS_PER_MESSAGE):
+                socket.send_fds(conn, [answer.encode()], lent[at : at + self.FDS_PER_MESSAGE])
         except OSError:  # a full or broken socket: the trainer learns nothing and saves by file
             with self._lock:
                 self._drop_locked(conn)
         finally:
-            if lent >= 0:
-                os.close(lent)  # the trainer has its own descriptor now
+            _close_fd(lent)  # the trainer has its own descriptors now
 
-    def _give(self, name: str) -> tuple[str, int]:
-        """A lent segment's read-only descriptor, once (the caller sends and closes it)."""
+    def _give(self, name: str, conn: socket.socket) -> tuple[str, list[int]]:
+        """What is lent as ``name``: its read-only descriptors, once (the caller sends and closes them)."""
         with self._lock:
             self._expire_locked(time.monotonic())
             entry = self._lent.pop(name, None)
+            files = name in self._files
+            self._files.discard(name)
+            if entry is not None:
+                self._lent_fds -= len(entry[0])
         if entry is None:
-            return f"error: no segment is lent as {name!r} (it was fetched already, or expired)", -1
+            return f"error: no segment is lent as {name!r} (it was fetched already, or expired)", []
+        if files and (why := writable_by(entry[0], conn)):
+            _close_fd(entry[0])
+            return f"error: refused: {why}", []
         return "ok", entry[0]
 
     def _answer_drop(self, name: str, conn: socket.socket) -> None:
@@ -835,6 +884,37 @@ class RestoreBuffer:
 
     def close(self) -> None:
         self._closer()
+
+
+def writable_by(fds: list[int], conn: socket.socket) -> str:
+    """Why the process on the other end of ``conn`` could write one of the files ``fds`` (read-only
+    descriptors) by reopening it through /proc/self/fd, where it could not by path: "" if none.
+
+    A lent file is not sealed like a memfd: the trainer could reopen it read-write wherever its
+    user may write the file (root, its owner, or group/other write bits). That adds nothing when
+    it runs in this process's mount namespace as this user or root (it reaches the same paths
+    with the same rights: local processes); elsewhere (a trainer container of another user) a
+    file it may write is not lent."""
+    try:
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError as exc:
+        return f"the trainer's credentials cannot be read ({exc.strerror})"
+    for fd in fds:
+        st = os.fstat(fd)
+        if uid != 0 and uid != st.st_uid and not st.st_mode & 0o022:
+            continue  # it cannot write this file at all
+        if (uid == 0 or uid == os.geteuid()) and _same_mounts(pid):
+            continue  # it can write it by path already
+        return f"the trainer (uid {uid}) could write the checkpoint's files through them"
+    return ""
+
+
+def _same_mounts(pid: int) -> bool:
+    """Whether process ``pid`` (as this process sees it) shares this process's mount namespace."""
+    try:
+        return pid > 0 and os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:  # not visible here, or not ours to inspect
+        return False
 
 
 def _unmap(part: memoryview, view: memoryview, mapped: mmap.mmap) -> None:

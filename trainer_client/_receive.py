@@ -30,6 +30,7 @@ from trainer_client import _tree, _verify
 from trainer_client._staging import (
     as_numpy_bytes,
     dtype_name,
+    fetch_lent,
     open_segment,
     torch_dtype,
 )
@@ -111,6 +112,15 @@ class SegmentChanged(SegmentGone):
     """The segment's bytes are not what was saved: the sidecar's own copy, checked, comes over gRPC."""
 
 
+class FilesUnusable(SegmentGone):
+    """Object files lent for a restore that cannot be used: refused to this process, gone, or
+    (``changed``) not what was saved. The sidecar then reads them itself, checking each object."""
+
+    def __init__(self, message: str, changed: bool = False) -> None:
+        super().__init__(message)
+        self.changed = changed
+
+
 def from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Target]) -> None:
     """Copy the tensors from the shared segment a restore header names, checking each against
     its digest as it goes. A lent descriptor is mapped only when its seals say no page can be
@@ -120,6 +130,9 @@ def from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.T
     name = header.shm.name
     if not re.fullmatch(SHM_NAME_PATTERN, name) or not shm_dir:
         raise RestoreError(f"the sidecar named shared segment {name!r}, which is not one")
+    if header.shm_files:
+        from_files(header, shm_dir, targets)
+        return
     try:
         fd = open_segment(shm_dir, name)
     except OSError as exc:
@@ -168,6 +181,39 @@ def from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.T
             os.close(fd)
     if bad is not None:
         raise SegmentChanged(f"shared segment {name}: {bad}")
+
+
+def from_files(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Target]) -> None:
+    """Read a step from storage out of its object files, which the sidecar lends read-only: once,
+    straight into the tensors, on every core the process may use, while the disk reads ahead.
+    The files are the bucket's: every tensor must carry a digest, and each is checked."""
+    name, sizes = header.shm.name, list(header.shm_files)
+    if not re.fullmatch(SHM_LENT_PATTERN, name) or sum(sizes) != header.total_bytes:
+        raise RestoreError(
+            f"the sidecar lent files as {name!r} for {sum(sizes)} of {header.total_bytes} bytes"
+        )
+    if any(not t.digest for t in targets):
+        raise FilesUnusable(f"files lent as {name}: a tensor has no digest to check it by", changed=True)
+    try:
+        fds = fetch_lent(shm_dir, name, len(sizes))
+    except OSError as exc:
+        raise FilesUnusable(f"files lent as {name}: {exc.strerror or exc}") from None
+    try:
+        for fd, size in zip(fds, sizes, strict=True):
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size != size:
+                why = f"files lent as {name}: one is not a regular file of {size} bytes"
+                raise FilesUnusable(why, changed=True)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+        try:
+            bad = _verify.copy_checked(_verify.Files(fds, sizes), targets)
+        except EOFError as exc:
+            raise FilesUnusable(f"files lent as {name}: {exc}", changed=True) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if bad is not None:
+        raise FilesUnusable(f"files lent as {name}: {bad}", changed=True)
 
 
 def seal_names(bits: int) -> str:

@@ -226,16 +226,42 @@ def open_segment(directory: str, name: str) -> int:
         # O_NONBLOCK: a FIFO put under the name must not hang the restore (it is then refused)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         return os.open(os.path.join(directory, name), flags)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
-        conn.settimeout(30)
-        conn.connect(os.path.join(directory, f".strata-segments-{lent.group(1)}.sock"))
-        conn.send(b"get " + name.encode())
-        answer, fds, _, _ = socket.recv_fds(conn, 4096, 1)
-    if answer == b"ok" and len(fds) == 1:
-        return fds[0]
-    for fd in fds:
-        os.close(fd)
-    raise OSError(errno.ENOENT, f"the sidecar did not lend it ({answer.decode(errors='replace')})")
+    return fetch_lent(directory, name, 1)[0]
+
+
+#: descriptors one message on the handover socket may carry (the kernel's SCM_MAX_FD)
+_MAX_FDS_PER_MESSAGE = 253
+
+
+def fetch_lent(directory: str, name: str, count: int) -> list[int]:
+    """The ``count`` descriptors the sidecar lends as ``name`` on its handover socket (they may
+    come in several messages), now the caller's. OSError when it does not lend them (any more),
+    or lends another number."""
+    lent = re.fullmatch(SHM_LENT_PATTERN, name)
+    if lent is None or count < 1:
+        raise OSError(errno.EINVAL, f"{name!r} is not a lent segment")
+    got: list[int] = []
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as conn:
+            conn.settimeout(30)
+            conn.connect(os.path.join(directory, f".strata-segments-{lent.group(1)}.sock"))
+            conn.send(b"get " + name.encode())
+            while len(got) < count:
+                answer, fds, _, _ = socket.recv_fds(conn, 4096, _MAX_FDS_PER_MESSAGE)
+                got.extend(fds)
+                said = re.fullmatch(rb"ok(?: ([0-9]{1,9}))?", answer)
+                if said is None or not fds:
+                    why = answer.decode(errors="replace") or "the connection ended"
+                    raise OSError(errno.ENOENT, f"the sidecar did not lend it ({why})")
+                total = int(said.group(1) or 1)  # each message says how many come in all
+                if total != count or len(got) > count:
+                    why = f"the sidecar lends {total} descriptors as {name}, not {count}"
+                    raise OSError(errno.EPROTO, why)
+    except BaseException:
+        for fd in got:
+            os.close(fd)
+        raise
+    return got
 
 
 class SegmentFactory:

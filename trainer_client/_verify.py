@@ -12,6 +12,7 @@ Tensors without a digest take the same copy, unhashed.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import threading
@@ -45,14 +46,37 @@ class Target:
     name: str
 
 
+class Files:
+    """Files read as one source, one after another (a step's objects: each file's ``size`` bytes)."""
+
+    def __init__(self, fds: Sequence[int], sizes: Sequence[int]) -> None:
+        self.fds = list(fds)
+        self.starts = list(itertools.accumulate(sizes, initial=0))
+
+    def read(self, into: memoryview, at: int) -> None:
+        """Fill ``into`` from offset ``at``; EOFError where the files end first."""
+        pos = 0
+        while pos < len(into):
+            i = bisect.bisect_right(self.starts, at + pos) - 1
+            if i >= len(self.fds):
+                raise EOFError(f"the source ends before byte {at + len(into)}")
+            want = min(len(into) - pos, self.starts[i + 1] - (at + pos))
+            n = os.preadv(self.fds[i], [into[pos : pos + want]], at + pos - self.starts[i])
+            if n <= 0:
+                raise EOFError(f"the source ends before byte {at + len(into)}")
+            pos += n
+
+
 class _Digest:
     """One tensor's digest over its chunks in order, whichever threads copied them."""
 
-    def __init__(self, target: Target, source: np.ndarray | int) -> None:
+    def __init__(self, target: Target, source: np.ndarray | int | Files) -> None:
         self.target = target
-        self.fd, self.src = -1, None
-        if isinstance(source, int):
-            self.fd = source
+        self.reader, self.src = None, None
+        if isinstance(source, Files):
+            self.reader = source
+        elif isinstance(source, int):
+            self.reader = Files([source], [1 << 62])
         else:
             self.src = source[target.offset : target.offset + target.dst.size]
         self.chunks = -(-target.dst.size // CHUNK)
@@ -67,11 +91,8 @@ class _Digest:
         if self.src is not None:
             np.copyto(self.target.dst[lo:hi], self.src[lo:hi])
         else:  # read from the file: no mapping to build page tables for, or to tear down
-            while lo < hi:
-                n = os.preadv(self.fd, [self.target.dst[lo:hi].data], self.target.offset + lo)
-                if n <= 0:
-                    raise EOFError(f"the source ends before byte {self.target.offset + hi}")
-                lo += n
+            assert self.reader is not None
+            self.reader.read(self.target.dst[lo:hi].data, self.target.offset + lo)
         if not self.target.digest:
             return
         with self.lock:
@@ -114,10 +135,10 @@ def restore_threads() -> int:
 
 
 def copy_checked(
-    source: np.ndarray | int, targets: Sequence[Target], threads: int | None = None
+    source: np.ndarray | int | Files, targets: Sequence[Target], threads: int | None = None
 ) -> DigestMismatch | None:
-    """Copy every target's bytes out of ``source`` (uint8, or a file descriptor read with
-    ``preadv``), checking those with a digest as they go: the first tensor (in ``targets``
+    """Copy every target's bytes out of ``source`` (uint8, or a file descriptor or files read
+    with ``preadv``), checking those with a digest as they go: the first tensor (in ``targets``
     order) whose bytes differ, or None. Returned, not raised: a traceback would keep views of
     ``source`` (a mapping the caller closes) alive. EOFError: the file ends too early."""
     digests = [_Digest(t, source) for t in targets]  # unchecked ones too: the same copy, unhashed

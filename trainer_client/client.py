@@ -1299,6 +1299,9 @@ class CheckpointClient:
             "bytes": int(header.total_bytes),
             # read straight from the shared segment the sidecar holds the snapshot in (no gRPC)
             "shared_memory": header.HasField("shm"),
+            # storage objects read straight from their files, lent by the sidecar (a full
+            # checkpoint stored raw on file:// storage); 0: the bytes came through its memory
+            "storage_files": len(header.shm_files),
             # replicated tensors other ranks saved: owner rank -> where they came from
             "replica_sources": replica_sources,
             # the number of ranks that saved the step (another one: a resharded restore)
@@ -1510,7 +1513,7 @@ class CheckpointClient:
         (its blocking calls or memory are momentarily taken by other ranks)."""
         deadline, delay = time.monotonic() + self.settings.rpc_timeout_s, 0.1
         shm_dir = self._segments.directory if self._segments is not None else ""
-        req.shm_ok = bool(shm_dir)
+        req.shm_ok = req.files_ok = bool(shm_dir)
         while True:
             try:
                 # no local holds the call: see _untangle
@@ -1519,6 +1522,9 @@ class CheckpointClient:
                     shm_dir,
                     in_place,
                 )
+            except _receive.FilesUnusable as exc:  # the sidecar reads the objects itself instead
+                (log.error if exc.changed else log.info)("%s; restoring through the sidecar's memory", exc)
+                req.files_ok = False
             except _receive.SegmentChanged as exc:  # not the file the sidecar checked: its own copy instead
                 log.error("%s; restoring over gRPC", exc)
                 req.shm_ok = False

@@ -188,8 +188,8 @@ class Engine:
 
     # --- restore and queries (restore.py) ---------------------------------------------------
 
-    def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
-        return self.restorer.open_restore(identity, step)
+    def open_restore(self, identity: Identity, step: int | None, files_ok: bool = False) -> RestoreData:
+        return self.restorer.open_restore(identity, step, files_ok)
 
     def open_rank(
         self,

@@ -7,6 +7,7 @@ queries: committed checkpoints, which are in memory, one rank's MANIFEST."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -36,7 +37,14 @@ from sidecar.gang import (
     sign_fetch,
     stream_opener,
 )
-from sidecar.pipeline.plan import decode_held, held_bytes, load_chain, read_snapshot
+from sidecar.pipeline.plan import (
+    decode_held,
+    held_bytes,
+    into_page_cache,
+    load_chain,
+    open_objects,
+    read_snapshot,
+)
 from sidecar.shm import RestoreBuffer
 from sidecar.store.base import READ_PIECE_BYTES
 
@@ -78,9 +86,10 @@ class Restorer:
         #: COMMITs read for reads of any rank: (namespace, job, attempt, step) -> COMMIT
         self._commits: dict[tuple[str, str, int, int], mf.Commit] = {}
 
-    def open_restore(self, identity: Identity, step: int | None) -> RestoreData:
+    def open_restore(self, identity: Identity, step: int | None, files_ok: bool = False) -> RestoreData:
         """The attempt's restore step (every rank of a generation restores the same one), or
-        an explicit committed ``step``."""
+        an explicit committed ``step``. ``files_ok``: the trainer can take a step from storage as
+        its objects' files (``RestoreData.files``) where the store holds it so."""
         identity.validate()
         self.attempts.check_not_stopped(identity)
         ns, job = identity.job_key
@@ -93,7 +102,7 @@ class Restorer:
             # the attempt's restore step named explicitly takes the attempt's class, as the ranks
             # that restore it implicitly (or read it ahead) do
             wanted = self._wanted_class(identity, self._epoch_if_any(identity), chosen)
-            return self._served(identity, self._retrying(identity, chosen, self._loader(wanted)))
+            return self._served(identity, self._retrying(identity, chosen, self._loader(wanted, files_ok)))
         try:
             epoch = self.attempts.epoch_for(identity)
         except StorageError as exc:
@@ -111,7 +120,9 @@ class Restorer:
         if target is None:
             raise NotFound(f"no committed checkpoint for {ns}/{job}")
         try:
-            data = self._retrying(identity, target, self._loader(self._wanted_class(identity, epoch, target)))
+            data = self._retrying(
+                identity, target, self._loader(self._wanted_class(identity, epoch, target), files_ok)
+            )
         except (CorruptObject, NotFound) as exc:
             first_error = exc
         else:
@@ -130,6 +141,7 @@ class Restorer:
                 f"{target[1]} is marked unusable ({cause}) and the next gang restart restores an older one",
             )
         # A single rank: a new attempt, right away, from the newest usable step.
+        stored = functools.partial(self._from_storage, files_ok=files_ok)
         while True:
             epoch = self.attempts.reattempt(identity)
             older = epoch.restore
@@ -138,7 +150,7 @@ class Restorer:
                     str(first_error), f"no restorable committed step at or before {target[1]}"
                 )
             try:
-                data = self._retrying(identity, older, self._from_storage)
+                data = self._retrying(identity, older, stored)
             except (CorruptObject, NotFound) as exc:
                 log.error("%s/%s step %d is unusable too (%s: %s)", ns, job, older[1], _cause(exc), exc)
                 marked.append(
@@ -218,9 +230,9 @@ class Restorer:
             log.info("rank %d: no attempt to take a restore class from (%s)", identity.rank, exc)
             return None
 
-    def _loader(self, wanted: str) -> Callable[[Identity, Position], RestoreData]:
+    def _loader(self, wanted: str, files_ok: bool = False) -> Callable[[Identity, Position], RestoreData]:
         def load(identity: Identity, target: Position) -> RestoreData:
-            data = self._load(identity, target, wanted)
+            data = self._load(identity, target, wanted, files_ok)
             if wanted == "stored" and self.attempts.exact_classes and not any(t.lossy for t in data.tensors):
                 # The same bytes either way: a rank without lossy tensors reports its gang's class
                 # (a Checkpoint whose ranks report two classes says "mixed", a fault).
@@ -229,7 +241,9 @@ class Restorer:
 
         return load
 
-    def _load(self, identity: Identity, target: Position, wanted: str = "stored") -> RestoreData:
+    def _load(
+        self, identity: Identity, target: Position, wanted: str = "stored", files_ok: bool = False
+    ) -> RestoreData:
         world = self._saved_by(identity.job_key, target)
         if world != identity.world_size:
             # Before any path that serves "this rank's" snapshot (memory, peers, parity, storage):
@@ -241,6 +255,9 @@ class Restorer:
             while len(self._loading) > 4096:  # bounded: the oldest entries go
                 self._loading.pop(next(iter(self._loading)))
         ahead = self._take_prefetched(identity, target)
+        if ahead is not None and ahead.files is not None and not files_ok:
+            ahead.files.close()  # read ahead as files, for a trainer that cannot take them: read it
+            ahead = None
         if ahead is not None:
             lossy = any(t.lossy for t in ahead.tensors)
             if wanted == "either" or ahead.restore_class == wanted or not lossy:
@@ -274,7 +291,7 @@ class Restorer:
             peer = self._from_peer(identity, target, own=True) or self._from_parity(identity, target)
             if peer is not None:
                 return peer
-        return self._from_storage(identity, target)
+        return self._from_storage(identity, target, files_ok=files_ok)
 
     def _served(self, identity: Identity, data: RestoreData) -> RestoreData:
         """Count a restore; later checkpoints of the job carry the count (bit-width escalation)."""
@@ -666,7 +683,7 @@ class Restorer:
             self.prefetched[identity.slot] = (None, ready, None)
 
         def load() -> None:
-            target, data = None, None
+            target, data, warm = None, None, []
             try:
                 epoch = self.attempts.epoch_for(identity)
                 target = epoch.restore
@@ -697,15 +714,17 @@ class Restorer:
                             identity, target, True
                         )
                     if data is None and wanted == "either":
-                        data = self._from_storage(identity, target, "prefetch")
+                        data = self._from_storage(identity, target, "prefetch", files_ok=True)
                     elif wanted == "stored":  # peers of a lossless step, or storage's form
                         data = (
                             self._from_peer(identity, target, own=True)
                             or self._from_parity(identity, target)
-                            or self._from_storage(identity, target, "prefetch")
+                            or self._from_storage(identity, target, "prefetch", files_ok=True)
                         )
                     if data is None:
                         raise NotFound(f"step {target[1]}: no exact copy to read ahead")
+                    if data.files is not None:  # read into the page cache below, once published
+                        warm = data.files.duplicates()
                     log.info(
                         "rank %d: prefetched step %d (%d bytes) from %s",
                         identity.rank,
@@ -721,6 +740,9 @@ class Restorer:
                     if self.prefetched.get(identity.slot, (None, None, None))[1] is ready:
                         self.prefetched[identity.slot] = (target, ready, data)
                 ready.set()
+            # A step to be read from its files: the restore need not wait for this, and the
+            # trainer's reads find what it read already in the page cache.
+            into_page_cache(warm)
 
         threading.Thread(target=load, name=f"strata-prefetch-r{identity.rank}", daemon=True).start()
 
@@ -802,7 +824,9 @@ class Restorer:
                 return False
         return True
 
-    def _from_storage(self, identity: Identity, target: Position, kind: str = "restore") -> RestoreData:
+    def _from_storage(
+        self, identity: Identity, target: Position, kind: str = "restore", files_ok: bool = False
+    ) -> RestoreData:
         commit = self._commit(identity.job_key, target)  # read once: _load asked for it too
         if commit.world_size != identity.world_size:
             raise FailedPrecondition(_other_world(target, commit.world_size, identity.world_size))
@@ -819,6 +843,28 @@ class Restorer:
         # while one step's objects are held besides: reserved, as the manifests size them,
         # before a byte is allocated (the reader refuses a step larger than that).
         chain = {m.step: m for m in load_chain(manifest, load)}  # read once, replayed below
+        lossy = any(t.lossy for t in manifest.tensors)
+        if files_ok:
+            # Stored in place, as files: lent as they are, the trainer reads them once, straight
+            # into its tensors, while the disk reads ahead (no copy in memory here at all).
+            files = open_objects(self.store, manifest, self.shared.segments.lendable_files())
+            if files is not None:
+                return RestoreData(
+                    target[1],
+                    manifest.tensors,
+                    manifest.tree,
+                    manifest.total_bytes,
+                    "storage",
+                    "",
+                    files.chunks(),
+                    manifest.restores,
+                    None,
+                    manifest.foreign(),
+                    target[0],
+                    storage_restores=manifest.storage_restores,
+                    restore_class="stored" if lossy else "exact",
+                    files=files,
+                )
         held = held_bytes(list(chain.values()))
         need = manifest.total_bytes + held
         memory = self.memory.reserve(kind, need, f"reading step {target[1]} from storage")
@@ -857,7 +903,7 @@ class Restorer:
             manifest.foreign(),
             target[0],
             storage_restores=manifest.storage_restores,
-            restore_class="stored" if any(t.lossy for t in manifest.tensors) else "exact",
+            restore_class="stored" if lossy else "exact",
             lendable=lent,
         )
 

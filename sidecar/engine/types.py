@@ -17,6 +17,7 @@ from sidecar.api import MAX_WORLD_SIZE, pb
 from sidecar.budget import Reservation
 from sidecar.errors import InvalidArgument
 from sidecar.gang import Position
+from sidecar.pipeline.plan import ObjectFiles
 from sidecar.shm import RestoreBuffer, anonymous
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,9 @@ class RestoreData:
     #: the memfd ``chunks`` lie in, to be sealed and lent as it is (no copy into a handed-over
     #: segment); None where the bytes are in process memory
     lendable: RestoreBuffer | None = None
+    #: the step's objects as files, lent to the trainer as they are (``chunks`` reads them here
+    #: where they cannot be lent); None where the bytes are in memory
+    files: ObjectFiles | None = None
 
 
 def drop_buffer(snap: Snapshot) -> None:

@@ -16,9 +16,13 @@ served from memory is then bitwise the one storage would serve.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import math
+import mmap
+import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from dataclasses import dataclass, field, replace
@@ -529,6 +533,109 @@ def load_chain(
     if chain[0].checkpoint != "full":
         raise CorruptObject(f"step {chain[0].step}", "the chain does not start with a full checkpoint")
     return chain
+
+
+class ObjectFiles:
+    """A step's objects opened read-only, in order, where their bytes one after another are the
+    snapshot itself (a full checkpoint stored raw, in place) and every tensor has an XXH3 digest:
+    lent as they are to a trainer that copies and checks each tensor itself (one pass from the
+    disk into its live tensors, no memory here), or read here a piece at a time (:meth:`chunks`),
+    each object's digest checked."""
+
+    def __init__(self, objects: Sequence[mf.ObjectEntry], fds: list[int]) -> None:
+        self.objects = list(objects)
+        self._fds = fds
+        self._closer = weakref.finalize(self, _close_all, fds)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [o.size for o in self.objects]
+
+    def duplicates(self) -> list[int]:
+        """New descriptors of the same files, in order (the caller's to close)."""
+        out: list[int] = []
+        try:
+            for fd in self._fds:
+                out.append(os.dup(fd))
+        except BaseException:
+            _close_all(out)
+            raise
+        return out
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The snapshot's bytes in order, each object's size and digest checked as it is read."""
+        try:
+            for o, fd in zip(self.objects, list(self._fds), strict=True):
+                digest, pos = mf.Digest(o), 0
+                while pos < o.size:
+                    piece = memoryview(bytearray(min(READ_PIECE_BYTES, o.size - pos)))
+                    n = os.preadv(fd, [piece], pos)
+                    if n <= 0:
+                        raise CorruptObject(o.key, f"size {pos} != {o.size} in the manifest")
+                    digest.update(piece[:n])
+                    yield piece[:n]
+                    pos += n
+                if (why := digest.check()) is not None:
+                    raise CorruptObject(o.key, f"{why} in the manifest")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+
+
+#: madvise(2): fault a range's pages in for reading, no copy (Linux 5.14); Python names it from 3.13
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def into_page_cache(fds: list[int]) -> None:
+    """Read files into the page cache without copying a byte out of it (MADV_POPULATE_READ on a
+    read-only mapping, nothing where the kernel lacks it), then close them. A file cut short
+    meanwhile fails that call (EFAULT); the mapping is never touched, so nothing can fault here."""
+    try:
+        for fd in fds:
+            try:
+                with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+                    mapped.madvise(_MADV_POPULATE_READ)
+            except ValueError:  # an empty file
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # a kernel without it
+                    return
+    finally:
+        _close_all(fds)
+
+
+def open_objects(store: Store, manifest: mf.Manifest, most: int) -> ObjectFiles | None:
+    """``manifest``'s objects as files to lend (see :class:`ObjectFiles`), each checked to be a
+    regular file of its manifest size; None where the store holds no files, the step is not
+    stored in place with a digest for every tensor, or it has more than ``most`` objects.
+    CorruptObject/NotFound as a read would raise them."""
+    if (
+        manifest.checkpoint != "full"
+        or not 0 < len(manifest.objects) <= most
+        or not _in_place(manifest, manifest.total_bytes)
+        or not all(t.xxh3 for t in manifest.tensors)
+    ):
+        return None
+    fds: list[int] = []
+    try:
+        for o in manifest.objects:
+            fd = store.open_object(o.key, o.size)
+            if fd is None:
+                _close_all(fds)
+                return None
+            fds.append(fd)
+    except BaseException:
+        _close_all(fds)
+        raise
+    return ObjectFiles(manifest.objects, fds)
 
 
 def held_bytes(chain: Sequence[mf.Manifest]) -> int:

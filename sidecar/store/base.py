@@ -152,6 +152,12 @@ class Store(ABC):
             pos += n
         return pos
 
+    def open_object(self, key: str, size: int) -> int | None:
+        """A read-only descriptor of the object's bytes (the caller's to close), for a reader in
+        another process that copies them out itself; only where the object is a local file of
+        exactly ``size`` bytes (else errors.CorruptObject). None: this store holds no files."""
+        return None
+
     @abstractmethod
     def head(self, key: str) -> ObjectInfo | None:
         """Size and ETag of the object, or None when missing."""

@@ -235,6 +235,9 @@ class FileStore(Store):
         tmp = path.with_name(f"{TMP_MARK}{uuid.uuid4().hex}")
         try:
             with open(tmp, "xb", buffering=0) as f:
+                # Whatever the umask: only this user writes it (its descriptors are lent to
+                # trainers, who must not be able to reopen them for writing).
+                os.fchmod(f.fileno(), stat.S_IMODE(os.fstat(f.fileno()).st_mode) & ~0o022)
                 _write_all(f.fileno(), data)
                 # A fine-grained mtime that never repeats: the kernel stamps files with a
                 # coarse clock, and a freed inode number is soon reused, so two versions
@@ -395,6 +398,15 @@ class FileStore(Store):
             raise self._fail("get", key, exc) from exc
         finally:
             os.close(fd)
+
+    def open_object(self, key: str, size: int) -> int | None:
+        fd = self._open("get", key)
+        try:
+            check_size(key, os.fstat(fd).st_size, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def head(self, key: str) -> ObjectInfo | None:
         path = self._path(key)

@@ -178,3 +178,104 @@ def test_a_chain_from_storage_is_lent_as_read_and_restores_bitwise(
         assert reader.last_restore["shared_memory"] is (shm == "on")
         assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
     assert "lending a copy" not in caplog.text
+
+
+def test_a_full_step_on_file_storage_is_read_from_its_objects_files_bitwise(
+    make_sidecar, make_client, job_name
+):
+    """A full checkpoint stored raw on file:// storage: the sidecar lends its object files as they
+    are and the trainer reads them once, straight into its tensors, each tensor's digest checked;
+    without shared memory the sidecar streams the same bytes."""
+    first = make_sidecar(policy="full")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saved = state(2.0)
+    saved["w"] = torch.randn(256, 64)
+    saver.save(4, saved).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    store = first.engine.shared.store
+    objects = len(
+        mf.load_manifest(store, mf.read_commit(store, saver.settings.namespace, job_name, 4), 0).objects
+    )
+    second = make_sidecar()  # memory gone: storage
+    for restart, shm, files in ((1, "on", objects), (2, "off", 0)):
+        reader = make_client(second, job_name, capture_rng=False, generation=f"s/{restart}", shm=shm)
+        out = state(-1.0)
+        assert reader.restore(out) == 4
+        assert reader.last_restore is not None and reader.last_restore["source"] == "storage"
+        assert reader.last_restore["storage_files"] == files
+        assert reader.last_restore["unverified_tensors"] == 0
+        assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
+    assert second.engine.segments._handover._lent == {}  # nothing left lent
+
+
+def test_an_object_file_changed_in_place_after_its_commit_is_never_restored(
+    make_sidecar, make_client, job_name, caplog
+):
+    """Storage is not trusted: a byte of the newest step's object changed in place, after the
+    sidecar checked its size and lent it. The trainer's digest check refuses what it read, the
+    sidecar's own read then finds the object damaged and marks the step unusable, and the older
+    step is restored, saying so."""
+    first = make_sidecar(policy="full")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saver.save(1, state(1.0)).durable.result(30)
+    saver.save(2, state(2.0)).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    store = first.engine.shared.store
+    manifest = mf.load_manifest(store, mf.read_commit(store, saver.settings.namespace, job_name, 2), 0)
+    w = next(t for t in manifest.tensors if t.name.endswith("w"))
+    at, damaged = 0, None
+    for o in manifest.objects:  # the object holding w's first byte
+        if at <= w.offset < at + o.size:
+            damaged = (o.key, w.offset - at)
+        at += o.size
+    assert damaged is not None
+    path = os.path.join(store.url.removeprefix("file://"), damaged[0])
+    with open(path, "r+b") as f:  # in place: a descriptor opened before sees it too
+        f.seek(damaged[1])
+        byte = f.read(1)
+        f.seek(damaged[1])
+        f.write(bytes([byte[0] ^ 0x40]))
+    second = make_sidecar()
+    reader = make_client(second, job_name, capture_rng=False, generation="s/1")
+    out = state(-1.0)
+    assert reader.restore(out) == 1
+    assert reader.last_restore is not None and "step 2" in reader.last_restore["fallback_reason"]
+    assert torch.equal(out["w"], state(1.0)["w"]) and torch.equal(out["b"], state(1.0)["b"])
+    assert "differs from what was saved" in caplog.text  # the trainer's own check refused it first
+
+
+def test_object_files_a_trainer_could_write_are_not_lent_to_it(
+    make_sidecar, make_client, job_name, caplog, monkeypatch
+):
+    """A trainer in another mount namespace (its own container) that could reopen a lent file
+    read-write (root, or the file's owner) is not given the files: the sidecar reads them into a
+    sealed copy instead, and the restore is as exact."""
+    import sidecar.shm as shm_module
+
+    first = make_sidecar(policy="full")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saved = {**state(2.0), "w": torch.randn(256, 64)}
+    saver.save(4, saved).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    checked: list[int] = []
+    real = shm_module._same_mounts
+
+    def elsewhere(pid: int) -> bool:
+        checked.append(pid)
+        assert real(pid)  # this test's trainer is this very process
+        return False
+
+    monkeypatch.setattr(shm_module, "_same_mounts", elsewhere)
+    second = make_sidecar()
+    reader = make_client(second, job_name, capture_rng=False, generation="s/1")
+    out = state(-1.0)
+    caplog.set_level("INFO", logger="strata.client")
+    assert reader.restore(out) == 4
+    assert checked == [os.getpid()]
+    assert reader.last_restore is not None and reader.last_restore["storage_files"] == 0
+    assert reader.last_restore["shared_memory"] is True
+    assert "could write the checkpoint's files" in caplog.text
+    assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])

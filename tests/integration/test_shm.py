@@ -635,8 +635,10 @@ def test_a_restore_assembled_by_the_sidecar_is_lent_sealed_never_named_as_a_file
     make_sidecar, make_client, job_name, short_tmp, monkeypatch
 ):
     storage = f"file://{short_tmp}/sealed-store"
-    first = make_sidecar(storage)
-    make_client(first, job_name, capture_rng=False).save(4, state(4.0)).durable.result(30)
+    first = make_sidecar(storage, policy="consecutive")
+    saver = make_client(first, job_name, capture_rng=False)
+    saver.save(3, state(3.0)).durable.result(30)
+    saver.save(4, state(4.0)).durable.result(30)  # a diff: assembled (a full is lent as its files)
     first.stop(grace=1)
     second = make_sidecar(storage)  # memory gone: the restore is assembled from storage
     named: list[str] = []
@@ -958,3 +960,81 @@ def test_a_save_staged_into_the_held_segment_without_a_drop_is_refused_at_admiss
     out = state(-1.0)
     assert make_client(server, job_name, capture_rng=False).restore(out, step=1) == 1
     assert torch.equal(out["w"], state(1.0)["w"])
+
+
+def test_many_descriptors_lent_under_one_name_arrive_in_order_across_messages(tmp_path):
+    """A restore from file storage lends one descriptor per object: past what one message
+    carries, they come in several, in order; lent descriptors count against the bound one by one."""
+    from sidecar.shm import Handover
+    from trainer_client._staging import fetch_lent
+
+    directory = str(tmp_path)
+    handover = Handover(directory, ".strata-segments-0123456789abcdef.sock", 0o600)
+    try:
+        count = Handover.FDS_PER_MESSAGE + 37
+        paths = []
+        for i in range(count):
+            paths.append(tmp_path / f"object-{i}")
+            paths[-1].write_bytes(i.to_bytes(2, "big"))
+        name = handover.lend_fds([os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths])
+        got = fetch_lent(directory, name, count)
+        try:
+            assert [int.from_bytes(os.pread(fd, 2, 0), "big") for fd in got] == list(range(count))
+        finally:
+            for fd in got:
+                os.close(fd)
+        with pytest.raises(OSError, match="did not lend it"):
+            fetch_lent(directory, name, count)  # once
+        # more than may be lent at once: refused, closed; older names give way to newer ones
+        handover.max_lent = 4
+        with pytest.raises(OSError, match="at most 4"):
+            handover.lend_fds([os.open(paths[0], os.O_RDONLY) for _ in range(5)])
+        first = handover.lend_fds([os.open(paths[0], os.O_RDONLY) for _ in range(3)])
+        second = handover.lend_fds([os.open(paths[1], os.O_RDONLY) for _ in range(2)])
+        assert not handover.lent(first) and handover.lent(second)
+        with pytest.raises(OSError, match="lends 2 descriptors"):
+            fetch_lent(directory, second, 3)  # another number than the header said: refused
+    finally:
+        handover.close()
+
+
+@pytest.mark.parametrize("how", ["ok", "size", "fifo", "undigested", "count"])
+def test_lent_files_the_trainer_cannot_check_are_refused(tmp_path, how):
+    """What a sidecar lends as a step's files is checked before a byte is read: regular files of
+    the header's sizes, as many as it names, and a digest for every tensor to check them by."""
+    import numpy as np
+
+    from sidecar.api import pb
+    from sidecar.shm import Handover
+    from trainer_client import _receive, _verify
+
+    directory = str(tmp_path)
+    handover = Handover(directory, ".strata-segments-0123456789abcdef.sock", 0o600)
+    try:
+        data = bytes(range(256)) * 16
+        (tmp_path / "obj").write_bytes(data)
+        fds = [os.open(tmp_path / "obj", os.O_RDONLY)]
+        sizes = [len(data)]
+        digest = mf.xxh3(data)
+        if how == "size":
+            sizes = [len(data) - 1]
+        elif how == "fifo":
+            os.mkfifo(tmp_path / "fifo")
+            os.close(fds.pop())
+            fds.append(os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK))
+        elif how == "undigested":
+            digest = ""
+        elif how == "count":
+            sizes = [len(data) // 2, len(data) - len(data) // 2]
+        header = pb.RestoreHeader(step=1, total_bytes=sum(sizes), shm_files=sizes)
+        header.shm.CopyFrom(pb.SharedSegment(name=handover.lend_fds(fds), size=sum(sizes)))
+        out = np.zeros(sum(sizes), np.uint8)
+        if how == "ok":  # the same files, as they should be: read, and checked
+            _receive.from_segment(header, directory, [_verify.Target(0, out, digest, "t")])
+            assert out.tobytes() == data
+            return
+        with pytest.raises(_receive.FilesUnusable):
+            _receive.from_segment(header, directory, [_verify.Target(0, out, digest, "t")])
+        assert not out.any()  # nothing was read into the tensor
+    finally:
+        handover.close()

@@ -17,7 +17,7 @@ import pytest
 from test_held_restore import Step, save_chain, tensor
 
 from sidecar import manifest as mf
-from sidecar.errors import CorruptObject
+from sidecar.errors import CorruptObject, NotFound
 from sidecar.pipeline import plan
 from sidecar.pipeline.plan import read_snapshot
 from sidecar.shm import RestoreBuffer
@@ -356,3 +356,85 @@ def test_file_objects_are_regular_files_only(tmp_path):
             with pytest.raises(ObjectNotFound, match="not a file"):
                 read(key)
     assert store.get("real") == b"bytes" and store.get_range("real", 1, 2) == b"yt"
+
+
+# --- a full checkpoint stored in place, lent as its objects' files --------------------------
+
+
+def digested(s: Step) -> mf.Manifest:
+    """``s``'s MANIFEST with every tensor's digest, as the sidecar records them."""
+    tensors = [dataclasses.replace(t, xxh3=mf.xxh3(tensor(s.buffer, t))) for t in s.manifest.tensors]
+    return dataclasses.replace(s.manifest, tensors=tensors)
+
+
+def test_a_full_step_on_file_storage_opens_as_its_objects_files_in_order(tmp_path, executor):
+    with open_store(f"file://{tmp_path}/store") as store:
+        s = save_chain(store, executor, "off", "full")[-1]
+        files = plan.open_objects(store, digested(s), most=64)
+        assert files is not None and files.sizes == [o.size for o in s.manifest.objects]
+        lent = files.duplicates()
+        try:  # the lent descriptors, read one after another, are the snapshot itself
+            got = b"".join(os.pread(fd, size, 0) for fd, size in zip(lent, files.sizes, strict=True))
+        finally:
+            for fd in lent:
+                os.close(fd)
+        assert got == s.buffer
+        assert b"".join(bytes(c) for c in files.chunks()) == s.buffer  # what streams where not lent
+
+
+def test_only_a_full_raw_step_of_file_storage_within_the_bound_is_lent_as_files(tmp_path, executor):
+    with open_store(f"memory://sr-{uuid.uuid4().hex}") as memory:
+        saved = save_chain(memory, executor, "off", "full")
+        assert plan.open_objects(memory, digested(saved[-1]), most=64) is None  # no files there
+    with open_store(f"file://{tmp_path}/store") as store:
+        saved = save_chain(store, executor, "off", "consecutive")
+        assert plan.open_objects(store, digested(saved[-1]), most=64) is None  # a diff
+        full = digested(saved[0])
+        assert plan.open_objects(store, full, most=len(full.objects) - 1) is None  # too many objects
+        lossy = dataclasses.replace(full.tensors[0], encoding="int8")
+        assert (
+            plan.open_objects(store, dataclasses.replace(full, tensors=[lossy, *full.tensors[1:]]), 64)
+            is None
+        )
+        undigested = dataclasses.replace(full.tensors[0], xxh3="")
+        assert (
+            plan.open_objects(store, dataclasses.replace(full, tensors=[undigested, *full.tensors[1:]]), 64)
+            is None
+        )
+        assert plan.open_objects(store, full, most=64) is not None
+
+
+@pytest.mark.parametrize("how", ["truncated", "longer", "missing", "symlink"])
+def test_a_lent_object_file_of_another_size_or_kind_is_refused_when_opened(tmp_path, executor, how):
+    with open_store(f"file://{tmp_path}/store") as store:
+        saved = save_chain(store, executor, "off", "full")
+        s = saved[-1]
+        o = s.manifest.objects[-1]
+        path = tmp_path / "store" / o.key
+        body = path.read_bytes()
+        if how == "missing":
+            path.unlink()
+        elif how == "symlink":
+            (tmp_path / "elsewhere").write_bytes(body)
+            path.unlink()
+            path.symlink_to(tmp_path / "elsewhere")
+        else:
+            store.put(o.key, body[:-1] if how == "truncated" else body + b"\0")
+        with pytest.raises((CorruptObject, NotFound), match=o.key):
+            plan.open_objects(store, digested(s), most=64)
+
+
+def test_a_lent_object_file_flipped_after_it_was_opened_fails_its_digest_when_streamed(tmp_path, executor):
+    with open_store(f"file://{tmp_path}/store") as store:
+        saved = save_chain(store, executor, "off", "full")
+        s = saved[-1]
+        files = plan.open_objects(store, digested(s), most=64)
+        assert files is not None
+        o = s.manifest.objects[0]
+        with open(tmp_path / "store" / o.key, "r+b") as f:  # in place: the open descriptor sees it
+            f.seek(3)
+            byte = f.read(1)
+            f.seek(3)
+            f.write(bytes([byte[0] ^ 0x10]))
+        with pytest.raises(CorruptObject, match=o.key):
+            b"".join(bytes(c) for c in files.chunks())

@@ -496,6 +496,7 @@ class RestoreRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SHM_OK_FIELD_NUMBER: _builtins.int
     HEADER_ONLY_FIELD_NUMBER: _builtins.int
+    FILES_OK_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     step: _builtins.int
     """Restore this step; unset means the newest committed step."""
@@ -516,6 +517,10 @@ class RestoreRequest(_message.Message):
     """With of_rank: the header only (tree, tensor list, the commit's step, attempt and world size),
     no bytes; only the MANIFEST is read.
     """
+    files_ok: _builtins.bool
+    """With shm_ok: the client can read a step from storage straight out of its objects' files, lent
+    read-only on the handover socket (RestoreHeader.shm_files), checking every tensor's digest.
+    """
     @_builtins.property
     def identity(self) -> Global___Identity: ...
     def __init__(
@@ -528,10 +533,11 @@ class RestoreRequest(_message.Message):
         attempt: _builtins.int | None = ...,
         shm_ok: _builtins.bool = ...,
         header_only: _builtins.bool = ...,
+        files_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "identity", b"identity", "of_rank", b"of_rank", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "header_only", b"header_only", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "shm_ok", b"shm_ok", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_of_rank", b"_of_rank", "_step", b"_step", "attempt", b"attempt", "files_ok", b"files_ok", "header_only", b"header_only", "identity", b"identity", "of_rank", b"of_rank", "protocol_version", b"protocol_version", "shm_ok", b"shm_ok", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attempt: _TypeAlias = _typing.Literal["attempt"]  # noqa: Y015
     _WhichOneofArgType__attempt: _TypeAlias = _typing.Literal["_attempt", b"_attempt"]  # noqa: Y015
@@ -564,6 +570,7 @@ class RestoreHeader(_message.Message):
     SHM_HANDOFF_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     RESTORE_CLASS_FIELD_NUMBER: _builtins.int
+    SHM_FILES_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     tree: _builtins.bytes
     total_bytes: _builtins.int
@@ -599,6 +606,14 @@ class RestoreHeader(_message.Message):
         there until the rank's trainer saves again; one that is gone means: ask again without shm_ok.
         """
 
+    @_builtins.property
+    def shm_files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Set (only when the request said files_ok) with shm: the snapshot's bytes are storage objects'
+        files, these sizes one after another, lent read-only under shm.name as one message's
+        descriptors (several messages past 200 of them); nothing is copied into memory by the
+        sidecar. Every tensor then carries a digest, and the reader checks each one.
+        """
+
     def __init__(
         self,
         *,
@@ -614,10 +629,11 @@ class RestoreHeader(_message.Message):
         shm_handoff: _builtins.bool = ...,
         world_size: _builtins.int = ...,
         restore_class: _builtins.str = ...,
+        shm_files: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "restore_class", b"restore_class", "shm", b"shm", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "fallback_reason", b"fallback_reason", "replicas", b"replicas", "restore_class", b"restore_class", "shm", b"shm", "shm_files", b"shm_files", "shm_handoff", b"shm_handoff", "source", b"source", "step", b"step", "tensors", b"tensors", "total_bytes", b"total_bytes", "tree", b"tree", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
