@@ -48,6 +48,7 @@ import selectors
 import socket
 import stat
 import struct
+import termios
 import threading
 import time
 import uuid
@@ -384,8 +385,9 @@ class Segments:
 
     def lendable_files(self) -> int:
         """The most descriptors one restore may lend (:meth:`lend_files`): 0 where nothing is
-        lent over a socket; a quarter of what may be lent at once, so a few ranks restore together."""
-        return 0 if self._handover is None else max(1, self._handover.max_lent // 4)
+        lent over a socket; a sixteenth of what may be lent at once, so many ranks restore
+        together (a step of more objects is read into a sealed copy instead)."""
+        return 0 if self._handover is None else max(1, self._handover.max_lent // 16)
 
     def lend_files(self, fds: list[int]) -> str:
         """Lend ``fds`` (now this object's: read-only descriptors of a restore's object files) under
@@ -568,8 +570,7 @@ class Handover:
         """A one-time name under which a trainer gets ``fds`` (now this object's), in order, on
         this socket; the oldest names lent go first where there would be more than ``max_lent``
         descriptors. OSError (the descriptors closed) when ``fds`` alone are more. ``files``:
-        read-only descriptors of files, given only to a trainer that could not write them
-        anyway (:func:`writable_by`)."""
+        read-only descriptors of files, given only where :func:`lend_refusal` finds no reason not to."""
         if not 0 < len(fds) <= self.max_lent:
             _close_fd(list(fds))
             raise OSError(errno.EMFILE, f"{len(fds)} descriptors to lend; at most {self.max_lent} at once")
@@ -666,7 +667,9 @@ class Handover:
                 self._drop_locked(conn)
             return
         lent: list[int] = []
-        if data.startswith(b"get ") and not fds:
+        if data.startswith(b"get ") and not fds and _unread(conn):
+            answer = "error: read the previous answer on this connection first"
+        elif data.startswith(b"get ") and not fds:
             answer, lent = self._give(data[4:].decode("ascii", "replace"), conn)
         elif data.startswith(b"drop ") and not fds:
             # Not a message more from this connection until it is answered.
@@ -699,7 +702,7 @@ class Handover:
                 self._lent_fds -= len(entry[0])
         if entry is None:
             return f"error: no segment is lent as {name!r} (it was fetched already, or expired)", []
-        if files and (why := writable_by(entry[0], conn)):
+        if files and (why := lend_refusal(conn)):
             _close_fd(entry[0])
             return f"error: refused: {why}", []
         return "ok", entry[0]
@@ -886,27 +889,36 @@ class RestoreBuffer:
         self._closer()
 
 
-def writable_by(fds: list[int], conn: socket.socket) -> str:
-    """Why the process on the other end of ``conn`` could write one of the files ``fds`` (read-only
-    descriptors) by reopening it through /proc/self/fd, where it could not by path: "" if none.
+def lend_refusal(conn: socket.socket) -> str:
+    """Why the process on the other end of ``conn`` must not be lent a checkpoint's files: "" if
+    it may.
 
-    A lent file is not sealed like a memfd: the trainer could reopen it read-write wherever its
-    user may write the file (root, its owner, or group/other write bits). That adds nothing when
-    it runs in this process's mount namespace as this user or root (it reaches the same paths
-    with the same rights: local processes); elsewhere (a trainer container of another user) a
-    file it may write is not lent."""
+    A lent file is not sealed the way a memfd is: whoever holds its descriptor can try to reopen
+    it read-write through /proc/self/fd, and root, a process with CAP_DAC_OVERRIDE or CAP_FOWNER,
+    or one handed the descriptors by another, gets through whatever the file's mode says (peer
+    credentials are the connecting process's at connect time, and say nothing of capabilities).
+    So files go only where that adds nothing: to a process in this process's mount namespace
+    (local processes), which reaches the same files by path with the same rights. A trainer in a
+    container of its own gets the sealed copy instead."""
     try:
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
     except OSError as exc:
         return f"the trainer's credentials cannot be read ({exc.strerror})"
-    for fd in fds:
-        st = os.fstat(fd)
-        if uid != 0 and uid != st.st_uid and not st.st_mode & 0o022:
-            continue  # it cannot write this file at all
-        if (uid == 0 or uid == os.geteuid()) and _same_mounts(pid):
-            continue  # it can write it by path already
-        return f"the trainer (uid {uid}) could write the checkpoint's files through them"
+    if not _same_mounts(pid):
+        return (
+            "the trainer runs in another mount namespace (a container of its own): "
+            "files are lent to local processes only"
+        )
     return ""
+
+
+def _unread(conn: socket.socket) -> bool:
+    """Whether the trainer has not yet read an earlier answer on ``conn`` (descriptors in flight
+    count against this process's open-files limit until they are read)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0] > 0
+    except OSError:
+        return False
 
 
 def _same_mounts(pid: int) -> bool:

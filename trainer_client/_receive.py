@@ -116,9 +116,9 @@ class FilesUnusable(SegmentGone):
     """Object files lent for a restore that cannot be used: refused to this process, gone, or
     (``changed``) not what was saved. The sidecar then reads them itself, checking each object."""
 
-    def __init__(self, message: str, changed: bool = False) -> None:
+    def __init__(self, message: str, changed: bool = False, refused: bool = False) -> None:
         super().__init__(message)
-        self.changed = changed
+        self.changed, self.refused = changed, refused
 
 
 def from_segment(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Target]) -> None:
@@ -197,7 +197,8 @@ def from_files(header: pb.RestoreHeader, shm_dir: str, targets: list[_verify.Tar
     try:
         fds = fetch_lent(shm_dir, name, len(sizes))
     except OSError as exc:
-        raise FilesUnusable(f"files lent as {name}: {exc.strerror or exc}") from None
+        why = exc.strerror or str(exc)
+        raise FilesUnusable(f"files lent as {name}: {why}", refused="refused" in why) from None
     try:
         for fd, size in zip(fds, sizes, strict=True):
             found = os.fstat(fd)

@@ -247,7 +247,7 @@ def fetch_lent(directory: str, name: str, count: int) -> list[int]:
             conn.connect(os.path.join(directory, f".strata-segments-{lent.group(1)}.sock"))
             conn.send(b"get " + name.encode())
             while len(got) < count:
-                answer, fds, _, _ = socket.recv_fds(conn, 4096, _MAX_FDS_PER_MESSAGE)
+                answer, fds, _, _ = socket.recv_fds(conn, 4096, _MAX_FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC)
                 got.extend(fds)
                 said = re.fullmatch(rb"ok(?: ([0-9]{1,9}))?", answer)
                 if said is None or not fds:

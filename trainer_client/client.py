@@ -160,6 +160,8 @@ class CheckpointClient:
         self._stager = Stager()
         self._lease_stager = Stager()  # a DCP writer's stage(), on the training thread (see _lease)
         self._segments = self._shared_memory()
+        #: the sidecar refused this process its checkpoint's files: restores ask for a copy
+        self._files_refused = False
         self._buffers = self._new_buffers()
         #: index into _buffers of the snapshot the sidecar keeps (shared memory: never stage into it)
         self._held: int | None = None
@@ -1513,7 +1515,8 @@ class CheckpointClient:
         (its blocking calls or memory are momentarily taken by other ranks)."""
         deadline, delay = time.monotonic() + self.settings.rpc_timeout_s, 0.1
         shm_dir = self._segments.directory if self._segments is not None else ""
-        req.shm_ok = req.files_ok = bool(shm_dir)
+        req.shm_ok = bool(shm_dir)
+        req.files_ok = req.shm_ok and not self._files_refused
         while True:
             try:
                 # no local holds the call: see _untangle
@@ -1525,6 +1528,7 @@ class CheckpointClient:
             except _receive.FilesUnusable as exc:  # the sidecar reads the objects itself instead
                 (log.error if exc.changed else log.info)("%s; restoring through the sidecar's memory", exc)
                 req.files_ok = False
+                self._files_refused |= exc.refused  # the same answer would come again
             except _receive.SegmentChanged as exc:  # not the file the sidecar checked: its own copy instead
                 log.error("%s; restoring over gRPC", exc)
                 req.shm_ok = False

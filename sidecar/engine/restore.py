@@ -38,6 +38,7 @@ from sidecar.gang import (
     stream_opener,
 )
 from sidecar.pipeline.plan import (
+    close_files,
     decode_held,
     held_bytes,
     into_page_cache,
@@ -53,6 +54,11 @@ from .held import Held
 from .redundancy import Redundancy
 from .state import Shared
 from .types import Identity, JobKey, RestoreData, Slot, Snapshot, check_job, restore_header, zeroed
+
+#: what a prefetch leaves for a step storage holds as files (see ``Restorer.prefetched``)
+FROM_FILES = "files"
+#: prefetches reading a step's files into the page cache at once (the rest skip it)
+_WARMING = threading.BoundedSemaphore(2)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,9 @@ class Restorer:
         self.attempts = attempts
         self.redundancy = redundancy if redundancy is not None else Redundancy(shared, held)
         # Restores read ahead by prefetch(): slot -> (position, ready event, data or None)
-        self.prefetched: dict[Slot, tuple[Position | None, threading.Event, RestoreData | None]] = {}
+        #: per slot: the step read ahead, set once done, and its data (FROM_FILES: storage holds
+        #: it as files, read into the page cache; the restore opens them)
+        self.prefetched: dict[Slot, tuple[Position | None, threading.Event, RestoreData | str | None]] = {}
         # The step each slot's restore read or reads (a Prefetch that arrives after its Restore,
         # as the client sends both without waiting, must not read the step a second time).
         self._loading: dict[Slot, Position] = {}
@@ -255,10 +263,9 @@ class Restorer:
             while len(self._loading) > 4096:  # bounded: the oldest entries go
                 self._loading.pop(next(iter(self._loading)))
         ahead = self._take_prefetched(identity, target)
-        if ahead is not None and ahead.files is not None and not files_ok:
-            ahead.files.close()  # read ahead as files, for a trainer that cannot take them: read it
-            ahead = None
-        if ahead is not None:
+        if ahead == FROM_FILES:  # where the read ahead found it, lossless: as a prefetched step
+            return self._from_storage(identity, target, files_ok=files_ok)
+        if isinstance(ahead, RestoreData):
             lossy = any(t.lossy for t in ahead.tensors)
             if wanted == "either" or ahead.restore_class == wanted or not lossy:
                 return ahead
@@ -683,7 +690,8 @@ class Restorer:
             self.prefetched[identity.slot] = (None, ready, None)
 
         def load() -> None:
-            target, data, warm = None, None, []
+            target, data = None, None
+            warm: list[tuple[int, int]] = []
             try:
                 epoch = self.attempts.epoch_for(identity)
                 target = epoch.restore
@@ -723,8 +731,8 @@ class Restorer:
                         )
                     if data is None:
                         raise NotFound(f"step {target[1]}: no exact copy to read ahead")
-                    if data.files is not None:  # read into the page cache below, once published
-                        warm = data.files.duplicates()
+                    if data.files is not None:  # read into the page cache below; the restore opens them again
+                        warm = data.files.release()
                     log.info(
                         "rank %d: prefetched step %d (%d bytes) from %s",
                         identity.rank,
@@ -738,15 +746,22 @@ class Restorer:
                 with self.shared.lock:
                     # Unless a save on this slot dropped the entry meanwhile (training went on).
                     if self.prefetched.get(identity.slot, (None, None, None))[1] is ready:
-                        self.prefetched[identity.slot] = (target, ready, data)
+                        self.prefetched[identity.slot] = (target, ready, FROM_FILES if warm else data)
                 ready.set()
-            # A step to be read from its files: the restore need not wait for this, and the
-            # trainer's reads find what it read already in the page cache.
-            into_page_cache(warm)
+            # A step to be read from its files: nothing is held for it (descriptors are not
+            # kept between calls), the restore need not wait for this, and the trainer's reads
+            # find what it read already in the page cache. At most a few at once in all.
+            if warm and _WARMING.acquire(blocking=False):
+                try:
+                    into_page_cache(warm)
+                finally:
+                    _WARMING.release()
+            else:
+                close_files(warm)
 
         threading.Thread(target=load, name=f"strata-prefetch-r{identity.rank}", daemon=True).start()
 
-    def _take_prefetched(self, identity: Identity, target: Position) -> RestoreData | None:
+    def _take_prefetched(self, identity: Identity, target: Position) -> RestoreData | str | None:
         with self.shared.lock:
             entry = self.prefetched.get(identity.slot)
         if entry is None:

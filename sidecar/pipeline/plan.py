@@ -551,6 +551,12 @@ class ObjectFiles:
     def sizes(self) -> list[int]:
         return [o.size for o in self.objects]
 
+    def release(self) -> list[tuple[int, int]]:
+        """The descriptors with their objects' sizes, now the caller's to close (see :func:`close_files`)."""
+        self._closer.detach()
+        fds, self._fds = list(self._fds), []
+        return list(zip(fds, self.sizes, strict=True))
+
     def duplicates(self) -> list[int]:
         """New descriptors of the same files, in order (the caller's to close)."""
         out: list[int] = []
@@ -594,22 +600,28 @@ def _close_all(fds: list[int]) -> None:
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-def into_page_cache(fds: list[int]) -> None:
-    """Read files into the page cache without copying a byte out of it (MADV_POPULATE_READ on a
-    read-only mapping, nothing where the kernel lacks it), then close them. A file cut short
-    meanwhile fails that call (EFAULT); the mapping is never touched, so nothing can fault here."""
+def into_page_cache(files: list[tuple[int, int]]) -> None:
+    """Read files (descriptor, the size its MANIFEST gives) into the page cache without copying a
+    byte out of it (MADV_POPULATE_READ on a read-only mapping of that size, nothing where the
+    kernel lacks it), then close them. A file cut short meanwhile fails that call (EFAULT); the
+    mapping is never touched, so nothing can fault here; a file grown since is read no further."""
     try:
-        for fd in fds:
+        for fd, size in files:
             try:
-                with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
+                if size <= 0 or os.fstat(fd).st_size < size:
+                    continue
+                with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
                     mapped.madvise(_MADV_POPULATE_READ)
-            except ValueError:  # an empty file
-                continue
             except OSError as exc:
                 if exc.errno == errno.EINVAL:  # a kernel without it
                     return
     finally:
-        _close_all(fds)
+        close_files(files)
+
+
+def close_files(files: list[tuple[int, int]]) -> None:
+    _close_all([fd for fd, _ in files])
+    files.clear()
 
 
 def open_objects(store: Store, manifest: mf.Manifest, most: int) -> ObjectFiles | None:

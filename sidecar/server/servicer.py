@@ -162,20 +162,26 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         if request.header_only:
             yield pb.RestoreResponse(header=header)
             return
+        lent = self._lend_files(data) if data.files is not None else ""
+        if data.files is not None and not lent:
+            # Read here after all, as any restore: a damaged object then marks its step unusable.
+            data.files.close()
+            data = self.engine.open_restore(_identity(request.identity), step, files_ok=False)
+            header = restore_header(data)
         if request.shm_ok and data.segment is not None:
             # Held in a shared segment: the client copies from it directly (no bytes on the wire).
             header.shm.CopyFrom(pb.SharedSegment(name=data.segment[0], size=data.segment[1]))
             yield pb.RestoreResponse(header=header)
-        elif data.files is not None and (name := self._lend_files(data)):
+        elif lent and data.files is not None:
             # Stored in place as files: their descriptors are lent; the trainer reads them itself.
-            header.shm.CopyFrom(pb.SharedSegment(name=name, size=data.total_bytes))
+            header.shm.CopyFrom(pb.SharedSegment(name=lent, size=data.total_bytes))
             header.shm_files.extend(data.files.sizes)
             header.shm_handoff = True
             try:
                 yield pb.RestoreResponse(header=header)
-                self._until_taken(name, context)
+                self._until_taken(lent, context)
             finally:
-                self.engine.segments.remove(name)
+                self.engine.segments.remove(lent)
         elif request.shm_ok and (handed := self._handoff(data)) is not None:
             # Assembled here (a peer, storage, a file segment's copy): one copy into a sealed
             # segment lent to the client beats gRPC's copies by far; the call stays open until
@@ -209,8 +215,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self.engine.segments.remove(name)
 
     def _lend_files(self, data: RestoreData) -> str:
-        """Lend a restore's object files under one name; "" where they cannot be lent (then
-        ``data.chunks`` reads them here and they are streamed)."""
+        """Lend a restore's object files under one name; "" where they cannot be lent."""
         assert data.files is not None
         try:
             name = self.engine.segments.lend_files(data.files.duplicates())
@@ -224,8 +229,8 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
     def _handoff(self, data: RestoreData) -> tuple[str, list[memoryview], Reservation] | None:
         """Copy a restore's bytes into a new shared segment; None (and ``data.chunks`` put back)
         when there is no shm dir, the budget or the tmpfs has no room."""
-        if not self.engine.segments.directory or data.files is not None:
-            return None  # files that could not be lent are read a piece at a time, streamed
+        if not self.engine.segments.directory:
+            return None
         if data.lendable is not None and data.memory is not None:
             # Read from storage straight into a memfd: sealed and lent as it is, no copy.
             data.chunks = iter(())

@@ -5,6 +5,7 @@ can write the tmpfs may have replaced) are never returned unless they are what w
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -249,9 +250,10 @@ def test_an_object_file_changed_in_place_after_its_commit_is_never_restored(
 def test_object_files_a_trainer_could_write_are_not_lent_to_it(
     make_sidecar, make_client, job_name, caplog, monkeypatch
 ):
-    """A trainer in another mount namespace (its own container) that could reopen a lent file
-    read-write (root, or the file's owner) is not given the files: the sidecar reads them into a
-    sealed copy instead, and the restore is as exact."""
+    """A trainer in another mount namespace (its own container) is not given the files (root, a
+    capability or a borrowed descriptor could reopen one read-write there, whatever its mode):
+    the sidecar reads them into a sealed copy instead, and the restore is as exact; the client
+    asks no more for files after that."""
     import sidecar.shm as shm_module
 
     first = make_sidecar(policy="full")
@@ -277,5 +279,70 @@ def test_object_files_a_trainer_could_write_are_not_lent_to_it(
     assert checked == [os.getpid()]
     assert reader.last_restore is not None and reader.last_restore["storage_files"] == 0
     assert reader.last_restore["shared_memory"] is True
-    assert "could write the checkpoint's files" in caplog.text
+    assert "another mount namespace" in caplog.text
     assert torch.equal(out["w"], saved["w"]) and torch.equal(out["b"], saved["b"])
+    out = state(-1.0)
+    assert reader.restore(out) == 4  # again: no files asked for, none refused
+    assert checked == [os.getpid()] and reader.last_restore["storage_files"] == 0
+    assert torch.equal(out["w"], saved["w"])
+
+
+def test_files_that_cannot_be_lent_are_read_by_the_sidecar_which_marks_a_damaged_step(
+    make_sidecar, make_client, job_name, monkeypatch
+):
+    """Lending fails (no descriptors left, say): the sidecar reads the step itself as any restore,
+    so a damaged object still marks its step unusable and the older one is restored."""
+    first = make_sidecar(policy="full")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saver.save(1, state(1.0)).durable.result(30)
+    saver.save(2, state(2.0)).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    store = first.engine.shared.store
+    manifest = mf.load_manifest(store, mf.read_commit(store, saver.settings.namespace, job_name, 2), 0)
+    o = manifest.objects[0]
+    body = bytearray(store.get(o.key))
+    body[0] ^= 0x01
+    store.put(o.key, bytes(body))
+    second = make_sidecar()
+    tried: list[int] = []
+
+    def no_room(fds: list[int]) -> str:
+        tried.append(len(fds))
+        for fd in fds:
+            os.close(fd)
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(second.engine.segments, "lend_files", no_room)
+    reader = make_client(second, job_name, capture_rng=False, generation="s/1")
+    out = state(-1.0)
+    assert reader.restore(out) == 1
+    assert tried and reader.last_restore["storage_files"] == 0
+    assert "step 2" in reader.last_restore["fallback_reason"]
+    assert torch.equal(out["w"], state(1.0)["w"]) and torch.equal(out["b"], state(1.0)["b"])
+
+
+def test_a_prefetch_of_a_step_in_files_holds_no_descriptors(make_sidecar, make_client, job_name):
+    """Prefetch reads a step stored as files into the page cache and keeps nothing open: any
+    client may ask for it, for any number of slots."""
+    first = make_sidecar(policy="full")
+    saver = make_client(first, job_name, capture_rng=False, generation="s/0")
+    saved = {**state(2.0), "w": torch.randn(256, 64)}
+    saver.save(3, saved).durable.result(30)
+    saver.close()
+    first.stop(grace=1)
+    second = make_sidecar()
+    before = len(os.listdir("/proc/self/fd"))
+    reader = make_client(second, job_name, capture_rng=False, generation="s/1")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        entry = second.engine.restorer.prefetched.get(next(iter(second.engine.restorer.prefetched), None))
+        if entry is not None and entry[1].is_set():
+            break
+        time.sleep(0.01)
+    assert entry is not None and entry[1].is_set() and entry[2] == "files"  # nothing held for it
+    time.sleep(0.2)  # the page-cache read ends after the prefetch is published
+    assert len(os.listdir("/proc/self/fd")) - before <= 4  # the client's own sockets, no objects
+    out = state(-1.0)
+    assert reader.restore(out) == 3 and reader.last_restore["storage_files"] > 0
+    assert torch.equal(out["w"], saved["w"])

@@ -994,6 +994,20 @@ def test_many_descriptors_lent_under_one_name_arrive_in_order_across_messages(tm
         assert not handover.lent(first) and handover.lent(second)
         with pytest.raises(OSError, match="lends 2 descriptors"):
             fetch_lent(directory, second, 3)  # another number than the header said: refused
+        # one unread answer per connection: descriptors in flight count against the sidecar's limits
+        third = handover.lend_fds([os.open(paths[2], os.O_RDONLY)])
+        fourth = handover.lend_fds([os.open(paths[3], os.O_RDONLY)])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(handover.path)
+            conn.send(b"get " + third.encode())
+            time.sleep(0.2)  # answered, not read
+            conn.send(b"get " + fourth.encode())
+            first_answer, fds, _, _ = socket.recv_fds(conn, 4096, 4)
+            second_answer = conn.recv(4096)
+            for fd in fds:
+                os.close(fd)
+        assert first_answer == b"ok" and len(fds) == 1
+        assert second_answer.startswith(b"error: read the previous answer")
     finally:
         handover.close()
 
