@@ -33,8 +33,10 @@ NOT_ANNOTATIONS: dict[str, str] = {
     "generation_file": "the operator owns the generation (a downward-API file)",
     "generation": "the operator owns the generation (a JobSet pod's, composed from its labels)",
     "peer_host": "the injection sets it (0.0.0.0) when strata.dev/redundancy is on",
-    "peers": "commit hints between pods are not wired by the injection (storage decides commits)",
-    "peer_fetch_timeout_s": "fetches of replicas between pods' sidecars are not wired by the injection yet",
+    "peers": "the injection makes the members (strata.dev/redundancy) each other's peers; without "
+    "redundancy no peers are wired, and storage decides commits",
+    "peer_fetch_timeout_s": "replica fetches between pods go to the members the injection wires only with "
+    "strata.dev/redundancy; the default serves them",
     "members": "the injection computes every member's stable DNS name from the Job (its pod template's "
     "subdomain) or the JobSet when strata.dev/redundancy is on",
     "member_count": "the injection sets it from the workload's world size",
