@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test docs test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -38,6 +38,11 @@ demo: setup  ## SeaweedFS + sidecar + trainer; kill the trainer mid-save, resume
 
 test: setup setup-prometheus  ## unit + integration tests (real gRPC, real SeaweedFS, real Prometheus scrape)
 	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+
+# The docs extra goes into .venv on first use only: `make setup` and CI's test venv stay as they are.
+docs: setup  ## the documentation site into site/ (mkdocs build --strict: broken links and anchors fail)
+	$(PY) -c 'import mkdocs, material, mkdocstrings_handlers.python' 2>/dev/null || $(PIP) install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The peers the `peers` section compares with: pinned, without their declared dependencies (see the
 # file); only `make bench` installs them, so `make test` and CI stay as they are.
@@ -105,4 +110,4 @@ e2e-matrix:  ## on kind: the resume, in-place restarts on 1.33 (new pods) and 1.
 	E2E_SCENARIO=netpol KIND_NODE_IMAGE=$(E2E_134) bash deploy/e2e/run.sh
 
 clean:  ## remove the venv and local state
-	rm -rf $(VENV) .strata bench-results.json
+	rm -rf $(VENV) .strata bench-results.json site

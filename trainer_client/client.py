@@ -1229,7 +1229,7 @@ class CheckpointClient:
         """Load a committed step (newest by default) into ``state`` in place. A step another
         number of ranks saved loads when its state is replicated (DDP, ``replicate()``) and its
         plain values are the same on every rank; otherwise RestoreError names what cannot be
-        resharded (docs/dcp.md).
+        resharded (docs/guides/dcp.md).
 
         State holding DTensors (FSDP2, tensor parallelism) or ShardedTensors (TorchRec's
         ``DistributedModelParallel``): a module, optimizer or state dict of them, is loaded with

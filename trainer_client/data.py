@@ -20,7 +20,7 @@ either may be checkpointed). The state is plain ints and JSON-encodes::
 Another number of ranks: a per-rank state is refused (the others' progress is missing). Checkpoint
 ``AllRanksState(loader)`` instead (every rank's state as one replicated value, for
 ``torch.distributed.checkpoint``): loaded on M ranks, the samples of the epoch that no rank had read
-are partitioned over the M ranks, so each is still read once (docs/dcp.md).
+are partitioned over the M ranks, so each is still read once (docs/guides/dcp.md).
 
 Usage with a plain DataLoader::
 

@@ -20,7 +20,7 @@ host buffers, shared memory, the sidecar's diffs and uploads, one job-level COMM
     dcp.load(state, storage_reader=StrataReader(client))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-How a save maps onto Strata (docs/dcp.md has the whole design):
+How a save maps onto Strata (docs/guides/dcp.md has the whole design):
 
 - every rank's ``write_data`` saves its write items as one Strata save of step ``step`` whose state
   is ``{"dcp": {item key: tensor}}`` (a BYTE_IO item as a uint8 tensor of DCP's bytes);

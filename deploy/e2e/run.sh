@@ -133,7 +133,7 @@ helm install strata charts/strata -n "$OPERATOR_NS" --create-namespace \
 say "applying deploy/examples/recsys-job.yaml"
 MANIFEST=deploy/examples/recsys-job.yaml
 if [ "$SCENARIO" = netpol ]; then
-  # The peer policy is for namespaces a default-deny already isolates (docs/operator.md): here only it
+  # The peer policy is for namespaces a default-deny already isolates (docs/kubernetes/operator.md): here only it
   # admits the sidecars' peer port, so the buddy pushes succeed only if the CNI applies it as written.
   # The example's ranks open no connections to each other besides that one.
   kubectl -n "$NS" apply -f - <<'POLICY'

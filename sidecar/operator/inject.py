@@ -809,7 +809,7 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
         f"volume, and those pages count in the sidecar's memory; with the volume's {size} sized by "
         f"the rule, it is about {held / 2**30:.2f} GiB, more than the sidecar's budget "
         f"({'no memory limit' if not limit else f'0.75 x its limit {limit}'}): raise "
-        f"{names.SIDECAR_MEMORY_ANNOTATION} (docs/operator.md, memory sizing)"
+        f"{names.SIDECAR_MEMORY_ANNOTATION} (docs/guides/memory.md)"
     ]
 
 

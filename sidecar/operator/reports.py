@@ -287,7 +287,7 @@ class Authenticator:
         """The job a pod belongs to: opted in, and controlled by that Job (the ownerReference the Job
         controller sets, with the uid of the Job the operator watches when it knows it), or by a Job
         of that JobSet. This catches mistakes and other jobs' pods; a pod creator of the same
-        namespace can copy all of it (the trust boundary is the namespace, docs/operator.md)."""
+        namespace can copy all of it (the trust boundary is the namespace, docs/kubernetes/operator.md)."""
         labels = meta.get("labels") or {}
         if labels.get(OPT_IN_LABEL) != OPT_IN_VALUE:
             return frozenset()

@@ -49,7 +49,7 @@ class OperatorConfig:
     trainer_container: str | None = None
     fence_margin_s: float = 30.0
     #: --in-place-restart: a trainer's crash or hang restarts the trainer containers in place (the
-    #: webhook adds the container restart rule; see docs/operator.md); else new pods.
+    #: webhook adds the container restart rule; see docs/kubernetes/operator.md); else new pods.
     in_place_restart: bool = False
     in_place_timeout_s: float = 60.0
     #: How long a stuck cause (ImagePullBackOff, Unschedulable, ...) must show before the StrataJob's

@@ -577,7 +577,7 @@ def indexed_job(
             "completions": world,
             "parallelism": world,
             "completionMode": "Indexed",
-            # as docs/operator.md recommends: at least strata.dev/max-restarts (an index past it is
+            # as docs/kubernetes/operator.md recommends: at least strata.dev/max-restarts (an index past it is
             # never re-created, so no gang could restart)
             "backoffLimitPerIndex": 100,
             "podReplacementPolicy": "Failed",

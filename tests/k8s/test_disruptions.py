@@ -258,8 +258,9 @@ async def test_admission_warns_when_backoff_limit_per_index_is_below_max_restart
 
 
 async def test_the_documented_job_passes_admission_without_warnings() -> None:
-    """docs/operator.md's recommended Job (and the tests' fixture, which follows it) draw no warning."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
+    """docs/kubernetes/operator.md's recommended Job (and the tests' fixture, which follows it) draw
+    no warning."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "kubernetes" / "operator.md").read_text()
     section = text[text.index("## A Job that works with it") :]
     documented = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))  # type: ignore[union-attr]
     assert documented["spec"]["backoffLimitPerIndex"] >= int(

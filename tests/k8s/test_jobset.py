@@ -29,7 +29,7 @@ from tests.k8s.test_operator import assert_valid, events_about, operator, status
 pytestmark = [pytest.mark.timeout(60)]
 
 JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets"
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "kubernetes" / "operator.md"
 
 
 @pytest_asyncio.fixture
@@ -354,13 +354,13 @@ def review(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def docs_snippet() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The runtime and the TrainJob docs/operator.md gives to copy."""
+    """The runtime and the TrainJob docs/kubernetes/operator.md gives to copy."""
     for block in re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), flags=re.S):
         docs = [d for d in yaml.safe_load_all(block) if d]
         kinds = {d["kind"]: d for d in docs}
         if {"ClusterTrainingRuntime", "TrainJob"} <= set(kinds):
             return kinds["ClusterTrainingRuntime"], kinds["TrainJob"]
-    raise AssertionError("docs/operator.md has no runtime and TrainJob to copy")
+    raise AssertionError("docs/kubernetes/operator.md has no runtime and TrainJob to copy")
 
 
 def test_a_trainjob_on_the_default_runtime_is_refused_naming_the_trainjob_and_the_runtime_field() -> None:

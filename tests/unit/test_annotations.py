@@ -70,18 +70,20 @@ def test_annotations_backoff_max_below_backoff_is_an_error() -> None:
 
 
 def test_settings_doc_current() -> None:
-    assert (ROOT / "docs" / "settings.md").read_text() == table.markdown(), (
-        "docs/settings.md is stale: run `.venv/bin/python -m sidecar.operator.annotations > docs/settings.md`"
+    assert (ROOT / "docs" / "reference" / "settings.md").read_text() == table.markdown(), (
+        "docs/reference/settings.md is stale: run "
+        "`.venv/bin/python -m sidecar.operator.annotations > docs/reference/settings.md`"
     )
 
 
 def test_readme_annotations_reference_current() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / table.README_PATH).read_text()
     assert table.README_BEGIN in readme and table.README_END in readme, (
-        f"README.md lost its {table.README_BEGIN} ... {table.README_END} markers (Annotations reference)"
+        f"{table.README_PATH} lost its {table.README_BEGIN} ... {table.README_END} markers "
+        "(Annotations reference)"
     )
     assert table.update_readme(readme) == readme, (
-        f"README.md's Annotations reference is stale: run `{table.README_COMMAND}`"
+        f"{table.README_PATH}'s Annotations reference is stale: run `{table.README_COMMAND}`"
     )
 
 

@@ -71,7 +71,7 @@ def test_the_example_job_passes_admission_without_warnings() -> None:
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"] == 2
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
-    # docs/operator.md, "A Job that works with it": the rules, exactly.
+    # docs/kubernetes/operator.md, "A Job that works with it": the rules, exactly.
     assert spec["backoffLimitPerIndex"] >= 1 and spec["podReplacementPolicy"] == "Failed"
     rules = spec["podFailurePolicy"]["rules"]
     disruption = [{"type": "DisruptionTarget", "status": "True"}]
