@@ -274,3 +274,11 @@ def test_lossy_tensors_are_exported_as_stored_and_named(
     assert torch.equal(got["dense"], saved["dense"])  # lossless: bit for bit
     assert not torch.equal(got["table"], saved["table"])  # the 4-bit form
     assert (got["table"] - saved["table"]).norm() < 0.2 * saved["table"].norm()
+
+
+def test_a_python_without_safetensors_is_told_which_extra_to_install() -> None:
+    missing = subprocess.CompletedProcess(
+        [], 1, "", "Traceback...\nModuleNotFoundError: No module named 'safetensors'\n"
+    )
+    with pytest.raises(SystemExit, match=r"pip install 'strata-ckpt\[export\]' there, or pass --python"):
+        cli._torch_half_done(missing, "export", "writing", "/usr/bin/python3")
