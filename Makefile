@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test docs test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test docs test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix chart images image-names clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -108,6 +108,25 @@ e2e-matrix:  ## on kind: the resume, in-place restarts on 1.33 (new pods) and 1.
 	E2E_SCENARIO=in-place KIND_NODE_IMAGE=$(E2E_133) bash deploy/e2e/run.sh
 	E2E_SCENARIO=in-place KIND_NODE_IMAGE=$(E2E_134) bash deploy/e2e/run.sh
 	E2E_SCENARIO=netpol KIND_NODE_IMAGE=$(E2E_134) bash deploy/e2e/run.sh
+
+# The image names are set in one place, the chart: values.yaml's image.repository, tagged with
+# Chart.yaml's appVersion (deploy/e2e/run.sh and tests/images.py read the same two fields).
+IMAGE_REPO := $(shell awk '/^image:/ {f=1} f && $$1 == "repository:" {print $$2; exit}' charts/strata/values.yaml)
+IMAGE_TAG  := $(shell awk '/^appVersion:/ {gsub(/"/, "", $$2); print $$2}' charts/strata/Chart.yaml)
+IMAGE         := $(IMAGE_REPO):$(IMAGE_TAG)
+TRAINER_IMAGE := $(IMAGE_REPO)-trainer:$(IMAGE_TAG)
+DIST ?= dist
+
+chart:  ## package charts/strata into $(DIST)/strata-<version>.tgz (Helm's own engine, as `helm package`)
+	$(PY) -c 'import sys, helm_python as helm; print(helm.package("charts/strata", destination=sys.argv[1]))' $(DIST)
+
+images:  ## docker build the operator/sidecar image and the example trainer image, named from the chart
+	docker build -f deploy/Dockerfile -t $(IMAGE) .
+	docker build -f deploy/Dockerfile.trainer -t $(TRAINER_IMAGE) .
+
+image-names:  ## print the two image names (from the chart)
+	@echo $(IMAGE)
+	@echo $(TRAINER_IMAGE)
 
 clean:  ## remove the venv and local state
 	rm -rf $(VENV) .strata bench-results.json site

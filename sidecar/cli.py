@@ -47,6 +47,7 @@ examples:
   strata verify --storage file:///var/lib/strata --job recsys            # newest step
   strata verify --storage file:///var/lib/strata --job recsys --all      # every committed step
   strata export --storage file:///var/lib/strata --job llm --format dcp --out /tmp/llm-dcp
+  strata export --storage file:///var/lib/strata --job recsys --format torch --out /tmp/recsys
   strata import --storage file:///var/lib/strata --job llm2 --from /tmp/llm-dcp --step 1000
   strata markers --storage file:///var/lib/strata --job recsys                 # steps marked unusable
   strata markers --storage file:///var/lib/strata --job recsys --clear --step 120
@@ -291,67 +292,74 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if corrupt_steps else 0
 
 
+def stage_export(store: Store, commit: mf.Commit, staging: Path) -> None:
+    """Every rank's snapshot of ``commit``, as a restore from storage gives it, into ``staging``
+    (``rank-<r>.bin``) with what ``trainer_client.export`` needs to rebuild its state
+    (``rank-<r>.json``: the tensors and where they lie, the replicated ones, the tree)."""
+    with ThreadPoolExecutor(8, thread_name_prefix="strata-export") as pool:
+        for ref in commit.manifests:
+            manifest = mf.load_manifest(store, commit, ref.rank)
+            refs = {r.step: r for r in manifest.required_commits}
+
+            def load(older: int, rank: int = ref.rank, refs: dict = refs) -> mf.Manifest:
+                if older not in refs:
+                    raise ObjectNotFound(f"step {commit.step} names no COMMIT for its base step {older}")
+                return mf.load_manifest(store, mf.load_ref(store, refs[older]), rank)
+
+            pieces = read_snapshot(store, manifest, load, pool)
+            with open(staging / f"rank-{ref.rank}.bin", "wb") as f:
+                for piece in pieces:
+                    f.write(piece)
+            (staging / f"rank-{ref.rank}.json").write_text(
+                json.dumps(
+                    {
+                        "tensors": [
+                            {
+                                "name": t.name,
+                                "dtype": t.dtype,
+                                "shape": t.shape,
+                                "offset": t.offset,
+                                "nbytes": t.nbytes,
+                                "bits": t.bits,
+                                "cast": t.cast,
+                                "rel_l2_error": t.rel_l2_error,
+                            }
+                            for t in manifest.tensors
+                        ],
+                        "replicas": [
+                            {"name": r.name, "index": r.index, "owner": r.owner} for r in manifest.replicas
+                        ],
+                        "world_size": commit.world_size,
+                        "tree": manifest.tree,
+                    }
+                )
+            )
+            del pieces
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    """A committed step as a plain DCP directory (``--format dcp``): every rank's snapshot is read
-    here (torch-free) into a staging directory under ``--out``, then a Python with torch
-    (``--python``, this one by default) writes DCP's files from it (``trainer_client.export``)."""
+    """A committed step, whatever API saved it, in a format that loads without Strata (``--format``
+    dcp, torch or safetensors): every rank's snapshot is read here (torch-free) into a staging
+    directory under ``--out``, then a Python with torch (``--python``, this one by default) writes
+    the files from it (``trainer_client.export``, which also says how the ranks were laid out)."""
     store = _open(args)
     step = _pick_step(store, args)
     commit = mf.read_commit(store, args.namespace, args.job, step)
-    if not mf.load_manifest(store, commit, 0).dcp:
-        raise SystemExit(
-            f"strata export: step {step} of {args.namespace}/{args.job} was not saved through "
-            "torch.distributed.checkpoint (trainer_client.dcp's StrataWriter): --format dcp needs "
-            "DCP's metadata"
-        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".strata-export-", dir=out))
     try:
-        with ThreadPoolExecutor(8, thread_name_prefix="strata-export") as pool:
-            for ref in commit.manifests:
-                manifest = mf.load_manifest(store, commit, ref.rank)
-                refs = {r.step: r for r in manifest.required_commits}
-
-                def load(older: int, rank: int = ref.rank, refs: dict = refs) -> mf.Manifest:
-                    if older not in refs:
-                        raise ObjectNotFound(f"step {step} names no COMMIT for its base step {older}")
-                    return mf.load_manifest(store, mf.load_ref(store, refs[older]), rank)
-
-                pieces = read_snapshot(store, manifest, load, pool)
-                with open(staging / f"rank-{ref.rank}.bin", "wb") as f:
-                    for piece in pieces:
-                        f.write(piece)
-                (staging / f"rank-{ref.rank}.json").write_text(
-                    json.dumps(
-                        {
-                            "tensors": [
-                                {
-                                    "name": t.name,
-                                    "dtype": t.dtype,
-                                    "shape": t.shape,
-                                    "offset": t.offset,
-                                    "nbytes": t.nbytes,
-                                }
-                                for t in manifest.tensors
-                            ],
-                            "tree": manifest.tree,
-                        }
-                    )
-                )
-                del pieces
+        stage_export(store, commit, staging)
         done = subprocess.run(
-            [args.python, "-m", "trainer_client.export", str(staging), str(out)],
+            [args.python, "-m", "trainer_client.export", str(staging), str(out), "--format", args.format],
             capture_output=True,
             text=True,
         )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _torch_half_done(done, "export", "writing", args.python)
-    print(
-        f"step {step} of {args.namespace}/{args.job} ({commit.world_size} ranks) exported to {out}: "
-        "load it with torch.distributed.checkpoint.load(state, storage_reader=FileSystemReader(...))"
-    )
+    print(f"step {step} of {args.namespace}/{args.job} ({commit.world_size} ranks) exported to {out}")
+    print(done.stdout.strip())
     return 0
 
 
@@ -361,12 +369,14 @@ def _torch_half_done(done: subprocess.CompletedProcess[str], command: str, verb:
     if done.returncode == 0:
         return
     if "No module named" in done.stderr:
+        extra = "export" if "safetensors" in done.stderr else "trainer"
         raise SystemExit(
-            f"strata {command}: {verb} DCP's files needs torch and the trainer client in {python}: "
-            "pip install 'strata-ckpt[trainer]' there, or pass --python PATH to one that has them\n"
+            f"strata {command}: {verb} the files needs torch and the trainer client in {python}: "
+            f"pip install 'strata-ckpt[{extra}]' there, or pass --python PATH to one that has them\n"
             + done.stderr.strip().splitlines()[-1]
         )
-    raise SystemExit(f"strata {command}: {done.stderr.strip() or done.stdout.strip()}")
+    said = done.stderr.strip() or done.stdout.strip()
+    raise SystemExit(f"strata {command}: {said.removeprefix(command + ': ')}")
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -589,7 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("ls", cmd_ls, "list the committed checkpoints of a job"),
         ("show", cmd_show, "print one rank's manifest of a committed step"),
         ("verify", cmd_verify, "re-read a committed step and check every checksum"),
-        ("export", cmd_export, "write a committed step in another format (a plain DCP directory)"),
+        (
+            "export",
+            cmd_export,
+            "write a committed step as a plain DCP directory, a torch.save file or safetensors",
+        ),
         ("import", cmd_import, "take a plain DCP checkpoint directory in as a new job's committed step"),
     ):
         p = sub.add_parser(
@@ -601,7 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         _store_args(p)
         if name == "export":
-            p.add_argument("--format", choices=["dcp"], required=True, help="dcp: a plain DCP directory")
+            p.add_argument(
+                "--format",
+                choices=["dcp", "torch", "safetensors"],
+                required=True,
+                help="dcp: a plain DCP directory; torch: a torch.load-able file; safetensors: tensors only",
+            )
             p.add_argument("--out", required=True, help="directory to write (created if missing)")
         if name == "import":
             p.add_argument("--from", dest="source", required=True, help="the DCP directory (dcp.save's)")

@@ -48,8 +48,9 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 TAG="$(awk '/^appVersion:/ {gsub(/"/, "", $2); print $2}' charts/strata/Chart.yaml)"
-IMAGE="ghcr.io/strata-ckpt/strata:${TAG}"           # the chart's default image.repository:appVersion
-TRAINER="ghcr.io/strata-ckpt/strata-trainer:${TAG}"  # what deploy/examples/recsys-job.yaml runs
+REPO="$(awk '/^image:/ {f=1} f && $1 == "repository:" {print $2; exit}' charts/strata/values.yaml)"
+IMAGE="${REPO}:${TAG}"            # the chart's default image.repository:appVersion
+TRAINER="${REPO}-trainer:${TAG}"  # what deploy/examples/recsys-job.yaml runs
 WORK="$(mktemp -d)"
 
 cleanup() {

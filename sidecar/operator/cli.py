@@ -33,7 +33,7 @@ POST /validate-workloads share the report endpoint's HTTPS port): with
 mutating webhook adds only the gang gate.
   strata operator --tls-secret strata-tls --tls-service strata-operator \\
     --webhook-configuration strata --own-namespace strata-system \\
-    --sidecar-image ghcr.io/strata/strata:0.1 --storage-uri s3://ckpt/jobs \\
+    --sidecar-image ghcr.io/strata-ckpt/strata:0.1.0 --storage-uri s3://ckpt/jobs \\
     --storage-endpoint http://seaweedfs.storage:8333 \\
     --sidecar-report-url https://strata-operator.strata-system.svc:8443
 The TLS CA reaches injected sidecars in their pod's annotation strata.dev/report-ca

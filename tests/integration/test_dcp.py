@@ -20,7 +20,7 @@ from statecheck import assert_bitwise_equal
 from sidecar import cli
 from sidecar import manifest as mf
 from sidecar.reporting import stored_commit_items
-from trainer_client import RestoreError
+from trainer_client import RestoreError, export
 from trainer_client.dcp import StrataReader, StrataWriter, committed_step
 
 RANKS = Path(__file__).with_name("dcp_ranks.py")
@@ -151,9 +151,10 @@ def dotted(full: dict) -> dict:
     return out
 
 
-def test_an_export_is_a_plain_dcp_checkpoint(make_sidecar, make_client, job_name, tmp_path, short_tmp):
+def test_an_export_is_a_plain_dcp_checkpoint(make_sidecar, job_name, tmp_path, short_tmp):
     """`strata export --format dcp` writes what dcp.load with FileSystemReader reads, in a process
-    that cannot import Strata, for a checkpoint saved by 4 FSDP2 ranks."""
+    that cannot import Strata, for a checkpoint saved by 4 FSDP2 ranks; `--format torch` one file of
+    whole tensors."""
     server = make_sidecar()
     run_ranks(server.socket_path, job_name, "dcp/0", 4, "save", str(tmp_path / "saved.pt"))
     saved = dotted(torch.load(tmp_path / "saved.pt", weights_only=True)[3])
@@ -176,23 +177,19 @@ def test_an_export_is_a_plain_dcp_checkpoint(make_sidecar, make_client, job_name
     assert {k: plain[k] for k in saved if k not in tensors} == {
         k: v for k, v in saved.items() if k not in tensors
     }
-    # a checkpoint not saved through DCP has no metadata to export
-    other = make_client(server, job_name + "-plain", capture_rng=False)
-    other.save(1, {"w": torch.ones(3)}).result(30)
-    with pytest.raises(SystemExit, match=r"not saved through torch\.distributed\.checkpoint"):
-        cli.main(
-            [
-                "export",
-                "--storage",
-                server.settings.storage,
-                "--job",
-                job_name + "-plain",
-                "--format",
-                "dcp",
-                "--out",
-                str(tmp_path / "x"),
-            ]
-        )
+    # --format torch: the whole tensors DCP's planner assembles from the 4 ranks' chunks, nested (the
+    # CLI's two halves in this process: the subprocess above already proved the CLI's)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    cli.stage_export(server.store, mf.read_commit(server.store, "default", job_name, 3), staging)
+    assert export.export(staging, tmp_path / "pt", "torch")[0].endswith("merged into whole tensors")
+    nested = torch.load(tmp_path / "pt" / "state.pt", weights_only=True)
+    merged = {k: v for k, v in export.flatten(nested) if isinstance(v, torch.Tensor)}
+    assert_bitwise_equal(merged, tensors)
+    assert nested["optim"]["param_groups"][0]["lr"] == saved["optim.param_groups.0.lr"]
+    # safetensors holds tensors only: the optimizer's param_groups are named
+    with pytest.raises(export.ExportError, match=r"not tensors: optim\.param_groups\. Use --format torch$"):
+        export.export(staging, tmp_path / "st", "safetensors")
 
 
 def test_a_checkpoint_not_saved_through_dcp_is_named(make_sidecar, make_client, job_name):

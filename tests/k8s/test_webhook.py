@@ -44,6 +44,7 @@ from sidecar.operator.names import (
     REPORT_CA_ANNOTATION,
 )
 from sidecar.operator.run import OperatorConfig, serve
+from tests.images import IMAGE
 from tests.k8s.conftest import K8s
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -52,7 +53,7 @@ pytestmark = [pytest.mark.timeout(60)]
 REPORT_CA = "-----BEGIN CERTIFICATE-----\nMIIBc2VydmluZw==\n-----END CERTIFICATE-----\n"
 
 CONFIG = InjectConfig(
-    image="ghcr.io/strata/strata:0.1",
+    image=IMAGE,
     storage_uri="s3://ckpt/jobs",
     storage_endpoint="http://seaweedfs.storage:8333",
     report_url="https://strata-operator.strata-system.svc:8443",
@@ -169,7 +170,7 @@ def expected_sidecar(job: str, *, generation_file: bool) -> dict[str, Any]:
     ]
     return {
         "name": "strata-sidecar",
-        "image": "ghcr.io/strata/strata:0.1",
+        "image": IMAGE,
         "imagePullPolicy": "IfNotPresent",
         "restartPolicy": "Always",
         "command": ["strata", "sidecar"],

@@ -22,6 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.images import IMAGE
+
 CHART = Path(__file__).resolve().parents[2] / "charts" / "strata"
 NAMESPACE = "strata-system"
 RELEASE = "strata"
@@ -677,7 +679,7 @@ def test_operator_deployment(chart: Any) -> None:
         "--tls-cert-days=365",
         "--fence-margin-seconds=60",
         "--trainer-container=trainer",
-        "--sidecar-image=ghcr.io/strata-ckpt/strata:0.1.0",
+        f"--sidecar-image={IMAGE}",
         "--storage-uri=s3://ckpt/jobs",
         "--storage-endpoint=http://seaweedfs.storage:8333",
         '--sidecar-resources={"limits":{"memory":"4Gi"},"requests":{"cpu":"500m","memory":"1Gi"}}',
@@ -698,10 +700,7 @@ def test_operator_deployment(chart: Any) -> None:
     cert_manager = one(
         render(chart, {**MATRIX["cert-manager"], "storage": {"uri": "s3://b/p"}}), "Deployment"
     )
-    assert (
-        "--sidecar-image=ghcr.io/strata-ckpt/strata:0.1.0"
-        in cert_manager["spec"]["template"]["spec"]["containers"][0]["args"]
-    )
+    assert f"--sidecar-image={IMAGE}" in cert_manager["spec"]["template"]["spec"]["containers"][0]["args"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
     assert container["resources"]["requests"] and container["resources"]["limits"]

@@ -22,6 +22,7 @@ import yaml
 from sidecar.operator import inject, names
 from sidecar.operator.admission import mutate_pod, opted_in, validate_workload
 from sidecar.operator.inject import InjectConfig
+from tests.images import IMAGE, TRAINER_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -150,17 +151,22 @@ def test_the_example_jobset() -> None:
 
 
 def test_the_images_the_e2e_builds_are_the_ones_the_chart_and_the_examples_run() -> None:
-    chart = yaml.safe_load((ROOT / "charts" / "strata" / "Chart.yaml").read_text())
-    values = yaml.safe_load((ROOT / "charts" / "strata" / "values.yaml").read_text())
-    tag = chart["appVersion"]
     script = (DEPLOY / "e2e" / "run.sh").read_text()
-    assert 'IMAGE="ghcr.io/strata-ckpt/strata:${TAG}"' in script
-    assert values["image"]["repository"] == "ghcr.io/strata-ckpt/strata" and values["image"]["tag"] == ""
+    # the script reads the names from the chart: run its lines that set them
+    lines = [line for line in script.splitlines() if line.startswith(("TAG=", "REPO=", "IMAGE=", "TRAINER="))]
+    named = subprocess.run(
+        ["bash", "-c", "\n".join([*lines, 'echo "$IMAGE $TRAINER"'])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert named.stdout.split() == [IMAGE, TRAINER_IMAGE]
     for path in DEPLOY.glob("examples/*.yaml"):
         for doc in load(path):
             text = yaml.safe_dump(doc)
             if "image:" in text:
-                assert f"image: ghcr.io/strata-ckpt/strata-trainer:{tag}" in text, path.name
+                assert f"image: {TRAINER_IMAGE}" in text, path.name
     assert "-f deploy/Dockerfile " in script and "-f deploy/Dockerfile.trainer " in script
 
 
