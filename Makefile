@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test test-slow bench bench-peers-deps docs-gen gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,7 +48,11 @@ bench-peers-deps: setup  ## install DLRover 0.6.1 and torchsnapshot 0.1.0 into .
 BENCH_ARGS ?=
 bench: setup bench-peers-deps  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
 	$(PY) -m pytest -q -m bench tests/integration/test_bench_quick.py
-	$(PY) -m tests.bench.run $(BENCH_ARGS)
+	$(PY) -m tests.bench.run $(BENCH_ARGS); status=$$?; \
+	  $(PY) -m tools.docs_gen --only benchmarks/index.md; exit $$status
+
+docs-gen: setup  ## rewrite the generated pages: docs/reference/{cli,metrics,settings}.md, docs/benchmarks/
+	$(PY) -m tools.docs_gen
 
 # gpu-check runs under GPU_PYTHON: the first of $(PYTHON) and the .venv's python whose torch sees a
 # GPU (a GPU image's own python3; `make setup` installs CPU torch), else the .venv's, where the check
