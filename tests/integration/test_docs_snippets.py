@@ -2,7 +2,8 @@
 would run it: a sidecar serving on the embedded S3 storage (SeaweedFS), STRATA_* set.
 
 What runs: each fenced ```python block, and each ```bash / ```sh / ```console block right after
-the line ``<!-- snippet: run -->`` (in a console block, the ``$ `` lines). A block right after
+the line ``<!-- snippet: run -->`` (in a console block, the ``$ `` lines, if any; a shell block
+stops at its first failing command, as under ``bash -e``). A block right after
 ``<!-- snippet: skip (why) -->`` is skipped; the reason is required. Each block runs in a fresh
 process (a Python block forked by snippet_runner.py once torch is imported, a shell block in
 bash), in an empty directory, with the repository on PYTHONPATH and a job of its own
@@ -104,7 +105,10 @@ def doc_files() -> list[Path]:
 
 
 def console_commands(code: str) -> str:
-    """The commands of a console transcript: its ``$ `` lines and their continuations."""
+    """The commands of a console transcript: its ``$ `` lines and their continuations (every
+    line when none has a prompt)."""
+    if not any(line.startswith("$ ") for line in code.splitlines()):
+        return code
     out: list[str] = []
     going_on = False
     for line in code.splitlines():
@@ -180,7 +184,7 @@ def run_block(block: Block, env: dict[str, str], runner: Runner | None = None) -
                     rc, timed_out = _subprocess([sys.executable, str(script)], cwd, env, out)
             else:
                 code = console_commands(block.code) if block.lang == "console" else block.code
-                rc, timed_out = _subprocess(["bash", "-euo", "pipefail", "-c", code], cwd, env, out)
+                rc, timed_out = _subprocess(["bash", "-eu", "-c", code], cwd, env, out)
             text = out.read_text(errors="replace") if out.exists() else ""
         finally:
             out.unlink(missing_ok=True)
@@ -368,6 +372,7 @@ def test_markers_choose_what_runs(tmp_path: Path) -> None:
     assert found[3].why == "needs a GPU"
     assert found[5].code == "x = 1\n"
     assert console_commands(found[2].code) == "echo one \\\n  two\n"
+    assert console_commands("kubectl get pods\n") == "kubectl get pods\n"  # no prompts: all commands
     outcome = run_block(found[4], dict(os.environ))
     assert not outcome.ok and "malformed marker" in outcome.detail
 
