@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test docs test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix chart images image-names clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test docs docs-gen test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix chart images image-names clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -42,6 +42,7 @@ test: setup setup-prometheus  ## unit + integration tests (real gRPC, real Seawe
 # The docs extra goes into .venv on first use only: `make setup` and CI's test venv stay as they are.
 docs: setup  ## the documentation site into site/ (mkdocs build --strict: broken links and anchors fail)
 	$(PY) -c 'import mkdocs, material, mkdocstrings_handlers.python' 2>/dev/null || $(PIP) install -q -e '.[docs]'
+	$(PY) -m tools.docs_gen
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The peers the `peers` section compares with: pinned, without their declared dependencies (see the
@@ -53,7 +54,11 @@ bench-peers-deps: setup  ## install DLRover 0.6.1 and torchsnapshot 0.1.0 into .
 BENCH_ARGS ?=
 bench: setup bench-peers-deps  ## benchmarks (BENCH_ARGS=--sections=a,b to pick); writes bench-results.json, prints a table
 	$(PY) -m pytest -q -m bench tests/integration/test_bench_quick.py
-	$(PY) -m tests.bench.run $(BENCH_ARGS)
+	$(PY) -m tests.bench.run $(BENCH_ARGS); status=$$?; \
+	  $(PY) -m tools.docs_gen --only benchmarks/index.md; exit $$status
+
+docs-gen: setup  ## rewrite the generated pages: docs/reference/{cli,metrics,settings}.md, docs/benchmarks/
+	$(PY) -m tools.docs_gen
 
 # gpu-check runs under GPU_PYTHON: the first of $(PYTHON) and the .venv's python whose torch sees a
 # GPU (a GPU image's own python3; `make setup` installs CPU torch), else the .venv's, where the check

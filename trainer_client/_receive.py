@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from sidecar.api import (
+    DCP_METADATA_KEY,
     RNG_STATE_KEY,
     SHM_LENT_PATTERN,
     SHM_NAME_PATTERN,
@@ -40,6 +41,20 @@ from trainer_client.errors import (
 
 log = logging.getLogger("strata.client")
 _RNG_KEY = RNG_STATE_KEY
+
+
+class SavedThroughDcp(RestoreError):
+    """The step was saved through torch.distributed.checkpoint: its snapshots hold DCP's write
+    items, not the state's tree, so it loads with ``dcp.load`` (whatever the state holds)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step} was saved through torch.distributed.checkpoint")
+        self.step = step
+
+
+def saved_through_dcp(skeleton: dict[str, Any]) -> bool:
+    root = skeleton.get("root")
+    return isinstance(root, dict) and DCP_METADATA_KEY in root
 
 
 def load_target(state: MutableMapping[str, Any], skeleton: dict[str, Any]) -> dict[str, Any]:
@@ -260,12 +275,16 @@ def receive(
     The stream is the snapshot buffer, ``total_bytes`` long; tensor i occupies
     ``[offset, offset + nbytes)`` of it (gaps are alignment padding). A header naming a shared
     segment (``shm``) means the buffer is that segment instead: no chunks follow, and the tensors
-    are copied into the live state's own where ``in_place`` finds them.
+    are copied into the live state's own where ``in_place`` finds them. A restore into a live
+    state (``in_place``) of a step saved through DCP ends at the header: SavedThroughDcp.
     """
     first = next(stream, None)
     if first is None or first.WhichOneof("msg") != "header":
         raise RestoreError("restore stream did not start with a header")
     header = first.header
+    if in_place is not None and saved_through_dcp(_tree.decode_skeleton(header.tree)):
+        end_restore(stream, header, shm_dir)
+        raise SavedThroughDcp(int(header.step))
     tensors: list[torch.Tensor] | None = None
     if header.HasField("shm") and in_place is not None:
         try:

@@ -1246,6 +1246,10 @@ class CheckpointClient:
         refused = ""
         try:
             header, tensors = self._restore_stream(req, _receive.InPlace(state))
+        except _receive.SavedThroughDcp as exc:  # plain state that dcp.save wrote: DCP's names
+            from trainer_client.dcp import load_resume
+
+            return load_resume(self, state, exc.step)
         except grpc.RpcError as exc:
             code = exc.code()
             msg = f"restore of {self.settings.namespace}/{self.settings.job}: {exc.details()}"

@@ -244,16 +244,18 @@ class Gang:
             pump.join(timeout=1.0)  # the ranks' last lines, before the launcher reports them
 
 
+def restart_counter(registry: CollectorRegistry) -> Counter:
+    """The launcher's one metric, served on --metrics-port."""
+    return Counter(
+        "strata_restarts_total", "Gang restarts decided, by failure kind.", ["reason"], registry=registry
+    )
+
+
 class Launcher:
     def __init__(self, settings: LaunchSettings) -> None:
         self.s = settings
         self.registry = CollectorRegistry()
-        self.restarts = Counter(
-            "strata_restarts_total",
-            "Gang restarts decided, by failure kind.",
-            ["reason"],
-            registry=self.registry,
-        )
+        self.restarts = restart_counter(self.registry)
         self.tracker = RestartTracker(settings.policy, settings.nproc, on_decision=self._record)
         self.seaweed: SeaweedServer | None = None
         self.sidecars: list[subprocess.Popen[bytes] | None] = [None] * settings.sidecars

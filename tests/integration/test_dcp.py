@@ -778,3 +778,42 @@ def test_modules_and_optimizers_below_the_top_level_are_refused_on_the_dcp_route
     with pytest.raises(RestoreError, match="^" + nested):
         make_client(server, job_name, capture_rng=False).resume({"model": model, "train": {"optimizer": opt}})
     assert_bitwise_equal(local_tensors(model.state_dict()), before)
+
+
+@pytest.mark.parametrize("shm", ["on", "off"])  # the restore's header from a shared segment, or gRPC
+def test_resume_loads_plain_state_that_dcp_saved(one_rank, make_sidecar, make_client, job_name, shm):
+    """The DCP guide's loop on a plain (non-DTensor) model: what
+    ``dcp.save`` wrote through a ``StrataWriter`` comes back with ``client.resume()`` (DCP's
+    state dict names, not the client's tree), bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def state() -> dict:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def train_step() -> None:
+        opt.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+
+    server = make_sidecar()
+    client = make_client(server, job_name, capture_rng=False)
+    assert client.resume(state()) is None  # a first run
+    train_step()
+    dcp.save(state(), storage_writer=StrataWriter(client), checkpoint_id=200)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_exp_avg = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    train_step()  # moves on past the checkpoint
+
+    later = make_client(server, job_name, capture_rng=False, shm=shm)  # the second run
+    s = state()
+    assert later.resume(s) == 200
+    set_state_dict(model, opt, model_state_dict=s["model"], optim_state_dict=s["optim"])
+    assert_bitwise_equal(model.state_dict(), want)
+    assert_bitwise_equal([opt.state[p]["exp_avg"] for p in model.parameters()], want_exp_avg)
+    assert later.last_restore is not None and later.last_restore["source"] == "dcp"

@@ -69,13 +69,6 @@ def test_annotations_backoff_max_below_backoff_is_an_error() -> None:
     assert any("backoff-max-seconds" in e for e in parsed.errors)
 
 
-def test_settings_doc_current() -> None:
-    assert (ROOT / "docs" / "reference" / "settings.md").read_text() == table.markdown(), (
-        "docs/reference/settings.md is stale: run "
-        "`.venv/bin/python -m sidecar.operator.annotations > docs/reference/settings.md`"
-    )
-
-
 def test_readme_annotations_reference_current() -> None:
     readme = (ROOT / table.README_PATH).read_text()
     assert table.README_BEGIN in readme and table.README_END in readme, (
