@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-torchrec setup-prometheus demo test docs docs-gen test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix chart images image-names clean
+.PHONY: help setup setup-torchrec setup-prometheus demo test docs docs-gen quickstart-check test-slow bench bench-peers-deps gpu-check gpu-wheels chaos fuzz proto lint e2e e2e-matrix chart images image-names clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -56,6 +56,9 @@ bench: setup bench-peers-deps  ## benchmarks (BENCH_ARGS=--sections=a,b to pick)
 	$(PY) -m pytest -q -m bench tests/integration/test_bench_quick.py
 	$(PY) -m tests.bench.run $(BENCH_ARGS); status=$$?; \
 	  $(PY) -m tools.docs_gen --only benchmarks/index.md; exit $$status
+
+quickstart-check:  ## the README's quickstart from a fresh clone, timed (quickstart_fresh_clone_s in bench-results.json)
+	$(PYTHON) -m tools.quickstart_check
 
 docs-gen: setup  ## rewrite the generated pages: docs/reference/{cli,metrics,settings}.md, docs/benchmarks/
 	$(PY) -m tools.docs_gen

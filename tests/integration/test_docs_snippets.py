@@ -9,7 +9,8 @@ process (a Python block forked by snippet_runner.py once torch is imported, a sh
 bash), in an empty directory, with the repository on PYTHONPATH and a job of its own
 (``STRATA_JOB``), so blocks never resume each other's checkpoints.
 
-The counts go to bench-results.json (``docs_snippets_run``, ``docs_snippets_failed``).
+The counts go to bench-results.json (``docs_snippets_run``, ``docs_snippets_failed``, and
+``readme_lines``: the README stays a page, under 150 lines).
 """
 
 from __future__ import annotations
@@ -309,7 +310,14 @@ def test_every_docs_snippet_runs(quickstart_env: dict[str, str]) -> None:
         for runner in started:
             runner.close()
     failed = [o for o in outcomes if not o.ok]
-    record({"docs_snippets_run": len(outcomes), "docs_snippets_failed": len(failed)})
+    readme_lines = len((ROOT / "README.md").read_text().splitlines())
+    record(
+        {
+            "docs_snippets_run": len(outcomes),
+            "docs_snippets_failed": len(failed),
+            "readme_lines": readme_lines,
+        }
+    )
     if failed:
         pytest.fail(
             f"{len(failed)} of {len(outcomes)} docs snippets failed:\n"
