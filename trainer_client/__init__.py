@@ -3,8 +3,10 @@
 Public API::
 
     from trainer_client import CheckpointClient
+    from trainer_client import checkpoint_blocks  # selective activation checkpointing
 """
 
+from trainer_client.activation import Checkpointed, checkpoint_blocks
 from trainer_client.client import CheckpointClient, Committed, SaveHandle
 from trainer_client.config import ClientSettings
 from trainer_client.dist import init_process_group
@@ -23,6 +25,7 @@ from trainer_client.errors import (
 __all__ = [
     "CheckpointClient",
     "CheckpointError",
+    "Checkpointed",
     "ClientSettings",
     "Committed",
     "Preempted",
@@ -34,5 +37,6 @@ __all__ = [
     "SaveSkipped",
     "SidecarUnavailable",
     "TornSnapshot",
+    "checkpoint_blocks",
     "init_process_group",
 ]

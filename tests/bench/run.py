@@ -39,6 +39,7 @@ SECTIONS = (
     "neighbour",
     "verify",
     "torchrec",
+    "activation",
 )
 
 #: measurements kept in modules of their own, run after their section's: section -> modules, each

@@ -336,3 +336,25 @@ def test_quick_peers_section_writes_the_issues_keys(tmp_path: Path) -> None:
     # Strata's restores are exact (torchsnapshot's are only under its 128 MiB slab threshold: not checked)
     assert data["peer_strata_exact"] == 1 and data["peer_strata_s3_exact"] == 1
     assert "save_overhead_vs_best_peer" in proc.stdout
+
+
+def test_quick_activation_section_writes_the_issues_keys(tmp_path: Path) -> None:
+    """Selective activation checkpointing's counts (~40 s): the four keys, and every policy's bytes
+    and FLOPs on each model, no checkpointing the most bytes and full checkpointing the most FLOPs."""
+    proc, data = run_quick("activation", tmp_path / "bench-results.json")
+    for key in (
+        "sac_activation_bytes_ratio",
+        "sac_recompute_flops_ratio",
+        "sac_vs_compile_budget_flops_ratio",
+        "sac_grad_max_abs_diff",
+    ):
+        value = data.get(key)
+        assert isinstance(value, int | float) and math.isfinite(value) and value >= 0, (key, value)
+        assert key in proc.stdout
+    assert data["sac_grad_max_abs_diff"] <= 1e-6
+    for model in ("gpt2048", "gpt512", "dlrm"):
+        columns = ("full", "matmuls", "strata_0.4", "strata_0.5", "strata_0.65", "compile_0.5")
+        for column in columns:
+            assert 0 < data[f"sac_{model}_{column}_bytes_ratio"] < 1, (model, column)
+        extra = {c: data[f"sac_{model}_{c}_extra_flops_ratio"] for c in columns}
+        assert max(extra, key=extra.__getitem__) == "full" and extra["matmuls"] == 0, (model, extra)
