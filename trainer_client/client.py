@@ -234,7 +234,9 @@ class CheckpointClient:
             # Asynchronous discovery: the sidecar starts reading the newest step while the
             # trainer builds its model; resume() then finds it in memory.
             self._prefetch = self._stub.Prefetch.future(  # keep a reference: a dropped call is cancelled
-                pb.PrefetchRequest(identity=self._identity), timeout=30, metadata=self._metadata
+                pb.PrefetchRequest(identity=self._identity, files_ok=self._segments is not None),
+                timeout=30,
+                metadata=self._metadata,
             )
 
     # --- connection -----------------------------------------------------------------------

@@ -219,8 +219,8 @@ class Engine:
     ) -> tuple[pb.ChainHeader, Iterator[memoryview], bytes]:
         return self.redundancy.serve_chain(req, budget_s)
 
-    def prefetch(self, identity: Identity) -> None:
-        self.restorer.prefetch(identity)
+    def prefetch(self, identity: Identity, files_ok: bool = False) -> None:
+        self.restorer.prefetch(identity, files_ok)
 
     def list_checkpoints(self, namespace: str, job: str) -> list[tuple[mf.Commit, bool]]:
         return self.restorer.list_checkpoints(namespace, job)

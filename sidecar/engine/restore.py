@@ -678,9 +678,10 @@ class Restorer:
             return _peer_data(manifest, target, view, memory)
         return None
 
-    def prefetch(self, identity: Identity) -> None:
+    def prefetch(self, identity: Identity, files_ok: bool = False) -> None:
         """Read the attempt's restore step into memory in the background (asynchronous
-        discovery: the restore that follows finds it ready)."""
+        discovery: the restore that follows finds it ready); ``files_ok``: one storage holds as
+        files into the page cache instead, for the restore to lend (see :meth:`open_restore`)."""
         identity.validate()
         ready = threading.Event()
         with self.shared.lock:
@@ -722,12 +723,12 @@ class Restorer:
                             identity, target, True
                         )
                     if data is None and wanted == "either":
-                        data = self._from_storage(identity, target, "prefetch", files_ok=True)
+                        data = self._from_storage(identity, target, "prefetch", files_ok=files_ok)
                     elif wanted == "stored":  # peers of a lossless step, or storage's form
                         data = (
                             self._from_peer(identity, target, own=True)
                             or self._from_parity(identity, target)
-                            or self._from_storage(identity, target, "prefetch", files_ok=True)
+                            or self._from_storage(identity, target, "prefetch", files_ok=files_ok)
                         )
                     if data is None:
                         raise NotFound(f"step {target[1]}: no exact copy to read ahead")

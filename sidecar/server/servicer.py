@@ -273,7 +273,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         return pb.ReportSkipResponse()
 
     def Prefetch(self, request: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
-        self.engine.prefetch(_identity(request.identity))
+        self.engine.prefetch(_identity(request.identity), files_ok=request.files_ok)
         return pb.PrefetchResponse()
 
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> Iterator[pb.AttachEvent]:

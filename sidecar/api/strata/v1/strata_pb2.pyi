@@ -882,16 +882,22 @@ class PrefetchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDENTITY_FIELD_NUMBER: _builtins.int
+    FILES_OK_FIELD_NUMBER: _builtins.int
+    files_ok: _builtins.bool
+    """As RestoreRequest.files_ok (with shm): a step storage holds as files is read into the page
+    cache for the restore to lend, not into memory.
+    """
     @_builtins.property
     def identity(self) -> Global___Identity: ...
     def __init__(
         self,
         *,
         identity: Global___Identity | None = ...,
+        files_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files_ok", b"files_ok", "identity", b"identity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
