@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -535,8 +536,51 @@ def _add_bucket_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_repair_epoch)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse that names the flag a misspelt one was closest to (``--stroage``: did you mean
+    ``--storage``?), the command's own flags, and a misspelt command too."""
+
+    _argv: list[str] | None = None
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            # The unknown flag went past the subcommand's parser: say it with that one's usage.
+            chosen = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    chosen = action.choices.get(str(getattr(parsed, action.dest, "")), self)
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def error(self, message: str) -> Any:
+        hints = []
+        flags = [o for o in self._option_string_actions if o.startswith("--")]
+        for token in self._argv or ():
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in self._option_string_actions:
+                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{name}: did you mean {close[0]}?")
+        if "invalid choice" in message:
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for token in self._argv or ():
+                        close = difflib.get_close_matches(token, list(action.choices), n=1, cutoff=0.6)
+                        if f"'{token}'" in message and close:
+                            hints.append(f"did you mean {close[0]}?")
+                            break
+        super().error("; ".join([message, *hints]))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="strata",
         description="Strata: checkpointing for PyTorch training on Kubernetes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
