@@ -24,7 +24,7 @@ from sidecar import __version__, config
 from sidecar import manifest as mf
 from sidecar.api import MAX_STEP
 from sidecar.errors import CommandFailed, CorruptObject, ObjectNotFound, StrataError
-from sidecar.local import launch
+from sidecar.local import dev_storage, launch
 from sidecar.operator import cli as operator_cli
 from sidecar.operator.names import PLACEHOLDER_ENV, SIDECAR_CONTAINER
 from sidecar.pipeline.plan import read_snapshot
@@ -617,6 +617,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_arguments(p)
     p.set_defaults(func=launch.main)
+
+    p = sub.add_parser(
+        "dev-storage",
+        help="run a local S3 server (the embedded SeaweedFS) with a bucket, for trying Strata out",
+        description="Start SeaweedFS on 127.0.0.1, create the bucket, print the settings to use with "
+        "`strata sidecar`, the trainer and `strata ls`, and stay in the foreground: Ctrl-C stops it.",
+        epilog=dev_storage.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dev_storage.add_arguments(p)
+    p.set_defaults(func=dev_storage.main)
 
     p = sub.add_parser(
         "operator",
