@@ -22,7 +22,7 @@ from typing import Any
 
 from sidecar import __version__, config
 from sidecar import manifest as mf
-from sidecar.api import MAX_STEP
+from sidecar.api import MAX_STEP, progress
 from sidecar.errors import CommandFailed, CorruptObject, ObjectNotFound, StrataError
 from sidecar.local import dev_storage, launch
 from sidecar.operator import cli as operator_cli
@@ -233,7 +233,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args)
     steps = mf.committed_steps(store, args.namespace, args.job) if args.all else [_pick_step(store, args)]
     corrupt_steps = 0
-    show_progress = sys.stderr.isatty()
     for step in steps:
         bad = 0
         commit = mf.read_commit(store, args.namespace, args.job, step)
@@ -270,23 +269,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: {exc}")
                 bad += 1
         total = sum(o.size for o in objects)
-        done = 0
-        t0 = time.monotonic()
-        for i, obj in enumerate(objects, 1):
-            try:
-                mf.read_object(store, obj)
-            except StrataError as exc:
-                if show_progress:
-                    print(file=sys.stderr)  # end the progress line
-                print(f"step {step}: {exc}")
-                bad += 1
-            done += obj.size
-            if show_progress:
-                rate = done / max(time.monotonic() - t0, 1e-6)
-                progress = f"{i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)"
-                print(f"\rstep {step}: {progress}", end="", file=sys.stderr, flush=True)
-        if show_progress:
-            print(file=sys.stderr)
+        with progress.bar(total, f"verify step {step}") as shown:
+            for obj in objects:
+                try:
+                    mf.read_object(store, obj)
+                except StrataError as exc:
+                    progress.write(f"step {step}: {exc}")
+                    bad += 1
+                shown.update(obj.size)
         print(f"step {step}: {'OK' if not bad else 'CORRUPT'} ({len(objects)} objects, {_human(total)})")
         corrupt_steps += bool(bad)
     return 1 if corrupt_steps else 0
@@ -309,7 +299,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".strata-export-", dir=out))
     try:
-        with ThreadPoolExecutor(8, thread_name_prefix="strata-export") as pool:
+        with (
+            ThreadPoolExecutor(8, thread_name_prefix="strata-export") as pool,
+            progress.bar(commit.total_bytes, f"export step {step}: read") as shown,
+        ):
             for ref in commit.manifests:
                 manifest = mf.load_manifest(store, commit, ref.rank)
                 refs = {r.step: r for r in manifest.required_commits}
@@ -323,6 +316,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 with open(staging / f"rank-{ref.rank}.bin", "wb") as f:
                     for piece in pieces:
                         f.write(piece)
+                        shown.update(len(piece))
                 (staging / f"rank-{ref.rank}.json").write_text(
                     json.dumps(
                         {
@@ -341,6 +335,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                     )
                 )
                 del pieces
+        if progress.shown():
+            print(f"export step {step}: writing DCP's files with {args.python}", file=sys.stderr, flush=True)
         done = subprocess.run(
             [args.python, "-m", "trainer_client.export", str(staging), str(out)],
             capture_output=True,
@@ -368,6 +364,35 @@ def _torch_half_done(done: subprocess.CompletedProcess[str], command: str, verb:
             + done.stderr.strip().splitlines()[-1]
         )
     raise SystemExit(f"strata {command}: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def _run_shown(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run the torch half, its stdout and stderr captured (the error to report), and its stderr
+    also passed on as it comes when this stderr is a terminal: the child's progress bars."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    err = bytearray()
+    passing = progress.shown()
+
+    def pump(stream: Any, into: bytearray, echo: bool) -> None:
+        while chunk := os.read(stream.fileno(), 65536):
+            into += chunk
+            if echo:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+
+    out = bytearray()
+    reader = threading.Thread(target=pump, args=(proc.stdout, out, False), daemon=True)
+    reader.start()
+    pump(proc.stderr, err, passing)
+    reader.join()
+    code = proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    text = err.decode(errors="replace")
+    if passing:  # drop what was already shown but keep the last line for the error report
+        text = "\n".join(line.split("\r")[-1] for line in text.splitlines())
+    return subprocess.CompletedProcess(argv, code, out.decode(errors="replace"), text)
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -405,10 +430,17 @@ def cmd_import(args: argparse.Namespace) -> int:
         (work / "shm").mkdir()
         server = SidecarServer(settings).start()
         try:
-            done = subprocess.run(
-                [args.python, "-m", "trainer_client.import_dcp", str(source), "--step", str(args.step)],
-                capture_output=True,
-                text=True,
+            show = ["--progress"] if progress.shown() else []
+            done = _run_shown(
+                [
+                    args.python,
+                    "-m",
+                    "trainer_client.import_dcp",
+                    str(source),
+                    "--step",
+                    str(args.step),
+                    *show,
+                ],
                 env=dict(
                     os.environ,
                     STRATA_SOCKET=server.socket_path,
