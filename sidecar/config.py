@@ -70,7 +70,7 @@ class SidecarSettings:
         "is refused with RESOURCE_EXHAUSTED and retried by the client",
     )
     commit_timeout_s: float = _opt(300.0, "how long rank 0 waits for every rank's MANIFEST")
-    storage_attempts: int = _opt(5, "attempts per storage request before a save fails")
+    storage_attempts: int = _opt(5, "tries per storage request (the first included) before a save fails")
     shm_dir: str = _opt(
         "/dev/shm", "tmpfs shared with the trainers for zero-copy saves (empty: chunked gRPC saves only)"
     )

@@ -57,7 +57,9 @@ class ClientSettings:
     namespace: str = "default"
     rank: int = 0
     world_size: int = 1
-    attempt: int = 0
+    #: gang restarts before this run of the trainer (STRATA_RESTART; torchrun's restart count).
+    #: Not the attempt: storage allocates that, one per generation, and the EPOCH records it
+    restart: int = 0
     #: gang generation "RUN/RESTART" (STRATA_GENERATION; torchrun's run id and restart count); a
     #: single rank without one gets a generation of its own per process
     generation: str = ""
@@ -99,7 +101,8 @@ class ClientSettings:
             "namespace": _env("STRATA_NAMESPACE", "POD_NAMESPACE"),
             "rank": _env("STRATA_RANK", "RANK"),
             "world_size": _env("STRATA_WORLD_SIZE", "WORLD_SIZE"),
-            "attempt": _env("STRATA_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"),
+            # STRATA_ATTEMPT: this variable's older name, still read
+            "restart": _env("STRATA_RESTART", "STRATA_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"),
             "generation": _env("STRATA_GENERATION") or _torchelastic_generation_var(),
             "socket": _env("STRATA_SOCKET"),
             "address": _env("STRATA_ADDRESS"),

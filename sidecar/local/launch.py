@@ -73,10 +73,11 @@ of the same script resumes its newest committed step, another script starts a jo
   strata launch --nproc 4 --sidecars 4 --redundancy parity -- python deploy/examples/train_ddp.py
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
-STRATA_SOCKET (its pod's sidecar), STRATA_ATTEMPT, STRATA_GENERATION and STRATA_PG_TIMEOUT_S
+STRATA_SOCKET (its pod's sidecar), STRATA_RESTART (gang restarts so far), STRATA_GENERATION and
+STRATA_PG_TIMEOUT_S
 (use trainer_client.init_process_group()).
 Testing hooks (honoured only with STRATA_TEST_FAULTS=1, which every rank and sidecar inherits):
-STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first attempt,
+STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first start (restart 0),
 STRATA_SIDECAR_FAULTS only to the first start of sidecar $STRATA_SIDECAR_FAULTS_INDEX (default 0).
 """
 
@@ -158,7 +159,7 @@ class Gang:
                 STRATA_JOB=settings.job,
                 STRATA_NAMESPACE=settings.namespace,
                 STRATA_SOCKET=sockets[settings.sidecar_of(rank)],
-                STRATA_ATTEMPT=str(attempt),
+                STRATA_RESTART=str(attempt),
                 STRATA_GENERATION=generation,
                 STRATA_PG_TIMEOUT_S=str(settings.pg_timeout_s),
                 STRATA_HEARTBEAT_FILE=str(self.heartbeats[rank]),
@@ -493,7 +494,7 @@ class Launcher:
                     self.s.nproc,
                 )
             log.info(
-                "attempt %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
+                "restart %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
             )
             generation = self.write_generation(attempt)
             gang = Gang(self.s, attempt, self.sockets, heartbeat_dir, generation)
