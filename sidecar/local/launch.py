@@ -685,6 +685,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if not 0 < args.pg_timeout_s < float("inf"):
         raise ValueError(f"--pg-timeout-s must be positive seconds, got {args.pg_timeout_s}")
+    if args.keep_storage and args.storage is not None:
+        raise ValueError("--keep-storage keeps the embedded SeaweedFS running; with --storage there is none")
     if args.storage is not None and not args.storage.startswith(("s3://", "file://")):
         raise ValueError(
             f"--storage {args.storage!r}: expected s3://bucket/prefix or file:///path (every sidecar "

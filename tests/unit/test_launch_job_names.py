@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sidecar import cli
+from sidecar.local import launch
 from sidecar.local.launch import job_from_command
 
 
@@ -32,3 +33,11 @@ def test_job_and_workdir_default_per_script(monkeypatch):
     monkeypatch.setenv("STRATA_JOB", "mine")
     args = cli.build_parser().parse_args(["launch", "--nproc", "1", "--keep-storage", "--", "python", "a.py"])
     assert args.job == "mine" and args.keep_storage
+
+
+def test_keep_storage_with_a_storage_of_ones_own_is_refused():
+    args = cli.build_parser().parse_args(
+        ["launch", "--nproc", "1", "--keep-storage", "--storage", "file:///tmp/x", "--", "python", "a.py"]
+    )
+    with pytest.raises(ValueError, match=r"^--keep-storage keeps the embedded SeaweedFS running"):
+        launch.main(args)
