@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,9 +23,9 @@ from typing import Any
 
 from sidecar import __version__, config
 from sidecar import manifest as mf
-from sidecar.api import MAX_STEP
+from sidecar.api import MAX_STEP, progress
 from sidecar.errors import CommandFailed, CorruptObject, ObjectNotFound, StrataError
-from sidecar.local import launch
+from sidecar.local import dev_storage, launch
 from sidecar.operator import cli as operator_cli
 from sidecar.operator.names import PLACEHOLDER_ENV, SIDECAR_CONTAINER
 from sidecar.pipeline.plan import read_snapshot
@@ -233,7 +235,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     store = _open(args)
     steps = mf.committed_steps(store, args.namespace, args.job) if args.all else [_pick_step(store, args)]
     corrupt_steps = 0
-    show_progress = sys.stderr.isatty()
     for step in steps:
         bad = 0
         commit = mf.read_commit(store, args.namespace, args.job, step)
@@ -270,29 +271,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: {exc}")
                 bad += 1
         total = sum(o.size for o in objects)
-        done = 0
-        t0 = time.monotonic()
-        for i, obj in enumerate(objects, 1):
-            try:
-                mf.read_object(store, obj)
-            except StrataError as exc:
-                if show_progress:
-                    print(file=sys.stderr)  # end the progress line
-                print(f"step {step}: {exc}")
-                bad += 1
-            done += obj.size
-            if show_progress:
-                rate = done / max(time.monotonic() - t0, 1e-6)
-                progress = f"{i}/{len(objects)} objects, {_human(done)}/{_human(total)} ({_human(rate)}/s)"
-                print(f"\rstep {step}: {progress}", end="", file=sys.stderr, flush=True)
-        if show_progress:
-            print(file=sys.stderr)
+        with progress.bar(total, f"verify step {step}") as shown:
+            for obj in objects:
+                try:
+                    mf.read_object(store, obj)
+                except StrataError as exc:
+                    progress.write(f"step {step}: {exc}")
+                    bad += 1
+                shown.update(obj.size)
         print(f"step {step}: {'OK' if not bad else 'CORRUPT'} ({len(objects)} objects, {_human(total)})")
         corrupt_steps += bool(bad)
     return 1 if corrupt_steps else 0
 
 
-def stage_export(store: Store, commit: mf.Commit, staging: Path) -> None:
+def stage_export(
+    store: Store, commit: mf.Commit, staging: Path, on_bytes: Callable[[int], object] | None = None
+) -> None:
     """Every rank's snapshot of ``commit``, as a restore from storage gives it, into ``staging``
     (``rank-<r>.bin``) with what ``trainer_client.export`` needs to rebuild its state
     (``rank-<r>.json``: the tensors and where they lie, the replicated ones, the tree)."""
@@ -310,6 +304,8 @@ def stage_export(store: Store, commit: mf.Commit, staging: Path) -> None:
             with open(staging / f"rank-{ref.rank}.bin", "wb") as f:
                 for piece in pieces:
                     f.write(piece)
+                    if on_bytes is not None:
+                        on_bytes(len(piece))
             (staging / f"rank-{ref.rank}.json").write_text(
                 json.dumps(
                     {
@@ -349,7 +345,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".strata-export-", dir=out))
     try:
-        stage_export(store, commit, staging)
+        with progress.bar(commit.total_bytes, f"export step {step}: read") as shown:
+            stage_export(store, commit, staging, on_bytes=shown.update)
+        if progress.shown():
+            print(f"export step {step}: writing the files with {args.python}", file=sys.stderr, flush=True)
         done = subprocess.run(
             [args.python, "-m", "trainer_client.export", str(staging), str(out), "--format", args.format],
             capture_output=True,
@@ -377,6 +376,35 @@ def _torch_half_done(done: subprocess.CompletedProcess[str], command: str, verb:
         )
     said = done.stderr.strip() or done.stdout.strip()
     raise SystemExit(f"strata {command}: {said.removeprefix(command + ': ')}")
+
+
+def _run_shown(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run the torch half, its stdout and stderr captured (the error to report), and its stderr
+    also passed on as it comes when this stderr is a terminal: the child's progress bars."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    err = bytearray()
+    passing = progress.shown()
+
+    def pump(stream: Any, into: bytearray, echo: bool) -> None:
+        while chunk := os.read(stream.fileno(), 65536):
+            into += chunk
+            if echo:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+
+    out = bytearray()
+    reader = threading.Thread(target=pump, args=(proc.stdout, out, False), daemon=True)
+    reader.start()
+    pump(proc.stderr, err, passing)
+    reader.join()
+    code = proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    text = err.decode(errors="replace")
+    if passing:  # drop what was already shown but keep the last line for the error report
+        text = "\n".join(line.split("\r")[-1] for line in text.splitlines())
+    return subprocess.CompletedProcess(argv, code, out.decode(errors="replace"), text)
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -414,10 +442,17 @@ def cmd_import(args: argparse.Namespace) -> int:
         (work / "shm").mkdir()
         server = SidecarServer(settings).start()
         try:
-            done = subprocess.run(
-                [args.python, "-m", "trainer_client.import_dcp", str(source), "--step", str(args.step)],
-                capture_output=True,
-                text=True,
+            show = ["--progress"] if progress.shown() else []
+            done = _run_shown(
+                [
+                    args.python,
+                    "-m",
+                    "trainer_client.import_dcp",
+                    str(source),
+                    "--step",
+                    str(args.step),
+                    *show,
+                ],
                 env=dict(
                     os.environ,
                     STRATA_SOCKET=server.socket_path,
@@ -545,8 +580,51 @@ def _add_bucket_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_repair_epoch)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse that names the flag a misspelt one was closest to (``--stroage``: did you mean
+    ``--storage``?), the command's own flags, and a misspelt command too."""
+
+    _argv: list[str] | None = None
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            # The unknown flag went past the subcommand's parser: say it with that one's usage.
+            chosen = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    chosen = action.choices.get(str(getattr(parsed, action.dest, "")), self)
+            chosen.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def error(self, message: str) -> Any:
+        hints = []
+        flags = [o for o in self._option_string_actions if o.startswith("--")]
+        for token in self._argv or ():
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if name.startswith("--") and name not in self._option_string_actions:
+                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{name}: did you mean {close[0]}?")
+        if "invalid choice" in message:
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for token in self._argv or ():
+                        close = difflib.get_close_matches(token, list(action.choices), n=1, cutoff=0.6)
+                        if f"'{token}'" in message and close:
+                            hints.append(f"did you mean {close[0]}?")
+                            break
+        super().error("; ".join([message, *hints]))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="strata",
         description="Strata: checkpointing for PyTorch training on Kubernetes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -583,6 +661,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_arguments(p)
     p.set_defaults(func=launch.main)
+
+    p = sub.add_parser(
+        "dev-storage",
+        help="run a local S3 server (the embedded SeaweedFS) with a bucket, for trying Strata out",
+        description="Start SeaweedFS on 127.0.0.1, create the bucket, print the settings to use with "
+        "`strata sidecar`, the trainer and `strata ls`, and stay in the foreground: Ctrl-C stops it.",
+        epilog=dev_storage.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dev_storage.add_arguments(p)
+    p.set_defaults(func=dev_storage.main)
 
     p = sub.add_parser(
         "operator",

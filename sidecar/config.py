@@ -13,12 +13,17 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.api import default_socket_path, envvars
+from sidecar.api import default_socket_path, envvars, sizes
 from sidecar.pipeline.settings import check_encoding_settings
 
 
-def _opt(default: Any, help: str, env: str | None = None, secret: bool = False) -> Any:
-    return field(default=default, metadata={"help": help, "env": env, "secret": secret})
+def _opt(default: Any, help: str, env: str | None = None, secret: bool = False, size: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "env": env, "secret": secret, "size": size})
+
+
+def _size(default: int, help: str) -> Any:
+    """A setting in bytes, also read with units (4G, 512MiB: sidecar.api.sizes)."""
+    return _opt(default, help, size=True)
 
 
 @dataclass
@@ -35,23 +40,23 @@ class SidecarSettings:
     metrics_host: str = _opt("0.0.0.0", "address for the metrics endpoint")
     s3_endpoint: str = _opt("", "S3 endpoint URL (empty: AWS)", env="STRATA_S3_ENDPOINT")
     s3_region: str = _opt("us-east-1", "S3 region")
-    object_bytes: int = _opt(64 << 20, "largest storage object a snapshot is cut into")
+    object_bytes: int = _size(64 << 20, "largest storage object a snapshot is cut into")
     upload_concurrency: int = _opt(4, "objects uploaded in parallel per snapshot")
-    max_message_bytes: int = _opt(64 << 20, "largest gRPC message accepted or sent")
-    max_snapshot_bytes: int = _opt(64 << 30, "largest snapshot one save may carry")
+    max_message_bytes: int = _size(64 << 20, "largest gRPC message accepted or sent")
+    max_snapshot_bytes: int = _size(64 << 30, "largest snapshot one save may carry")
     max_held_snapshots: int = _opt(2, "snapshots held in memory per rank (committed + in flight)")
     max_ranks: int = _opt(
         1024,
         "ranks (namespace, job, rank) this sidecar holds snapshots of at once, over all jobs; a save "
         "of one more is refused with RESOURCE_EXHAUSTED (ranks holding nothing make room)",
     )
-    max_tree_bytes: int = _opt(
+    max_tree_bytes: int = _size(
         16 << 20,
         "largest state tree (the JSON of a save's non-tensor values) one save may carry; parsing it "
         "is charged to --memory-budget as well (up to ~32x its bytes until parsed)",
     )
     max_tensors: int = _opt(100_000, "most tensors (replicated ones included) one save may declare")
-    memory_budget: int = _opt(
+    memory_budget: int = _size(
         0,
         "bytes of the sidecar's own memory (snapshots received over gRPC, save headers and their state "
         "trees, restore buffers, encode scratch) it may hold; beyond, requests are refused with "
@@ -65,7 +70,7 @@ class SidecarSettings:
         "is refused with RESOURCE_EXHAUSTED and retried by the client",
     )
     commit_timeout_s: float = _opt(300.0, "how long rank 0 waits for every rank's MANIFEST")
-    storage_attempts: int = _opt(5, "attempts per storage request before a save fails")
+    storage_attempts: int = _opt(5, "tries per storage request (the first included) before a save fails")
     shm_dir: str = _opt(
         "/dev/shm", "tmpfs shared with the trainers for zero-copy saves (empty: chunked gRPC saves only)"
     )
@@ -338,8 +343,17 @@ def unknown_env(env: dict[str, str] | None = None) -> list[str]:
     return envvars.unknown(dict(os.environ) if env is None else env, known)
 
 
+def is_size(f: dataclasses.Field[Any]) -> bool:
+    return bool(f.metadata.get("size"))
+
+
 def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
     kind = type(f.default)
+    if is_size(f):
+        try:
+            return sizes.parse_size(raw)
+        except ValueError as exc:
+            raise ValueError(f"{env_name(f)}={raw!r}: {exc}") from None
     try:
         if kind is int:
             return int(raw, 0)
@@ -356,16 +370,26 @@ def _int(text: str) -> int:
     return int(text, 0)
 
 
+def size_argument(text: str) -> int:
+    """argparse ``type=`` of a size flag: its error names the flag and what a size looks like."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(SidecarSettings):
         kind = type(f.default)
+        size = is_size(f)
+        default = sizes.format_size(int(f.default)) if size else repr(f.default)  # type: ignore[arg-type]
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
-            type=_int if kind is int else kind,
+            type=size_argument if size else _int if kind is int else kind,
             default=None,
-            metavar=f.name.split("_")[-1].upper(),
-            help=f"{f.metadata['help']} [env {env_name(f)}; default {f.default!r}]",
+            metavar="SIZE" if size else f.name.split("_")[-1].upper(),
+            help=f"{f.metadata['help']} [env {env_name(f)}; default {default}]",
         )
 
 

@@ -26,6 +26,7 @@ from sidecar.api import (
     SHM_LENT_PATTERN,
     SHM_NAME_PATTERN,
     pb,
+    progress,
 )
 from trainer_client import _tree, _verify
 from trainer_client._staging import (
@@ -267,6 +268,10 @@ def drop_handoff(header: pb.RestoreHeader, shm_dir: str) -> None:
             os.unlink(os.path.join(shm_dir, header.shm.name))
 
 
+#: Restores over the stream from this many bytes show a progress bar (when stderr is a terminal).
+SHOWN_RESTORE_BYTES = 1 << 30
+
+
 def receive(
     stream: Iterator[pb.RestoreResponse], shm_dir: str = "", in_place: InPlace | None = None
 ) -> tuple[pb.RestoreHeader, list[torch.Tensor]]:
@@ -312,8 +317,11 @@ def receive(
         return header, tensors
     index, pos = 0, 0
     digests = _verify.StreamCheck(targets)  # each piece hashed just after it is written
+    long = header.total_bytes >= SHOWN_RESTORE_BYTES
+    shown = progress.bar(header.total_bytes, f"restore step {header.step}") if long else progress.OFF
     for msg in stream:
         data = memoryview(msg.chunk)
+        shown.update(len(data))
         end = pos + len(data)
         while index < len(targets) and targets[index].offset < end:
             start, dst = targets[index].offset, targets[index].dst
@@ -325,6 +333,7 @@ def receive(
                 break
             index += 1
         pos = end
+    shown.close()
     if pos != header.total_bytes or index != len(targets):
         raise RestoreError(
             f"restore stream ended after {pos} of {header.total_bytes} bytes "

@@ -150,7 +150,7 @@ class CheckpointClient:
             job=s.job,
             rank=s.rank,
             world_size=s.world_size,
-            attempt=s.attempt,
+            attempt=s.restart,  # the wire's name of the trainer's restart count (informational)
             generation=s.generation,
         )
         self._channel = grpc.insecure_channel(s.target, options=channel_options(s.max_message_bytes))

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_socket_path, envvars
+from sidecar.api import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, default_socket_path, envvars, sizes
 
 log = logging.getLogger("strata.client")
 
@@ -44,6 +44,9 @@ def _torchelastic_generation_var() -> tuple[str, str] | None:
     return ("TORCHELASTIC_RUN_ID", generation) if generation else None
 
 
+#: Settings in bytes, also read with units (``STRATA_CHUNK_BYTES=4MiB``).
+SIZE_FIELDS = frozenset({"chunk_bytes", "max_message_bytes"})
+
 #: Misspelt variables are warned of once per process, not at every client.
 _warned: set[str] = set()
 
@@ -54,7 +57,9 @@ class ClientSettings:
     namespace: str = "default"
     rank: int = 0
     world_size: int = 1
-    attempt: int = 0
+    #: gang restarts before this run of the trainer (STRATA_RESTART; torchrun's restart count).
+    #: Not the attempt: storage allocates that, one per generation, and the EPOCH records it
+    restart: int = 0
     #: gang generation "RUN/RESTART" (STRATA_GENERATION; torchrun's run id and restart count); a
     #: single rank without one gets a generation of its own per process
     generation: str = ""
@@ -96,7 +101,8 @@ class ClientSettings:
             "namespace": _env("STRATA_NAMESPACE", "POD_NAMESPACE"),
             "rank": _env("STRATA_RANK", "RANK"),
             "world_size": _env("STRATA_WORLD_SIZE", "WORLD_SIZE"),
-            "attempt": _env("STRATA_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"),
+            # STRATA_ATTEMPT: this variable's older name, still read
+            "restart": _env("STRATA_RESTART", "STRATA_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"),
             "generation": _env("STRATA_GENERATION") or _torchelastic_generation_var(),
             "socket": _env("STRATA_SOCKET"),
             "address": _env("STRATA_ADDRESS"),
@@ -125,8 +131,13 @@ class ClientSettings:
             variable, raw = found
             kind = str(kinds[name]).removesuffix(" | None")
             try:
-                values[name] = int(raw) if kind == "int" else float(raw) if kind == "float" else raw
-            except ValueError:
+                if name in SIZE_FIELDS:
+                    values[name] = sizes.parse_size(raw)
+                else:
+                    values[name] = int(raw) if kind == "int" else float(raw) if kind == "float" else raw
+            except ValueError as exc:
+                if name in SIZE_FIELDS:
+                    raise ValueError(f"{variable}={raw!r}: {exc}") from None
                 article = "an" if kind == "int" else "a"
                 raise ValueError(f"{variable}={raw!r}: expected {article} {kind}") from None
             sources[name] = variable
@@ -146,6 +157,13 @@ class ClientSettings:
         def name(field_name: str) -> str:
             return where.get(field_name, field_name)
 
+        for field_name in sorted(SIZE_FIELDS):  # chunk_bytes="4MiB" as an argument, too
+            value = getattr(self, field_name)
+            if isinstance(value, str):
+                try:
+                    setattr(self, field_name, sizes.parse_size(value))
+                except ValueError as exc:
+                    raise ValueError(f"{name(field_name)}={value!r}: {exc}") from None
         if not self.job:
             raise ValueError("no job name: set STRATA_JOB or pass job=... to CheckpointClient")
         for field_name, allowed in (

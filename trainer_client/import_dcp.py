@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from sidecar.api import progress
 from trainer_client._dcp_metadata import Location, encode, item_key
 from trainer_client.dcp import ITEMS_KEY, METADATA_KEY
 
@@ -142,14 +143,17 @@ def _chunk_size(md: TensorStorageMetadata, index: MetadataIndex) -> torch.Size:
     raise DCPImportError(f"{index.fqn}: no chunk of the metadata starts at {list(offset)}")
 
 
-def read_items(directory: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
+def read_items(directory: Path, metadata: Metadata, show: bool = False) -> dict[str, torch.Tensor]:
     """Every stored item as a tensor (BYTE_IO items as uint8 tensors of DCP's bytes), by its
-    Strata item key; checked against the metadata."""
+    Strata item key; checked against the metadata. ``show``: a progress bar on stderr."""
     items: dict[str, torch.Tensor] = {}
     handles: dict[Path, Any] = {}
+    total = sum(getattr(info, "length", 0) or 0 for info in metadata.storage_data.values())
     with contextlib.ExitStack() as files:
+        shown = files.enter_context(progress.bar(total, "import: read", force=show))
         for index, info in metadata.storage_data.items():
             path, offset, length = _storage(directory, index, info)
+            shown.update(length)
             md = metadata.state_dict_metadata.get(index.fqn)
             if md is None:
                 raise DCPImportError(f"{index.fqn}: stored, but not in the metadata")
@@ -194,11 +198,12 @@ def read_items(directory: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
     return items
 
 
-def import_dir(directory: Path, step: int, client: Any) -> int:
+def import_dir(directory: Path, step: int, client: Any, show: bool = False) -> int:
     """Save the DCP checkpoint in ``directory`` as step ``step`` through ``client`` (rank 0 of
-    world size 1); returns the number of items once the step is committed."""
+    world size 1); returns the number of items once the step is committed. ``show``: progress
+    on stderr."""
     metadata = read_metadata(directory)
-    items = read_items(directory, metadata)
+    items = read_items(directory, metadata, show)
     locations = {
         index: Location(
             0, item_key(index), items[item_key(index)].numel() * items[item_key(index)].element_size()
@@ -212,6 +217,8 @@ def import_dir(directory: Path, step: int, client: Any) -> int:
         text = encode(metadata, locations)
     except ValueError as exc:
         raise DCPImportError(f"the metadata cannot be carried: {exc}") from None
+    if show:
+        print(f"import: saving {len(items)} items as step {step} and waiting for its commit", file=sys.stderr)
     handle = client._save_plain(step, {ITEMS_KEY: items, METADATA_KEY: text})
     if handle.skipped:
         raise DCPImportError(f"step {step}: the save was skipped")
@@ -225,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer_client.import_dcp")
     parser.add_argument("directory")
     parser.add_argument("--step", type=int, required=True)
+    parser.add_argument("--progress", action="store_true", help="progress on stderr, even to a pipe")
     args = parser.parse_args(argv)
     try:
         metadata_dir = Path(args.directory)
         read_metadata(metadata_dir)  # refuse before connecting
         client = CheckpointClient(rank=0, world_size=1, capture_rng=False, resume="never")
         try:
-            n = import_dir(metadata_dir, args.step, client)
+            n = import_dir(metadata_dir, args.step, client, args.progress)
         finally:
             client.close()
     except DCPImportError as exc:

@@ -80,10 +80,10 @@ def main() -> int:
     client = None if args.no_checkpoint else CheckpointClient(replicated=[model])
     resumed = client.resume(state) if client is not None else None
     start = 0 if resumed is None else resumed + 1
-    # Every rank says what it resumed from: the ranks of one attempt must agree.
+    # Every rank says what it resumed from: the ranks of one gang must agree.
     source = (client.last_restore or {}).get("source") if client is not None and resumed is not None else None
-    attempt = os.environ.get("STRATA_ATTEMPT", "0")
-    print(f"RESUMED rank={rank} attempt={attempt} step={resumed} source={source}", flush=True)
+    restart = os.environ.get("STRATA_RESTART", "0")
+    print(f"RESUMED rank={rank} restart={restart} step={resumed} source={source}", flush=True)
     dist.barrier()  # every rank has its state back
     if rank == 0:
         print(f"resumed from step {resumed}" if resumed is not None else "starting fresh", flush=True)

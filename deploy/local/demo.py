@@ -169,9 +169,9 @@ def main() -> int:
             return 1
         print(f"    trainer killed (SIGKILL, exit {code})")
 
-        banner("restarting the trainer (attempt 1): it resumes from the newest committed step")
+        banner("restarting the trainer (restart 1): it resumes from the newest committed step")
         out = work / "resumed.json"
-        code, _ = run_trainer(dict(trainer_env, STRATA_ATTEMPT="1"), [*common, "--out", str(out)], log)
+        code, _ = run_trainer(dict(trainer_env, STRATA_RESTART="1"), [*common, "--out", str(out)], log)
         if code != 0:
             print(f"resumed trainer failed with exit code {code}")
             return 1

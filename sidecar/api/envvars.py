@@ -10,9 +10,11 @@ from collections.abc import Iterable, Mapping
 KNOWN = frozenset(
     {
         # the trainer client
-        "STRATA_ADDRESS", "STRATA_ATTEMPT", "STRATA_CHUNK_BYTES", "STRATA_COMMIT_TIMEOUT_S",
+        "STRATA_ADDRESS", "STRATA_ATTEMPT",  # STRATA_RESTART's older name, still read
+        "STRATA_CHUNK_BYTES", "STRATA_COMMIT_TIMEOUT_S",
         "STRATA_GENERATION", "STRATA_JOB", "STRATA_MAX_MESSAGE_BYTES", "STRATA_NAMESPACE",
-        "STRATA_OVERLAP", "STRATA_RANK", "STRATA_REPLICAS", "STRATA_RESUME", "STRATA_SAVE_ON_SIGTERM_S",
+        "STRATA_OVERLAP", "STRATA_RANK", "STRATA_REPLICAS", "STRATA_RESTART", "STRATA_RESUME",
+        "STRATA_SAVE_ON_SIGTERM_S",
         "STRATA_SHM", "STRATA_SOCKET", "STRATA_STAGING_BUFFERS", "STRATA_TOKEN", "STRATA_WHEN_BUSY",
         "STRATA_WORLD_SIZE",
         # the sidecar's settings (sidecar.config: STRATA_ + the flag's name)

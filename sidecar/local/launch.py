@@ -26,6 +26,8 @@ import argparse
 import contextlib
 import logging
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -64,13 +66,18 @@ examples:
   strata launch --nproc 2 --storage s3://ckpt/jobs --s3-endpoint http://minio:9000 \\
       --job exp7 -- python train.py
   strata launch --nproc 2 --max-restarts 5 --hang-timeout-s 600 -- python train.py
+  strata launch --nproc 2 --keep-storage -- python train.py   # then `strata ls` as it prints
+
+The job is named after the script (train.py: train) unless --job or STRATA_JOB names it: a rerun
+of the same script resumes its newest committed step, another script starts a job of its own.
   strata launch --nproc 4 --sidecars 4 --redundancy parity -- python deploy/examples/train_ddp.py
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
-STRATA_SOCKET (its pod's sidecar), STRATA_ATTEMPT, STRATA_GENERATION and STRATA_PG_TIMEOUT_S
+STRATA_SOCKET (its pod's sidecar), STRATA_RESTART (gang restarts so far), STRATA_GENERATION and
+STRATA_PG_TIMEOUT_S
 (use trainer_client.init_process_group()).
 Testing hooks (honoured only with STRATA_TEST_FAULTS=1, which every rank and sidecar inherits):
-STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first attempt,
+STRATA_FAULTS goes only to rank $STRATA_FAULTS_RANK of the first start (restart 0),
 STRATA_SIDECAR_FAULTS only to the first start of sidecar $STRATA_SIDECAR_FAULTS_INDEX (default 0).
 """
 
@@ -97,6 +104,8 @@ class LaunchSettings:
     restart: str = "inplace"
     redundancy: str = "off"
     parity_group: int = 4
+    #: leave the embedded SeaweedFS running after exit, so `strata ls` can inspect the run
+    keep_storage: bool = False
 
     def sidecar_of(self, rank: int) -> int:
         """Ranks fill pods in order, as a Job's completion index would."""
@@ -150,7 +159,7 @@ class Gang:
                 STRATA_JOB=settings.job,
                 STRATA_NAMESPACE=settings.namespace,
                 STRATA_SOCKET=sockets[settings.sidecar_of(rank)],
-                STRATA_ATTEMPT=str(attempt),
+                STRATA_RESTART=str(attempt),
                 STRATA_GENERATION=generation,
                 STRATA_PG_TIMEOUT_S=str(settings.pg_timeout_s),
                 STRATA_HEARTBEAT_FILE=str(self.heartbeats[rank]),
@@ -324,11 +333,35 @@ class Launcher:
             seaweed.create_bucket("strata")
             self.storage, self.endpoint = "s3://strata/checkpoints", seaweed.endpoint
             log.info("embedded SeaweedFS S3 at %s (pid %d)", self.endpoint, seaweed.pid)
+        self.announce()
         self.write_generation(0)
         for index in range(self.s.sidecars):
             self.start_sidecar(index)
         if self.s.metrics_port:
             start_http_server(self.s.metrics_port, addr="127.0.0.1", registry=self.registry)
+
+    def ls_command(self) -> str:
+        """The `strata ls` that lists this run's checkpoints."""
+        assert self.storage is not None
+        endpoint = f" --s3-endpoint {self.endpoint}" if self.endpoint else ""
+        return (
+            f"strata ls --storage {shlex.quote(self.storage)}{endpoint} "
+            f"--namespace {self.s.namespace} --job {self.s.job}"
+        )
+
+    def announce(self) -> None:
+        """Where this run's checkpoints go, before any rank prints: a rerun with the same job name
+        resumes them."""
+        where = f" at {self.endpoint}" if self.endpoint else ""
+        embedded = f" (embedded SeaweedFS, pid {self.seaweed.pid})" if self.seaweed is not None else ""
+        print(
+            f"strata launch: job {self.s.namespace}/{self.s.job}, {self.s.nproc} rank(s)\n"
+            f"  workdir  {self.s.workdir}  (sidecar and storage logs)\n"
+            f"  storage  {self.storage}{where}{embedded}\n"
+            f"  list it  {self.ls_command()}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def write_generation(self, restart: int) -> str:
         """The one place sidecars read the gang generation from (a downward-API file in a pod)."""
@@ -463,7 +496,7 @@ class Launcher:
                     self.s.nproc,
                 )
             log.info(
-                "attempt %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
+                "restart %d: starting %d ranks of %s/%s", attempt, self.s.nproc, self.s.namespace, self.s.job
             )
             generation = self.write_generation(attempt)
             gang = Gang(self.s, attempt, self.sockets, heartbeat_dir, generation)
@@ -509,12 +542,54 @@ class Launcher:
                 proc.kill()
                 proc.wait()
         if self.seaweed is not None:
-            self.seaweed.stop()
+            self._stop_storage(self.seaweed)
         for path in self.sockets:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(self.red_root, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.sock_dir.rmdir()
+
+    def _stop_storage(self, seaweed: SeaweedServer) -> None:
+        data = seaweed.data_dir
+        if not self.s.keep_storage:
+            seaweed.stop()
+            print(
+                f"strata launch: checkpoints kept in {data}; `strata dev-storage --dir {data}` serves "
+                "them again (or launch with --keep-storage)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        ls = self.ls_command()
+        pid = seaweed.detach()
+        print(
+            f"strata launch: the embedded SeaweedFS keeps running (pid {pid}) for inspection:\n"
+            f"  {ls}\n"
+            f"  stop it with: kill {pid}   (the data stays in {data})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def job_from_command(command: list[str]) -> str:
+    """The job name a launch takes from its training command when none is given: the script's
+    name (``python examples/train_ddp.py`` -> ``train_ddp``, ``python -m pkg.train`` ->
+    ``pkg.train``), so two scripts never share (and resume) each other's checkpoints while a rerun
+    of one script resumes its own."""
+    name = ""
+    for i, arg in enumerate(command):
+        if arg == "-m" and i + 1 < len(command):
+            name = command[i + 1]
+            break
+        if arg == "-c":  # inline code: named after the interpreter
+            break
+        if arg.endswith(".py") or (i > 0 and not arg.startswith("-")):
+            name = Path(arg).name.removesuffix(".py")
+            break
+    if not name and command:
+        name = Path(command[0]).name
+    name = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-._")[:253]
+    return name or "local-job"
 
 
 def _last_line(path: Path) -> str:
@@ -528,7 +603,12 @@ def _last_line(path: Path) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, required=True, help="number of ranks (processes) to run")
-    p.add_argument("--job", default=os.environ.get("STRATA_JOB", "local-job"), help="job name [STRATA_JOB]")
+    p.add_argument(
+        "--job",
+        default=os.environ.get("STRATA_JOB"),
+        help="job name [STRATA_JOB]; default: the training script's name (train_ddp for "
+        "train_ddp.py), so a rerun of a script resumes it and another script starts its own job",
+    )
     p.add_argument("--namespace", default=os.environ.get("STRATA_NAMESPACE", "default"), help="namespace")
     p.add_argument(
         "--storage", default=os.environ.get("STRATA_STORAGE"), help="default: an embedded SeaweedFS"
@@ -540,7 +620,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hang-timeout-s", type=float, default=0.0, help="restart when a rank saves nothing this long"
     )
     p.add_argument("--pg-timeout-s", type=float, default=60.0, help="process-group timeout handed to ranks")
-    p.add_argument("--workdir", default=".strata/launch", help="logs and the embedded S3's data")
+    p.add_argument(
+        "--workdir", help="logs and the embedded S3's data (default: .strata/launch/<job>, one per job)"
+    )
+    p.add_argument(
+        "--keep-storage",
+        action="store_true",
+        help="leave the embedded SeaweedFS running after exit (printing its pid and the `strata ls` "
+        "to inspect the run); by default it stops, its data kept in the workdir",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="serve strata_restarts_total here (0: off)")
     p.add_argument("--keep", type=int, default=3, help="committed steps the sidecar keeps (0: all)")
     p.add_argument(
@@ -582,7 +670,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if not 1 <= args.sidecars <= args.nproc:
         raise ValueError(f"--sidecars must be between 1 and --nproc ({args.nproc}), got {args.sidecars}")
-    mf.check_name("job", args.job)
+    job = args.job or job_from_command(command)
+    mf.check_name("job", job)
     if args.redundancy == "buddy" and args.sidecars < 2:
         raise ValueError("--redundancy buddy needs --sidecars >= 2 (a copy on another pod)")
     if args.redundancy == "parity" and args.sidecars < 3:
@@ -598,6 +687,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {getattr(args, flag)}")
     if not 0 < args.pg_timeout_s < float("inf"):
         raise ValueError(f"--pg-timeout-s must be positive seconds, got {args.pg_timeout_s}")
+    if args.keep_storage and args.storage is not None:
+        raise ValueError("--keep-storage keeps the embedded SeaweedFS running; with --storage there is none")
     if args.storage is not None and not args.storage.startswith(("s3://", "file://")):
         raise ValueError(
             f"--storage {args.storage!r}: expected s3://bucket/prefix or file:///path (every sidecar "
@@ -606,11 +697,11 @@ def main(args: argparse.Namespace) -> int:
     settings = LaunchSettings(
         nproc=args.nproc,
         command=command,
-        job=args.job,
+        job=job,
         namespace=args.namespace,
         storage=args.storage,
         s3_endpoint=args.s3_endpoint,
-        workdir=Path(args.workdir),
+        workdir=Path(args.workdir) if args.workdir else Path(".strata/launch") / job,
         policy=RestartPolicy(max_restarts=args.max_restarts, backoff_s=args.backoff_s),
         hang_timeout_s=args.hang_timeout_s,
         pg_timeout_s=args.pg_timeout_s,
@@ -621,6 +712,7 @@ def main(args: argparse.Namespace) -> int:
         restart=args.restart,
         redundancy=args.redundancy,
         parity_group=args.parity_group,
+        keep_storage=args.keep_storage,
     )
     launcher = Launcher(settings)
     previous = {}

@@ -173,9 +173,13 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
 class SeaweedServer:
     """One `weed mini` process serving S3 on 127.0.0.1; data lives in `data_dir`."""
 
-    def __init__(self, data_dir: Path, *, ip: str = "127.0.0.1", log_path: Path | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *, ip: str = "127.0.0.1", log_path: Path | None = None, s3_port: int = 0
+    ) -> None:
         self.data_dir = Path(data_dir).absolute()
         self.ip = ip
+        #: the S3 port (0: any free one)
+        self.s3_port = s3_port
         self.log_path = log_path if log_path is not None else self.data_dir / "weed.log"
         self.pid_path = self.data_dir / "weed.pid"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -223,7 +227,22 @@ class SeaweedServer:
         return self
 
     def _launch(self, weed: str, sock_dir: Path) -> None:
-        (m, mg, v, vg, f, fg, s3, s3g, metrics, s3metrics), admin = _free_ports(self.ip, 10)
+        fixed = None
+        if self.s3_port:
+            # Held while the other ports are picked, so none of them is the one asked for.
+            fixed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            fixed.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed binds it
+            try:
+                fixed.bind((self.ip, self.s3_port))
+            except OSError as exc:
+                fixed.close()
+                raise SeaweedError(f"cannot serve S3 on {self.ip}:{self.s3_port}: {exc.strerror}") from None
+        try:
+            (m, mg, v, vg, f, fg, s3, s3g, metrics, s3metrics), admin = _free_ports(self.ip, 10)
+        finally:
+            if fixed is not None:
+                fixed.close()
+        s3 = self.s3_port or s3
         argv = [
             weed,
             f"-logdir={self.data_dir}",  # glog files; weed's default is /tmp, where they pile up
@@ -317,6 +336,20 @@ class SeaweedServer:
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+
+    def poll(self) -> int | None:
+        """None while weed runs, else its exit status."""
+        if self._proc is None:
+            raise SeaweedError("SeaweedFS is not started")
+        return self._proc.poll()
+
+    def detach(self) -> int:
+        """Leave weed running past this process (no stop at exit); its PID, for whoever stops it."""
+        atexit.unregister(self._stop_at_exit)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            raise SeaweedError("SeaweedFS is not started")
+        return proc.pid
 
     def _stop_at_exit(self) -> None:
         # Safety net for an owner that never called stop(). weed writes through

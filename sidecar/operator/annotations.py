@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar import config
+from sidecar.api import sizes
 from sidecar.operator import names
 
 #: Sidecar settings a pod annotation must not set, and why.
@@ -57,6 +58,8 @@ class Setting:
     default: Any
     help: str
     parse: Callable[[str], Any] = field(repr=False, compare=False)
+    #: a size in bytes, also written with units (4G, 512MiB)
+    size: bool = False
 
 
 def _number(kind: type, minimum: float | None = None) -> Callable[[str], Any]:
@@ -153,11 +156,19 @@ def _sidecar_settings() -> list[Setting]:
         if f.name in NOT_ANNOTATIONS:
             continue
         kind = type(f.default)
-        parse: Callable[[str], Any] = _number(kind) if kind in (int, float) else str
+        size = config.is_size(f)
+        parse: Callable[[str], Any] = (
+            sizes.parse_size if size else _number(kind) if kind in (int, float) else str
+        )
         default, what = _AS_ANNOTATION.get(f.name, (f.default, f.metadata["help"]))
         out.append(
             Setting(
-                names.ANNOTATION_PREFIX + f.name.replace("_", "-"), config.env_name(f), default, what, parse
+                names.ANNOTATION_PREFIX + f.name.replace("_", "-"),
+                config.env_name(f),
+                default,
+                what,
+                parse,
+                size,
             )
         )
     return out
@@ -422,6 +433,7 @@ def markdown() -> str:
         " `python -m tools.docs_gen`'s -->",
         "",
         "Set each on the pod template as an annotation, or on the sidecar as an environment variable.",
+        "Sizes take units, powers of 1024 (`4G` = `4GiB` = `4Gi`, `512M`, `64k`), or plain bytes.",
         "",
         "| annotation | sidecar env | default | what |",
         "|---|---|---|---|",
@@ -429,7 +441,8 @@ def markdown() -> str:
     for s in table():
         env = f"`{s.env}`" if s.env else "(operator)"
         what = s.help.replace("|", "\\|")
-        lines.append(f"| `{s.annotation}` | {env} | `{s.default!r}` | {what} |")
+        default = f"`{sizes.format_size(s.default)}`" if s.size else f"`{s.default!r}`"
+        lines.append(f"| `{s.annotation}` | {env} | {default} | {what} |")
     return "\n".join(lines) + "\n"
 
 

@@ -75,7 +75,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.api import EXIT_LIMIT_SPENT, EXIT_PEER_DIED
+from sidecar.api import EXIT_LIMIT_SPENT, EXIT_PEER_DIED, sizes
 from sidecar.operator import admission, names
 from sidecar.operator import annotations as table
 
@@ -794,7 +794,7 @@ def _redundancy_warnings(pod: Mapping[str, Any], config: InjectConfig, shm: floa
     try:
         budget = quantity(limit) * 0.75 if limit else 0.0
         if parsed.sidecar_env.get("STRATA_MEMORY_BUDGET"):
-            budget = float(int(parsed.sidecar_env["STRATA_MEMORY_BUDGET"], 0))
+            budget = float(sizes.parse_size(parsed.sidecar_env["STRATA_MEMORY_BUDGET"]))
     except ValueError:
         return []
     if limit and budget > held:

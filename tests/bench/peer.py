@@ -374,7 +374,7 @@ def _restart_once(opts: Options, mode: str, storage: str, endpoint: str) -> floa
     )
     if run.returncode != 0:
         raise RuntimeError(f"{mode} restart run failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
-    sources = re.findall(r"RESUMED rank=\d+ attempt=1 step=\S+ source=(\S+)", run.stdout)
+    sources = re.findall(r"RESUMED rank=\d+ restart=1 step=\S+ source=(\S+)", run.stdout)
     want = "memory" if mode == "inplace" else "storage"
     if sources != [want, want]:
         raise RuntimeError(f"{mode} restart restored from {sources}, expected {want}")

@@ -491,12 +491,12 @@ class Strata(System):
         from tests.bench.foundation import make_client
 
         run = self.client.settings.generation.rsplit("/", 1)[0]
-        attempt = self.client.settings.attempt + 1
+        attempt = self.client.settings.restart + 1
         self.client.close()
         self.sidecar.stop()
         self.sidecar = self._sidecar()
         self.client = make_client(
-            self.sidecar.socket, self.job, attempt=attempt, generation=f"{run}/{attempt}"
+            self.sidecar.socket, self.job, restart=attempt, generation=f"{run}/{attempt}"
         )
 
     def restore_storage(self) -> None:

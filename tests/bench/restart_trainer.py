@@ -29,8 +29,8 @@ def main() -> int:
     client = CheckpointClient()
     resumed = client.resume(state)
     source = (client.last_restore or {}).get("source") if resumed is not None else None
-    attempt = os.environ.get("STRATA_ATTEMPT", "0")
-    print(f"RESUMED rank={rank} attempt={attempt} step={resumed} source={source}", flush=True)
+    restart = os.environ.get("STRATA_RESTART", "0")
+    print(f"RESUMED rank={rank} restart={restart} step={resumed} source={source}", flush=True)
     dist.barrier()
     if rank == 0:
         print(f"READY_AT {time.time():.3f}", flush=True)

@@ -50,7 +50,7 @@ SIDECAR_POINTS = [
 
 
 SIDECARS = 2
-RESUMED = re.compile(r"RESUMED rank=(\d+) attempt=(\d+) step=(\S+)")
+RESUMED = re.compile(r"RESUMED rank=(\d+) restart=(\d+) step=(\S+)")
 
 
 def launch(

@@ -46,7 +46,7 @@ def run_trainer(
         STRATA_SHM=shm,
         STRATA_SOCKET=server.socket_path,
         STRATA_JOB=job,
-        STRATA_ATTEMPT=str(attempt),
+        STRATA_RESTART=str(attempt),
         STRATA_FAULTS=faults,
         STRATA_TEST_FAULTS="1",  # fault injection is test-only: the switch arms STRATA_FAULTS
         STRATA_CHUNK_BYTES=str(64 * 1024),  # 256 KiB state -> 4 chunks, so "mid-stream" exists

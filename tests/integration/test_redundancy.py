@@ -200,7 +200,7 @@ def test_a_push_not_signed_with_the_jobs_key_is_refused(pods, job_name):
 ROOT = Path(__file__).resolve().parents[2]
 DDP = ROOT / "deploy" / "examples" / "train_ddp.py"
 STRATA = str(Path(sys.executable).parent / "strata")
-RESUMED = re.compile(r"RESUMED rank=(\d+) attempt=(\d+) step=(\S+) source=(\S+)")
+RESUMED = re.compile(r"RESUMED rank=(\d+) restart=(\d+) step=(\S+) source=(\S+)")
 
 
 def test_launch_a_killed_sidecar_gets_its_ranks_back_from_its_buddy(tmp_path):

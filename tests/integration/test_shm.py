@@ -183,7 +183,7 @@ def test_a_crashed_trainers_segments_are_released_when_its_successor_saves(
     crashed.save(1, state(1.0)).durable.result(30)
     crashed._buffers = []  # as if killed: it never cleans up, and leaves no file behind
     assert shm_files(server) == [] and held_files(server) == []
-    successor = make_client(server, job_name, capture_rng=False, attempt=1)
+    successor = make_client(server, job_name, capture_rng=False, restart=1)
     successor.save(2, state(2.0)).durable.result(30)
     (held,) = server.engine.segments._maps.values()  # the rank's segments: the successor's only
     assert {n.split("-")[1] for n in held} == {successor._segments.instance}

@@ -441,3 +441,12 @@ def test_the_reporter_hands_the_answers_instructions_to_its_callback() -> None:
     assert got == [told]
     reporter._accepted([{"kind": "heartbeat"}], json.dumps({"accepted": 1, "rejected": []}).encode())
     assert got == [told]
+
+
+def test_the_memory_warning_reads_a_memory_budget_written_with_units() -> None:
+    pod = job_pod({"strata.dev/redundancy": "buddy", names.SIDECAR_MEMORY_ANNOTATION: "8Gi"})
+    pod["spec"]["subdomain"] = "recsys"
+    assert not any("redundancy" in w for w in injection.warnings(pod, namespace="ml", config=CONFIG))
+    pod["metadata"]["annotations"]["strata.dev/memory-budget"] = "64Mi"  # below the copy it holds
+    said = injection.warnings(pod, namespace="ml", config=CONFIG)
+    assert any("redundancy=buddy" in w and "budget" in w for w in said), said

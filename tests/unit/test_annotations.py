@@ -43,10 +43,10 @@ def test_annotations_parse_into_sidecar_env_and_job_settings() -> None:
 
 def test_annotations_bad_value_names_the_annotation_and_what_is_expected() -> None:
     parsed = table.parse(
-        {"strata.dev/memory-budget": "8G", "strata.dev/max-restarts": "-1", "strata.dev/run": "again"}
+        {"strata.dev/memory-budget": "8 gigs", "strata.dev/max-restarts": "-1", "strata.dev/run": "again"}
     )
     text = "\n".join(parsed.errors)
-    assert "strata.dev/memory-budget='8G': expected an integer" in text
+    assert "strata.dev/memory-budget='8 gigs': expected a size in bytes, e.g. 4G" in text
     assert "strata.dev/max-restarts='-1': expected a value >= 0" in text
     assert "strata.dev/run='again': expected one of resume, fresh" in text
     assert parsed.sidecar_env == {}

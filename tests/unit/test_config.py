@@ -57,7 +57,7 @@ def test_client_identity_from_torchrun_env(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     s = ClientSettings.from_env()
-    assert (s.job, s.rank, s.world_size, s.attempt) == ("train", 3, 4, 2)
+    assert (s.job, s.rank, s.world_size, s.restart) == ("train", 3, 4, 2)
     monkeypatch.setenv("STRATA_RANK", "1")  # Strata's own variables win
     assert ClientSettings.from_env().rank == 1
     assert ClientSettings.from_env(rank=0).rank == 0  # and arguments win over both
