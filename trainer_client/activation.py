@@ -14,10 +14,11 @@ Policies:
 - ``"save_matmuls"``: keep the outputs of the expensive ops (matmuls, convolutions, attention),
   recompute the rest (PyTorch's "save matmuls" selective policy).
 - ``"budget"``: keep at most ``budget`` activation bytes per block (its inputs included),
-  choosing per op, cheapest bytes per recomputed FLOP first. The choice comes from one traced
-  forward per block shape (block class, parameter and input shapes, dtypes, training mode),
-  cached: the first call of each shape runs the block once more, unwrapped, with the RNG state
-  restored after it.
+  choosing per op, cheapest bytes per recomputed FLOP first, among the ops the recomputation
+  reruns (those before the last tensor the forward saves for backward: it stops there). The
+  choice comes from one traced forward per block shape (block class, parameter and input
+  shapes, dtypes, training mode), cached: the first call of each shape runs the block once
+  more, unwrapped, with the RNG state restored after it.
 
 Eager mode is the supported mode. Under ``torch.compile`` the checkpointed block is traced by
 Dynamo and the policy's ``MUST_SAVE``/``PREFER_RECOMPUTE`` tags go to AOTAutograd's partitioner:
