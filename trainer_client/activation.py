@@ -14,10 +14,11 @@ Policies:
 - ``"save_matmuls"``: keep the outputs of the expensive ops (matmuls, convolutions, attention),
   recompute the rest (PyTorch's "save matmuls" selective policy).
 - ``"budget"``: keep at most ``budget`` activation bytes per block (its inputs included),
-  choosing per op, cheapest bytes per recomputed FLOP first. The choice comes from one traced
-  forward per block shape (block class, parameter and input shapes, dtypes, training mode),
-  cached: the first call of each shape runs the block once more, unwrapped, with the RNG state
-  restored after it.
+  choosing per op, cheapest bytes per recomputed FLOP first, among the ops the recomputation
+  reruns (those before the last tensor the forward saves for backward: it stops there). The
+  choice comes from one traced forward per block shape (block class, parameter and input
+  shapes, dtypes, training mode), cached: the first call of each shape runs the block once
+  more, unwrapped, with the RNG state restored after it.
 
 Eager mode is the supported mode. Under ``torch.compile`` the checkpointed block is traced by
 Dynamo and the policy's ``MUST_SAVE``/``PREFER_RECOMPUTE`` tags go to AOTAutograd's partitioner:
@@ -128,7 +129,7 @@ class Plan:
     input_bytes: int
     #: bytes of the kept outputs
     saved_bytes: int
-    #: FLOPs of the forward ops left to recompute
+    #: FLOPs the recomputation runs: the ops not kept before the last tensor saved for backward
     recompute_flops: int
     #: FLOPs of the whole forward
     forward_flops: int
@@ -178,14 +179,19 @@ def _trace(
     params = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
     inputs = {_storage_key(t): t.untyped_storage().nbytes() for t in _tensors((args, kwargs))}
     saved: dict[int, int] = {}
+    recorder = _Recorder(set(params) | set(inputs))
+    # ops dispatched when the forward saved its last tensor for backward: the recomputation stops
+    # there (non-reentrant checkpoint's early stop), so the ops after it never run again
+    stop = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal stop
+        stop = len(recorder.ops)  # autograd saves an op's inputs before dispatching it
         k = _storage_key(t)
         if k not in params:
             saved[k] = t.untyped_storage().nbytes()
         return t
 
-    recorder = _Recorder(set(params) | set(inputs))
     cuda = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.is_cuda})
     with (
         torch.random.fork_rng(devices=cuda),
@@ -197,18 +203,21 @@ def _trace(
     unwrapped = sum(saved.values())
     input_bytes = sum(inputs.values())
     limit = (int(budget * unwrapped) if isinstance(budget, float) else budget) - input_bytes
-    candidates = [o for o in recorder.ops if o.flops > 0]  # the rest costs no FLOPs to recompute
+    # Recomputation reruns the forward in order up to the stop, every op not kept: each kept op
+    # avoids its own FLOPs, no more (its predecessors run anyway), and keeping an op past the stop
+    # avoids nothing. Ops that cost no FLOPs (norms, activations, adds) are always recomputed.
+    rerun = recorder.ops[:stop]
+    candidates = [o for o in rerun if o.flops > 0]
     chosen = _knapsack(candidates, limit)
     used = sum(o.bytes for o in candidates if o.key in chosen)
-    total = sum(o.flops for o in recorder.ops)
     return Plan(
         save=frozenset(chosen),
-        sizes={o.key: o.bytes for o in candidates},
+        sizes={o.key: o.bytes for o in recorder.ops if o.flops > 0},
         unwrapped_bytes=unwrapped,
         input_bytes=input_bytes,
         saved_bytes=used,
-        recompute_flops=total - sum(o.flops for o in recorder.ops if o.key in chosen),
-        forward_flops=total,
+        recompute_flops=sum(o.flops for o in rerun if o.key not in chosen),
+        forward_flops=sum(o.flops for o in recorder.ops),
     )
 
 

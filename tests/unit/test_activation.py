@@ -93,7 +93,9 @@ def test_policies_keep_what_they_should() -> None:
     # per block: 4 linears (addmm) and attention (output, logsumexp)
     assert matmuls == 2 * (4 + 2)
     everything, _, _ = _saved("budget", 1.0)
-    assert everything == matmuls  # a whole block's budget keeps every FLOP op
+    # a whole block's budget keeps every FLOP op but the last linear: the backward needs only its
+    # input, so the recomputation stops before it and keeping its output would avoid nothing
+    assert everything == matmuls - 2
     half, half_bytes, handle = _saved("budget", 0.5)
     assert 0 < half < matmuls and half_bytes < matmul_bytes
     (plan,) = handle.plans.values()  # both blocks share one shape: one trace
@@ -101,6 +103,57 @@ def test_policies_keep_what_they_should() -> None:
     assert half_bytes == 2 * plan.saved_bytes
     assert 0 < plan.recompute_flops < plan.forward_flops
     assert _saved("budget", 1)[:2] == (0, 0)  # one byte: less than the inputs, keeps nothing
+
+
+def _step_flops(model: nn.Module, inputs: tuple[Any, ...]) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer_client.activation import FLOP_FORMULAS
+
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+        model(*inputs).sum().backward()
+    return int(counter.get_total_flops())
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_the_plan_never_pays_for_ops_the_recomputation_does_not_run() -> None:
+    """fc2's output is small and costly to compute, but no backward needs it: the recomputation
+    stops once it has rebuilt fc2's input, so keeping it avoids nothing. The plan keeps fc1 only,
+    and the FLOPs it says it recomputes are the ones a real step adds."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_MLPBlock()), torch.randn(64, 16, requires_grad=True)
+    base = _step_flops(model, (x,))
+    fc1 = (torch.ops.aten.addmm.default, 0)
+    for budget, kept, recomputed in ((1.0, {fc1}, 0), (0.3, set(), 2 * 64 * 16 * 256)):
+        wrapped = copy.deepcopy(model)
+        handle = checkpoint_blocks(wrapped, _MLPBlock, "budget", budget)
+        wrapped(x).sum().backward()  # the traced step
+        (plan,) = handle.plans.values()
+        assert plan.save == kept
+        assert plan.recompute_flops == recomputed
+        assert _step_flops(wrapped, (x,)) - base == recomputed
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.3, 0.1])
+def test_planned_recompute_flops_are_the_measured_extra_flops(name: str, budget: float) -> None:
+    model, inputs, blocks = _build(name, torch.float32)
+    model.eval()  # the GPT's fused attention kernel
+    base = _step_flops(model, inputs)
+    handle = checkpoint_blocks(model, blocks, "budget", budget)
+    model(*inputs).sum().backward()  # the traced step (one forward more)
+    # the GPT's two blocks share one plan; the MLP's and DLRM's have one each
+    per_plan = len(handle.blocks) // len(handle.plans)
+    planned = per_plan * sum(p.recompute_flops for p in handle.plans.values())
+    assert _step_flops(model, inputs) - base == planned
 
 
 def test_save_matmuls_keeps_the_expensive_ops() -> None:
