@@ -859,28 +859,12 @@ class Restorer:
         # while one step's objects are held besides: reserved, as the manifests size them,
         # before a byte is allocated (the reader refuses a step larger than that).
         chain = {m.step: m for m in load_chain(manifest, load)}  # read once, replayed below
-        lossy = any(t.lossy for t in manifest.tensors)
         if files_ok:
             # Stored in place, as files: lent as they are, the trainer reads them once, straight
             # into its tensors, while the disk reads ahead (no copy in memory here at all).
             files = open_objects(self.store, manifest, self.shared.segments.lendable_files())
             if files is not None:
-                return RestoreData(
-                    target[1],
-                    manifest.tensors,
-                    manifest.tree,
-                    manifest.total_bytes,
-                    "storage",
-                    "",
-                    files.chunks(),
-                    manifest.restores,
-                    None,
-                    manifest.foreign(),
-                    target[0],
-                    storage_restores=manifest.storage_restores,
-                    restore_class="stored" if lossy else "exact",
-                    files=files,
-                )
+                return _stored(manifest, target, files.chunks(), None, files=files)
         held = held_bytes(list(chain.values()))
         need = manifest.total_bytes + held
         memory = self.memory.reserve(kind, need, f"reading step {target[1]} from storage")
@@ -906,22 +890,7 @@ class Restorer:
             raise
         # Read back only where a trainer takes no segment (its restore is streamed over gRPC).
         chunks = lent.chunks() if lent is not None else iter(pieces)
-        return RestoreData(
-            target[1],
-            manifest.tensors,
-            manifest.tree,
-            manifest.total_bytes,
-            "storage",
-            "",
-            chunks,
-            manifest.restores,
-            memory,
-            manifest.foreign(),
-            target[0],
-            storage_restores=manifest.storage_restores,
-            restore_class="stored" if lossy else "exact",
-            lendable=lent,
-        )
+        return _stored(manifest, target, chunks, memory, lendable=lent)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -946,6 +915,32 @@ class Restorer:
         with self.shared.lock:
             self.prefetched.pop(slot, None)
             self._loading.pop(slot, None)
+
+
+def _stored(
+    manifest: mf.Manifest,
+    target: Position,
+    chunks: Iterator[memoryview],
+    memory: Reservation | None,
+    **where: Any,
+) -> RestoreData:
+    """A restore of ``manifest``'s step from storage; ``where``: its bytes' ``files`` or ``lendable``."""
+    return RestoreData(
+        target[1],
+        manifest.tensors,
+        manifest.tree,
+        manifest.total_bytes,
+        "storage",
+        "",
+        chunks,
+        manifest.restores,
+        memory,
+        manifest.foreign(),
+        target[0],
+        storage_restores=manifest.storage_restores,
+        restore_class="stored" if any(t.lossy for t in manifest.tensors) else "exact",
+        **where,
+    )
 
 
 def _other_world(target: Position, saved_by: int, world_size: int) -> str:
