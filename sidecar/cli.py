@@ -371,7 +371,7 @@ def _torch_half_done(done: subprocess.CompletedProcess[str], command: str, verb:
         extra = "export" if "safetensors" in done.stderr else "trainer"
         raise SystemExit(
             f"strata {command}: {verb} the files needs torch and the trainer client in {python}: "
-            f"pip install 'strata-ckpt[{extra}]' there, or pass --python PATH to one that has them\n"
+            f"pip install -e '<this repository>[{extra}]' there, or pass --python PATH to one that has them\n"
             + done.stderr.strip().splitlines()[-1]
         )
     said = done.stderr.strip() or done.stdout.strip()

@@ -429,6 +429,8 @@ def generate(
             written.append(path)
     if bench is not None and (not wanted or BENCH_PAGE in wanted):
         path = docs / BENCH_PAGE
+        if not bench.exists() and path.exists():
+            return written  # the committed page of the last measured run stays (a fresh clone has no results)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(bench_page(bench, docs / BENCH_IMG))
         written.append(path)

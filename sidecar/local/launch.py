@@ -53,7 +53,7 @@ from sidecar.coordinator import (
 )
 from sidecar.errors import CommandFailed
 from sidecar.local.oom import OomCounter
-from sidecar.local.seaweed import SeaweedServer
+from sidecar.local.seaweed import SeaweedError, SeaweedServer
 from sidecar.store import open_store
 
 log = logging.getLogger("strata.launch")
@@ -67,10 +67,11 @@ examples:
       --job exp7 -- python train.py
   strata launch --nproc 2 --max-restarts 5 --hang-timeout-s 600 -- python train.py
   strata launch --nproc 2 --keep-storage -- python train.py   # then `strata ls` as it prints
+  strata launch --nproc 4 --sidecars 4 --redundancy parity --job ddp-parity \
+      -- python deploy/examples/train_ddp.py
 
 The job is named after the script (train.py: train) unless --job or STRATA_JOB names it: a rerun
 of the same script resumes its newest committed step, another script starts a job of its own.
-  strata launch --nproc 4 --sidecars 4 --redundancy parity -- python deploy/examples/train_ddp.py
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, STRATA_JOB,
 STRATA_SOCKET (its pod's sidecar), STRATA_RESTART (gang restarts so far), STRATA_GENERATION and
@@ -328,8 +329,11 @@ class Launcher:
         self.s.workdir.mkdir(parents=True, exist_ok=True)
         if self.storage is None:
             seaweed = SeaweedServer(self.s.workdir / "seaweed", log_path=self.s.workdir / "seaweed.log")
+            try:
+                seaweed.start()
+            except SeaweedError as exc:
+                raise CommandFailed(f"strata launch: {exc}") from None
             self.seaweed = seaweed
-            seaweed.start()
             seaweed.create_bucket("strata")
             self.storage, self.endpoint = "s3://strata/checkpoints", seaweed.endpoint
             log.info("embedded SeaweedFS S3 at %s (pid %d)", self.endpoint, seaweed.pid)
@@ -688,7 +692,11 @@ def main(args: argparse.Namespace) -> int:
     if not 0 < args.pg_timeout_s < float("inf"):
         raise ValueError(f"--pg-timeout-s must be positive seconds, got {args.pg_timeout_s}")
     if args.keep_storage and args.storage is not None:
-        raise ValueError("--keep-storage keeps the embedded SeaweedFS running; with --storage there is none")
+        given = "--storage" if "--storage" in sys.argv else "STRATA_STORAGE"
+        raise ValueError(
+            f"--keep-storage keeps the embedded SeaweedFS running; with {given} ({args.storage}) "
+            "there is none"
+        )
     if args.storage is not None and not args.storage.startswith(("s3://", "file://")):
         raise ValueError(
             f"--storage {args.storage!r}: expected s3://bucket/prefix or file:///path (every sidecar "

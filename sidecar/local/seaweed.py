@@ -204,6 +204,12 @@ class SeaweedServer:
         if self._proc is not None:
             raise SeaweedError(f"SeaweedFS already started (pid {self._proc.pid})")
         weed = find_weed()
+        serving = self.serving()
+        if serving:
+            raise SeaweedError(
+                f"{self.data_dir} is still served by SeaweedFS pid {serving} (kept by --keep-storage or "
+                f"strata dev-storage?): stop it with `kill {serving}`, or use another directory"
+            )
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if len(str(self.data_dir / "filer.sock")) < _MAX_SOCKET_PATH:
@@ -225,6 +231,14 @@ class SeaweedServer:
                     raise SeaweedError(f"{exc}; last lines of {self.log_path}:\n{log}") from None
         atexit.register(self._stop_at_exit)
         return self
+
+    def serving(self) -> int:
+        """The pid of a weed still serving this data directory (two would corrupt it), else 0."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (OSError, ValueError):
+            return 0
+        return pid if self._proc is None and _alive(pid) and _is_weed(pid) else 0
 
     def _launch(self, weed: str, sock_dir: Path) -> None:
         fixed = None

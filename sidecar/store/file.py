@@ -61,7 +61,7 @@ def _fsync_dir(path: Path) -> None:
 
 #: Objects from this size up are written with O_DIRECT where the filesystem takes it: the bytes
 #: go from the caller's buffer to the disk, not copied into the page cache and written back
-#: from there (kernel CPU a node's cores are short of: the README's file-store paragraph has the
+#: from there (kernel CPU a node's cores are short of: docs/benchmarks/notes.md has the
 #: figures), nor evict a checkpoint's worth of the trainer's cached files. A later read comes
 #: from the disk, not the cache.
 DIRECT_MIN_BYTES = 1 << 20

@@ -280,5 +280,5 @@ def test_a_python_without_safetensors_is_told_which_extra_to_install() -> None:
     missing = subprocess.CompletedProcess(
         [], 1, "", "Traceback...\nModuleNotFoundError: No module named 'safetensors'\n"
     )
-    with pytest.raises(SystemExit, match=r"pip install 'strata-ckpt\[export\]' there, or pass --python"):
+    with pytest.raises(SystemExit, match=r"pip install -e '<this repository>\[export\]' there, or pass"):
         cli._torch_half_done(missing, "export", "writing", "/usr/bin/python3")
