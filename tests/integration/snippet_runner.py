@@ -1,6 +1,6 @@
 """Runs docs snippets (tests/integration/test_docs_snippets.py), each in a process of its own,
-forked from this one once it has imported torch and trainer_client: importing them takes most of a
-small snippet's time, and a fork starts with them imported but nothing else run.
+forked from this one once it has imported torch: importing it takes most of a small snippet's
+time, and a fork starts with it imported but nothing else run.
 
 Reads one JSON request per line on stdin, ``{"script", "cwd", "env", "out", "timeout"}``, and
 answers one line each, ``{"rc", "timed_out"}``: the script ran as ``__main__`` in ``cwd`` with
@@ -18,11 +18,10 @@ import sys
 import time
 import traceback
 
-import torch  # preloaded: what every snippet imports
-import torch.distributed.checkpoint  # noqa: F401
-
-import trainer_client
-import trainer_client.dcp  # noqa: F401
+# Preloaded: torch, what every snippet imports and most of its start-up time. Not grpc (nor the
+# trainer client, which imports it): a process forked after grpc started is not one grpc supports,
+# and a snippet's DataLoader workers fork that child again.
+import torch  # noqa: F401
 
 
 def _child(script: str, cwd: str, env: dict[str, str], out: str) -> None:
