@@ -159,7 +159,6 @@ def test_lossy_and_replicated_are_said(make_sidecar, make_client, job_name, tmp_
         assert not torch.equal(got["table"], saved["table"])
 
 
-@pytest.mark.slow
 def test_a_client_save_exports_to_every_format_and_loads_without_strata(
     make_sidecar, make_client, job_name, tmp_path, short_tmp, capsys
 ):

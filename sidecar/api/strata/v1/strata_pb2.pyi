@@ -52,7 +52,7 @@ Global___CommitState: _TypeAlias = CommitState  # noqa: Y015
 
 @_typing.final
 class Identity(_message.Message):
-    """Who is saving: one rank of one job attempt."""
+    """Who is saving: one rank of one job, at one restart of it."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -67,7 +67,9 @@ class Identity(_message.Message):
     rank: _builtins.int
     world_size: _builtins.int
     attempt: _builtins.int
-    """Restart count of the job (the gang shares it), as the trainer knows it."""
+    """Restart count of the job (the gang shares it), as the trainer knows it (STRATA_RESTART); the
+    field keeps its old name on the wire. Not the storage-allocated attempt an EPOCH records.
+    """
     generation: _builtins.str
     """The gang generation, "RUN/RESTART", as the trainer declares it (STRATA_GENERATION,
     torchrun's run id and restart count). A sidecar with a generation file uses the file.
