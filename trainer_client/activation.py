@@ -15,10 +15,12 @@ Policies:
   recompute the rest (PyTorch's "save matmuls" selective policy).
 - ``"budget"``: keep at most ``budget`` activation bytes per block (its inputs included),
   choosing per op, cheapest bytes per recomputed FLOP first, among the ops the recomputation
-  reruns (those before the last tensor the forward saves for backward: it stops there). The
-  choice comes from one traced forward per block shape (block class, parameter and input
-  shapes, dtypes, training mode), cached: the first call of each shape runs the block once
-  more, unwrapped, with the RNG state restored after it.
+  reruns (those before the last tensor the forward saves for backward: it stops there). Or,
+  given ``max_recompute`` instead, the fewest bytes whose recomputation adds at most that
+  fraction of the block's training-step FLOPs. The choice comes from one traced forward per
+  block shape (block class, parameter and input shapes, dtypes, training mode), cached: the
+  first call of each shape runs the block once more, unwrapped, with the RNG state restored
+  after it (and, for ``max_recompute``, its backward, to count the step's FLOPs).
 
 Eager mode is the supported mode. Under ``torch.compile`` the checkpointed block is traced by
 Dynamo and the policy's ``MUST_SAVE``/``PREFER_RECOMPUTE`` tags go to AOTAutograd's partitioner:
@@ -123,6 +125,8 @@ class Plan:
     save: frozenset[tuple[Any, int]]
     #: output byte sizes by (op, occurrence), to check the recomputed forward is the traced one
     sizes: dict[tuple[Any, int], int]
+    #: the choices: the FLOP ops the recomputation reruns unless kept, in forward order
+    choices: tuple[tuple[Any, int], ...]
     #: activation bytes of the block without checkpointing (unique storages autograd saved)
     unwrapped_bytes: int
     #: bytes of the block's tensor inputs, which checkpointing holds anyway
@@ -133,6 +137,8 @@ class Plan:
     recompute_flops: int
     #: FLOPs of the whole forward
     forward_flops: int
+    #: FLOPs of the block's backward (traced for ``max_recompute`` only, else 0)
+    backward_flops: int = 0
 
 
 @dataclass
@@ -173,9 +179,15 @@ class _Recorder(TorchDispatchMode):
 
 
 def _trace(
-    module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any, budget: float | int
+    module: nn.Module,
+    forward: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    budget: float | int | None,
+    max_recompute: float | None = None,
 ) -> Plan:
-    """Run ``forward`` once unwrapped, then choose the outputs to keep within ``budget``."""
+    """Run ``forward`` once unwrapped, then choose the outputs to keep: within ``budget`` bytes, or
+    the fewest bytes that rerun at most ``max_recompute`` of the block's step FLOPs."""
     params = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
     inputs = {_storage_key(t): t.untyped_storage().nbytes() for t in _tensors((args, kwargs))}
     saved: dict[int, int] = {}
@@ -198,27 +210,80 @@ def _trace(
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         recorder,
     ):
-        forward(*args, **kwargs)
+        out = forward(*args, **kwargs)
     recorder.held.clear()
+    backward = 0 if max_recompute is None else _backward_flops(module, (args, kwargs), out)
+    del out
     unwrapped = sum(saved.values())
     input_bytes = sum(inputs.values())
-    limit = (int(budget * unwrapped) if isinstance(budget, float) else budget) - input_bytes
     # Recomputation reruns the forward in order up to the stop, every op not kept: each kept op
     # avoids its own FLOPs, no more (its predecessors run anyway), and keeping an op past the stop
     # avoids nothing. Ops that cost no FLOPs (norms, activations, adds) are always recomputed.
     rerun = recorder.ops[:stop]
     candidates = [o for o in rerun if o.flops > 0]
-    chosen = _knapsack(candidates, limit)
+    forward_flops = sum(o.flops for o in recorder.ops)
+    if max_recompute is not None:
+        chosen = _least_bytes(candidates, int(max_recompute * (forward_flops + backward)))
+    else:
+        assert budget is not None
+        limit = (int(budget * unwrapped) if isinstance(budget, float) else budget) - input_bytes
+        chosen = _knapsack(candidates, limit)
     used = sum(o.bytes for o in candidates if o.key in chosen)
     return Plan(
         save=frozenset(chosen),
         sizes={o.key: o.bytes for o in recorder.ops if o.flops > 0},
+        choices=tuple(o.key for o in candidates),
         unwrapped_bytes=unwrapped,
         input_bytes=input_bytes,
         saved_bytes=used,
         recompute_flops=sum(o.flops for o in rerun if o.key not in chosen),
-        forward_flops=sum(o.flops for o in recorder.ops),
+        forward_flops=forward_flops,
+        backward_flops=backward,
     )
+
+
+def _backward_flops(module: nn.Module, inputs: Any, out: Any) -> int:
+    """FLOPs of the block's backward: gradients of its outputs for its inputs and parameters
+    (``autograd.grad``, so nothing accumulates in ``.grad``, and the graph before the block's
+    inputs is not run; hooks registered on those tensors with ``register_hook`` do see it)."""
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    wrt = [t for t in _tensors(inputs) if t.requires_grad] + [
+        p for p in module.parameters() if p.requires_grad
+    ]
+    if not outs or not wrt:
+        return 0
+    with _fc.FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+        torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    return int(counter.get_total_flops())
+
+
+def _table(
+    ops: list[_Op], weights: list[int], capacity: int
+) -> tuple[list[tuple[int, int]], list[list[bool]]]:
+    """0/1 knapsack over integer ``weights``: at each capacity, (most FLOPs avoided, -bytes) and
+    which op each row took. Among equal FLOPs, fewer bytes."""
+    best = [(0, 0)] * (capacity + 1)
+    took: list[list[bool]] = []
+    for op, w in zip(ops, weights, strict=True):
+        row = [False] * (capacity + 1)
+        nxt = list(best)
+        for c in range(w, capacity + 1):
+            flops, neg_bytes = best[c - w]
+            cand = (flops + op.flops, neg_bytes - op.bytes)
+            if cand > nxt[c]:
+                nxt[c], row[c] = cand, True
+        best = nxt
+        took.append(row)
+    return best, took
+
+
+def _pick(ops: list[_Op], weights: list[int], took: list[list[bool]], c: int) -> set[tuple[Any, int]]:
+    chosen = set()
+    for op, w, row in zip(reversed(ops), reversed(weights), reversed(took), strict=True):
+        if row[c]:
+            chosen.add(op.key)
+            c -= w
+    return chosen
 
 
 def _knapsack(ops: list[_Op], limit: int, units: int = 2048) -> set[tuple[Any, int]]:
@@ -229,24 +294,22 @@ def _knapsack(ops: list[_Op], limit: int, units: int = 2048) -> set[tuple[Any, i
         return set()
     step = limit / units
     weights = [math.ceil(o.bytes / step) for o in ops]
-    best = [(0, 0)] * (units + 1)  # (FLOPs avoided, -bytes) at each capacity
-    took: list[list[bool]] = []
-    for op, w in zip(ops, weights, strict=True):
-        row = [False] * (units + 1)
-        nxt = list(best)
-        for c in range(w, units + 1):
-            flops, neg_bytes = best[c - w]
-            cand = (flops + op.flops, neg_bytes - op.bytes)
-            if cand > nxt[c]:
-                nxt[c], row[c] = cand, True
-        best = nxt
-        took.append(row)
-    chosen, c = set(), units
-    for op, w, row in zip(reversed(ops), reversed(weights), reversed(took), strict=True):
-        if row[c]:
-            chosen.add(op.key)
-            c -= w
-    return chosen
+    _, took = _table(ops, weights, units)
+    return _pick(ops, weights, took, units)
+
+
+def _least_bytes(ops: list[_Op], allowed_flops: int, units: int = 2048) -> set[tuple[Any, int]]:
+    """The ops to keep: the fewest bytes whose recomputation (the ops not kept) costs at most
+    ``allowed_flops``. The same knapsack, over bytes in ``units`` steps of all the ops' bytes
+    (rounded up: the bytes found exceed the fewest possible by less than a step per op)."""
+    need = sum(o.flops for o in ops) - allowed_flops  # FLOPs the kept ops must avoid
+    if need <= 0:
+        return set()
+    step = max(1.0, sum(o.bytes for o in ops) / units)
+    weights = [math.ceil(o.bytes / step) for o in ops]
+    best, took = _table(ops, weights, sum(weights))
+    c = next(c for c, (flops, _) in enumerate(best) if flops >= need)  # keeping all avoids all
+    return _pick(ops, weights, took, c)
 
 
 def _signature(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, ...]:
@@ -269,6 +332,8 @@ class Checkpointed:
     blocks: list[str]
     policy: Policy
     budget: float | int | None
+    #: the budgeted policy's other bound: at most this fraction of a block's step FLOPs recomputed
+    max_recompute: float | None = None
     #: the budgeted policy's plans, one per block shape
     plans: dict[tuple[Any, ...], Plan] = field(default_factory=dict)
     #: what the policy kept since the last :meth:`reset_saved`
@@ -281,8 +346,7 @@ class Checkpointed:
         key = _signature(module, args, kwargs)
         plan = self.plans.get(key)
         if plan is None:
-            assert self.budget is not None
-            plan = self.plans[key] = _trace(module, forward, args, kwargs, self.budget)
+            plan = self.plans[key] = _trace(module, forward, args, kwargs, self.budget, self.max_recompute)
         return plan
 
     def _policy(self, plan: Plan | None) -> Callable[..., Any]:
@@ -354,6 +418,8 @@ def checkpoint_blocks(
     blocks: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool],
     policy: Policy = "budget",
     budget: float | int | None = None,
+    *,
+    max_recompute: float | None = None,
 ) -> Checkpointed:
     """Wrap ``model``'s blocks with selective activation checkpointing.
 
@@ -361,12 +427,23 @@ def checkpoint_blocks(
     matches are wrapped. ``policy``: one of :data:`POLICIES`. ``budget`` (``"budget"`` only):
     activation bytes kept per block, inputs included, as a fraction in (0, 1] of the block's bytes
     without checkpointing (default :data:`DEFAULT_BUDGET`) or as an int of bytes.
+    ``max_recompute`` (``"budget"`` only, instead of ``budget``): the extra FLOPs allowed, as a
+    fraction in [0, 1) of the block's forward + backward FLOPs; the fewest bytes within it are kept.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     if policy != "budget" and budget is not None:
         raise ValueError(f"budget: applies only to policy 'budget', not {policy!r}")
-    if policy == "budget":
+    if policy != "budget" and max_recompute is not None:
+        raise ValueError(f"max_recompute: applies only to policy 'budget', not {policy!r}")
+    if max_recompute is not None:
+        if budget is not None:
+            raise ValueError("max_recompute: give budget or max_recompute, not both")
+        if isinstance(max_recompute, bool) or not isinstance(max_recompute, int | float):
+            raise ValueError(f"max_recompute: expected a fraction in [0, 1), got {max_recompute!r}")
+        if not 0.0 <= max_recompute < 1.0:
+            raise ValueError(f"max_recompute: a fraction must be in [0, 1), got {max_recompute!r}")
+    elif policy == "budget":
         if budget is None:
             budget = DEFAULT_BUDGET
         if isinstance(budget, bool) or not isinstance(budget, int | float):
@@ -408,7 +485,9 @@ def checkpoint_blocks(
     if not selected:
         raise ValueError(f"blocks: {blocks!r} matched no module of {type(model).__name__}")
 
-    handle = Checkpointed([n for n, _ in selected], policy, budget)
+    handle = Checkpointed(
+        [n for n, _ in selected], policy, budget, None if max_recompute is None else float(max_recompute)
+    )
     for _name, module in selected:
         module.forward = functools.partial(handle._forward, module, module.forward)
         setattr(module, _MARK, True)

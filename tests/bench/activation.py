@@ -21,7 +21,15 @@ blocks: bottom and top). Columns: no checkpointing, full checkpointing, the save
 torch.compile's partitioner at ``activation_memory_budget`` (AOTAutograd's min-cut + knapsack,
 as ``torch.compile`` runs it, its graphs run eagerly on the same fake tensors: Inductor's codegen
 is the only part left out, and it does not change which tensors are saved), and Strata's budgeted
-policy at four budgets.
+policy at four budgets and at two caps on recompute (``max_recompute``).
+
+The frontier itself, for the GPT stacks: every choice eager selective checkpointing has in a
+block (keep or recompute each FLOP op the recomputation reruns: 2^4 on this block), each run and
+counted, and every way of giving the 4 blocks different choices (bytes and FLOPs add up block by
+block; one mixed stack is run to check). ``sac_frontier_min_bytes_ratio_at_recompute_target`` is
+the fewest bytes / none within 3% extra FLOPs, ``sac_frontier_min_extra_flops_ratio_at_bytes_target``
+the fewest extra FLOPs within 0.5 of the bytes: both over all of them, so a value past its target
+says no policy of this kind reaches it on this block.
 
 Keys (GPT seq 2048): ``sac_activation_bytes_ratio`` (Strata at its default budget / no
 checkpointing, <= 0.5), ``sac_recompute_flops_ratio`` (its extra FLOPs / the step's, <= 0.03),
@@ -35,6 +43,7 @@ times of a small real stack are information only. The frontier plot goes to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import itertools
 import math
@@ -51,11 +60,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.bench.common import REPO_ROOT, Options, Phases, Row, median
-from trainer_client.activation import DEFAULT_BUDGET, FLOP_FORMULAS, checkpoint_blocks
+from trainer_client.activation import DEFAULT_BUDGET, FLOP_FORMULAS, Checkpointed, checkpoint_blocks
 
 __all__ = ["Options", "run"]
 
 BUDGETS = (0.4, DEFAULT_BUDGET, 0.6, 0.65)
+MAX_RECOMPUTE = (0.02, 0.03)
 COMPILE_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
 QUICK_COMPILE_BUDGETS = (0.3, 0.5, 1.0)
 PLOT = REPO_ROOT / "docs" / "guides" / "img" / "activation-frontier.png"
@@ -177,13 +187,18 @@ def _keys(tensors: Any) -> set[int]:
 
 
 def count_step(
-    step: Callable[[], torch.Tensor], model: nn.Module, inputs: tuple[Any, ...]
+    step: Callable[[], torch.Tensor],
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    after_warmup: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """(activation bytes, FLOPs fwd + bwd incl. recompute) of one step, after one warm-up step
-    (traces and compiles happen there)."""
+    (traces and compiles happen there; ``after_warmup`` runs next)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     step().backward()
+    if after_warmup is not None:
+        after_warmup()
     model.zero_grad(set_to_none=True)
     exclude = _keys(list(model.parameters())) | _keys(list(model.buffers())) | _keys(inputs)
     with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as flops:
@@ -285,11 +300,130 @@ def _measure(
             if policy:
                 checkpoint_blocks(model, blocks, policy, budget)  # type: ignore[arg-type]
             points[column] = count_step(eager_step(model, inputs), model, inputs)
+        for cap in MAX_RECOMPUTE:
+            model = fresh()
+            checkpoint_blocks(model, blocks, max_recompute=cap)
+            points[f"strata_max_recompute_{cap:g}"] = count_step(eager_step(model, inputs), model, inputs)
     with phases(f"{name}: torch.compile budgets"):
         for b in compile_budgets:
             model = fresh()
             points[f"compile_{b:g}"] = count_step(compiled_step(model, inputs, b), model, inputs)
     return points
+
+
+def _force(handle: Checkpointed, keep: frozenset[tuple[Any, int]]) -> Callable[[], None]:
+    """After the warm-up step traced the blocks: make every plan of ``handle`` keep ``keep``."""
+
+    def force() -> None:
+        for key, plan in handle.plans.items():
+            handle.plans[key] = dataclasses.replace(plan, save=keep)
+
+    return force
+
+
+def _keep_sets(
+    make_model: Callable[[], nn.Module], inputs: tuple[Any, ...], blocks: Any
+) -> tuple[list[tuple[frozenset[tuple[Any, int]], tuple[int, int]]], int]:
+    """Every choice of a block's FLOP ops to keep, all blocks alike, counted: [(keep, (bytes,
+    FLOPs))], and the number of blocks."""
+    model = make_model()
+    handle = checkpoint_blocks(model, blocks, "budget", 1.0)
+    eager_step(model, inputs)().backward()
+    (plan,) = handle.plans.values()  # one block shape
+    out = []
+    for r in range(len(plan.choices) + 1):
+        for keep in itertools.combinations(plan.choices, r):
+            model = make_model()
+            handle = checkpoint_blocks(model, blocks, "budget", 1.0)
+            point = count_step(eager_step(model, inputs), model, inputs, _force(handle, frozenset(keep)))
+            out.append((frozenset(keep), point))
+    return out, len(handle.blocks)
+
+
+def _mixes(points: list[tuple[int, int]], blocks: int) -> list[tuple[tuple[int, ...], float, float]]:
+    """Every assignment of the uniform points' choices to ``blocks`` blocks, up to order:
+    (indices, bytes, FLOPs), each the mean of its blocks' uniform points (what adds up block by
+    block: a block's kept outputs and its recomputation)."""
+    out = []
+    for combo in itertools.combinations_with_replacement(range(len(points)), blocks):
+        out.append(
+            (
+                combo,
+                sum(points[i][0] for i in combo) / blocks,
+                sum(points[i][1] for i in combo) / blocks,
+            )
+        )
+    return out
+
+
+def _frontier(
+    name: str,
+    make_model: Callable[[], nn.Module],
+    inputs: tuple[Any, ...],
+    blocks: Any,
+    base: tuple[int, int],
+    figures: dict[str, Any],
+) -> list[tuple[float, float]]:
+    """The exhaustive frontier of one GPT config: figures for its targets, and every uniform
+    choice's (extra FLOPs ratio, bytes ratio) for the plot."""
+    sets, n = _keep_sets(make_model, inputs, blocks)
+    points = [p for _, p in sets]
+    mixes = _mixes(points, n)
+    base_bytes, base_flops = base
+    eps = 1e-9  # the mixes are means of integers: compare without float noise
+
+    def extra(m: tuple[Any, float, float]) -> float:
+        return (m[2] - base_flops) / base_flops
+
+    def held(m: tuple[Any, float, float]) -> float:
+        return m[1] / base_bytes
+
+    cheap = [m for m in mixes if extra(m) <= TARGETS["sac_recompute_flops_ratio"] + eps]
+    small = [m for m in mixes if held(m) <= TARGETS["sac_activation_bytes_ratio"] + eps]
+    best_bytes = min(cheap, key=held)
+    figures[f"sac_{name}_frontier_keep_sets"] = len(sets)
+    figures[f"sac_{name}_frontier_mixes"] = len(mixes)
+    figures[f"sac_{name}_frontier_min_bytes_ratio_at_recompute_target"] = held(best_bytes)
+    figures[f"sac_{name}_frontier_min_extra_flops_ratio_at_bytes_target"] = min(map(extra, small))
+    # check the adding up: run the best mix for real, each group of blocks with its own choice
+    names = [f"{i}" for i in range(n)]
+    model = make_model()
+    forces = []
+    for choice in sorted(set(best_bytes[0])):
+        mine = {names[j] for j, c in enumerate(best_bytes[0]) if c == choice}
+        handle = checkpoint_blocks(model, lambda q, _m, mine=mine: q in mine, "budget", 1.0)
+        forces.append(_force(handle, sets[choice][0]))
+
+    def force_all() -> None:
+        for force in forces:
+            force()
+
+    measured = count_step(eager_step(model, inputs), model, inputs, force_all)
+    figures[f"sac_{name}_frontier_mix_check_error"] = max(
+        abs(measured[0] - best_bytes[1]) / base_bytes, abs(measured[1] - best_bytes[2]) / base_flops
+    )
+    return [((f - base_flops) / base_flops, b / base_bytes) for b, f in points]
+
+
+def _fake_frontier(
+    name: str,
+    make_model: Callable[[], nn.Module],
+    make_inputs: Callable[[], tuple[Any, ...]],
+    blocks: Any,
+    base: tuple[int, int],
+    figures: dict[str, Any],
+) -> list[tuple[float, float]]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()
+    with fake:
+        inputs = make_inputs()
+
+    def fresh() -> nn.Module:
+        with fake:
+            return make_model()
+
+    return _frontier(name, fresh, inputs, blocks, base, figures)
 
 
 def _grad_diff() -> float:
@@ -351,9 +485,13 @@ def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
     _register_cpu_attention_flops()
     budgets = QUICK_COMPILE_BUDGETS if opts.quick else COMPILE_BUDGETS
     all_points = {}
+    every: dict[str, list[tuple[float, float]]] = {}
     for name, make_model, make_inputs, blocks, _ in _configs(opts.quick):
         points = _measure(name, make_model, make_inputs, blocks, budgets, phases)
         all_points[name] = points
+        if name.startswith("gpt"):
+            with phases(f"{name}: every keep choice"):
+                every[name] = _fake_frontier(name, make_model, make_inputs, blocks, points["none"], figures)
         base_bytes, base_flops = points["none"]
         for column, (held, flops) in points.items():
             figures[f"sac_{name}_{column}_bytes"] = held
@@ -372,6 +510,12 @@ def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
     g = "sac_gpt2048"
     figures["sac_activation_bytes_ratio"] = figures[f"{g}_strata_{DEFAULT_BUDGET:g}_bytes_ratio"]
     figures["sac_recompute_flops_ratio"] = figures[f"{g}_strata_{DEFAULT_BUDGET:g}_extra_flops_ratio"]
+    for key in (
+        "min_bytes_ratio_at_recompute_target",
+        "min_extra_flops_ratio_at_bytes_target",
+        "mix_check_error",
+    ):
+        figures[f"sac_frontier_{key}"] = figures[f"{g}_frontier_{key}"]
     if f"{g}_vs_compile_budget_flops_ratio" in figures:
         figures["sac_vs_compile_budget_flops_ratio"] = figures[f"{g}_vs_compile_budget_flops_ratio"]
     with phases("float32 gradients"):
@@ -380,7 +524,7 @@ def run(opts: Options, figures: dict[str, Any], phases: Phases) -> list[Row]:
         for column, seconds in _wall(opts.quick).items():
             figures[f"sac_small_gpt_step_{column}_s"] = seconds
     with phases("frontier plot"):
-        _plot(all_points, opts.tmp / PLOT.name if opts.quick else PLOT)  # --quick keeps the docs' plot
+        _plot(all_points, every, opts.tmp / PLOT.name if opts.quick else PLOT)  # --quick keeps the docs' plot
     _print_frontier(all_points)
     return _rows(figures)
 
@@ -394,7 +538,9 @@ def _print_frontier(all_points: dict[str, dict[str, tuple[int, int]]]) -> None:
             print(f"    {column:14s} {held / 2**20:10.1f} {held / base_bytes:8.3f} {extra:8.4f}")
 
 
-def _plot(all_points: dict[str, dict[str, tuple[int, int]]], path: Path) -> None:
+def _plot(
+    all_points: dict[str, dict[str, tuple[int, int]]], every: dict[str, list[tuple[float, float]]], path: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -412,11 +558,22 @@ def _plot(all_points: dict[str, dict[str, tuple[int, int]]], path: Path) -> None
             )
 
         comp = sorted((c for c in points if c.startswith("compile_")), key=lambda c: float(c.split("_")[1]))
-        strata = [c for c in points if c.startswith("strata_")]
+        strata = [c for c in points if c.startswith("strata_") and not c.startswith("strata_max")]
+        capped = [c for c in points if c.startswith("strata_max_recompute_")]
+        if name in every:
+            ax.plot(
+                [x * 100 for x, _ in every[name]],
+                [y for _, y in every[name]],
+                "x",
+                color="tab:orange",
+                alpha=0.6,
+                label="every keep choice (eager)",
+            )
         ax.plot(*xy(comp), "s--", color="tab:gray", label="torch.compile memory budget")
         ax.plot(*xy(strata), "o-", color="tab:blue", label="Strata budgeted")
         for c, x, y in zip(strata, *xy(strata), strict=True):
             ax.annotate(c.split("_")[1], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        ax.plot(*xy(capped), "P", color="tab:purple", label="Strata max_recompute 2%, 3%")
         if name == "gpt2048":  # the keys' targets: no point of any policy lies in the box
             ax.add_patch(
                 Rectangle(
@@ -452,6 +609,12 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         rows.append(Row(key, value, "", None, "", f"<= {target}", None if value is None else value <= target))
     if "sac_vs_compile_budget_flops_ratio" not in f and "sac_activation_bytes_ratio" in f:
         rows[-1].unit = "torch.compile has no point at Strata's bytes"
+    for key, target_key in (
+        ("sac_frontier_min_bytes_ratio_at_recompute_target", "sac_activation_bytes_ratio"),
+        ("sac_frontier_min_extra_flops_ratio_at_bytes_target", "sac_recompute_flops_ratio"),
+    ):
+        if key in f:
+            rows.append(Row(key, f[key], "any keep choice", None, "", f"info (vs {TARGETS[target_key]})"))
     diff = f.get("sac_grad_max_abs_diff")
     rows.append(
         Row(
@@ -470,6 +633,7 @@ def _rows(f: dict[str, Any]) -> list[Row]:
             "matmuls",
             f"strata_{DEFAULT_BUDGET:g}",
             *(f"strata_{b:g}" for b in BUDGETS if b != DEFAULT_BUDGET),
+            *(f"strata_max_recompute_{c:g}" for c in MAX_RECOMPUTE),
             "compile_0.5",
         ):
             b = f.get(f"sac_{name}_{column}_bytes_ratio")

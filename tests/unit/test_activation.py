@@ -70,6 +70,19 @@ def test_gradients_equal_the_unwrapped_model_bitwise_in_float64(name: str, polic
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_gradients_bitwise_under_a_recompute_cap(name: str) -> None:
+    """``max_recompute`` traces the block's backward too (``autograd.grad``): nothing of it may
+    reach the parameters' ``.grad`` of the first step."""
+    model, inputs, blocks = _build(name, torch.float64)
+    wrapped = copy.deepcopy(model)
+    checkpoint_blocks(wrapped, blocks, max_recompute=0.02)
+    expected = _grads(model, inputs)
+    for _ in range(2):
+        for a, b in zip(expected, _grads(wrapped, inputs), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_float32_gradients_within_tolerance(name: str) -> None:
     model, inputs, blocks = _build(name, torch.float32)
     wrapped = copy.deepcopy(model)
@@ -156,6 +169,64 @@ def test_planned_recompute_flops_are_the_measured_extra_flops(name: str, budget:
     assert _step_flops(model, inputs) - base == planned
 
 
+def test_the_traced_backward_is_the_blocks_backward() -> None:
+    model, inputs, blocks = _build("gpt", torch.float32)
+    model.eval()
+    base = _step_flops(model, inputs)
+    handle = checkpoint_blocks(model, blocks, max_recompute=0.0)
+    model(*inputs).sum().backward()
+    (plan,) = handle.plans.values()  # two blocks alike, and nothing else in the model costs FLOPs
+    assert 2 * (plan.forward_flops + plan.backward_flops) == base
+    assert plan.backward_flops > plan.forward_flops
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_recompute_cap_holds_and_a_lower_cap_keeps_more(name: str) -> None:
+    model, inputs, blocks = _build(name, torch.float32)
+    model.eval()
+    base = _step_flops(model, inputs)
+    kept = []
+    for cap in (0.3, 0.1, 0.02, 0.0):
+        wrapped = copy.deepcopy(model)
+        handle = checkpoint_blocks(wrapped, blocks, max_recompute=cap)
+        wrapped(*inputs).sum().backward()  # the traced step
+        for plan in handle.plans.values():
+            assert plan.recompute_flops <= cap * (plan.forward_flops + plan.backward_flops)
+        per_plan = len(handle.blocks) // len(handle.plans)
+        planned = per_plan * sum(p.recompute_flops for p in handle.plans.values())
+        assert _step_flops(wrapped, inputs) - base == planned
+        kept.append(sum(p.saved_bytes for p in handle.plans.values()))
+    assert kept == sorted(kept)
+    assert kept[-1] > kept[0]  # the caps differ on every model here
+
+
+def test_the_fewest_bytes_within_a_recompute_cap() -> None:
+    """Against brute force on random op sets: within the FLOPs allowed, and no subset within them
+    holds fewer bytes (beyond the rounding: a step of 1/2048 of all the bytes per op)."""
+    import itertools
+    import random
+
+    from trainer_client.activation import _least_bytes, _Op
+
+    rng = random.Random(1)
+    for trial in range(60):
+        ops = [
+            _Op((trial, i), rng.choice([8, 16, 24, 32]) << 20, rng.choice([4, 12, 16]) << 30)
+            for i in range(6)
+        ]
+        allowed = rng.randrange(0, sum(o.flops for o in ops) + 1)
+        chosen = _least_bytes(ops, allowed)
+        assert sum(o.flops for o in ops if o.key not in chosen) <= allowed
+        fewest = min(
+            sum(o.bytes for o in subset)
+            for r in range(len(ops) + 1)
+            for subset in itertools.combinations(ops, r)
+            if sum(o.flops for o in ops if o not in subset) <= allowed
+        )
+        step = sum(o.bytes for o in ops) / 2048
+        assert sum(o.bytes for o in ops if o.key in chosen) <= fewest + len(ops) * step
+
+
 def test_save_matmuls_keeps_the_expensive_ops() -> None:
     assert torch.ops.aten.mm in EXPENSIVE_OPS and torch.ops.aten.addmm in EXPENSIVE_OPS
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in EXPENSIVE_OPS
@@ -217,6 +288,15 @@ def test_unwrapped_bytes_equal_what_saved_tensor_hooks_see() -> None:
         ({"budget": -4}, r"^budget: bytes must be positive"),
         ({"budget": True}, r"^budget: expected a fraction"),
         ({"budget": "half"}, r"^budget: expected a fraction"),
+        ({"max_recompute": 0.02, "budget": 0.5}, r"^max_recompute: give budget or max_recompute, not both$"),
+        (
+            {"max_recompute": 0.02, "policy": "recompute_all"},
+            r"^max_recompute: applies only to policy 'budget'",
+        ),
+        ({"max_recompute": 1.0}, r"^max_recompute: a fraction must be in \[0, 1\)"),
+        ({"max_recompute": -0.1}, r"^max_recompute: a fraction must be in \[0, 1\)"),
+        ({"max_recompute": float("nan")}, r"^max_recompute: a fraction must be in \[0, 1\)"),
+        ({"max_recompute": True}, r"^max_recompute: expected a fraction"),
         ({"blocks": nn.Conv2d}, r"^blocks: .*Conv2d.* matched no module of Sequential$"),
         ({"blocks": 42}, r"^blocks: expected a module class"),
     ],
