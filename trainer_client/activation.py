@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 from torch.utils import flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,10 @@ def _trace(
 ) -> Plan:
     """Run ``forward`` once unwrapped, then choose the outputs to keep: within ``budget`` bytes, or
     the fewest bytes that rerun at most ``max_recompute`` of the block's step FLOPs."""
+    # the trace works on copies of the inputs, cut from the model's graph: its backward must not
+    # run into the graph before the block (a parameter shared with an earlier call, a tied
+    # weight), and an op changing an input in place must not change the real one
+    args, kwargs = tree_map(_cut, (args, kwargs))
     params = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
     inputs = {_storage_key(t): t.untyped_storage().nbytes() for t in _tensors((args, kwargs))}
     saved: dict[int, int] = {}
@@ -205,15 +209,13 @@ def _trace(
         return t
 
     cuda = sorted({t.device.index or 0 for t in _tensors((args, kwargs)) if t.is_cuda})
-    with (
-        torch.random.fork_rng(devices=cuda),
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        recorder,
-    ):
-        out = forward(*args, **kwargs)
-    recorder.held.clear()
-    backward = 0 if max_recompute is None else _backward_flops(module, (args, kwargs), out)
-    del out
+    with torch.random.fork_rng(devices=cuda):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+            out = forward(*args, **kwargs)
+        recorder.held.clear()
+        forward_flops = sum(o.flops for o in recorder.ops)
+        backward = 0 if max_recompute is None else _backward_flops(module, (args, kwargs), out, forward_flops)
+        del out
     unwrapped = sum(saved.values())
     input_bytes = sum(inputs.values())
     # Recomputation reruns the forward in order up to the stop, every op not kept: each kept op
@@ -221,7 +223,6 @@ def _trace(
     # avoids nothing. Ops that cost no FLOPs (norms, activations, adds) are always recomputed.
     rerun = recorder.ops[:stop]
     candidates = [o for o in rerun if o.flops > 0]
-    forward_flops = sum(o.flops for o in recorder.ops)
     if max_recompute is not None:
         chosen = _least_bytes(candidates, int(max_recompute * (forward_flops + backward)))
     else:
@@ -242,42 +243,63 @@ def _trace(
     )
 
 
-def _backward_flops(module: nn.Module, inputs: Any, out: Any) -> int:
-    """FLOPs of the block's backward: gradients of its outputs for its inputs and parameters
-    (``autograd.grad``, so nothing accumulates in ``.grad``, and the graph before the block's
-    inputs is not run; hooks registered on those tensors with ``register_hook`` do see it)."""
+def _cut(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    # a clone of a fresh leaf: not a leaf itself, as the block's inputs in a model are not (an
+    # outer FlopCounterMode's hooks on a leaf would stop autograd.grad)
+    return x.detach().requires_grad_(x.requires_grad).clone()
+
+
+def _backward_flops(module: nn.Module, inputs: Any, out: Any, forward_flops: int) -> int:
+    """FLOPs of the block's backward: gradients of its outputs for its (cut) inputs and its
+    parameters, by ``autograd.grad``: nothing accumulates in ``.grad`` (hooks registered on the
+    parameters with ``register_hook`` do see it). A backward that cannot run on its own (one
+    that refuses all-ones output gradients, an outer ``FlopCounterMode``'s hooks on a leaf) is
+    counted as twice the forward, the matmuls' ratio, with a warning."""
     outs = [t for t in _tensors(out) if t.requires_grad]
     wrt = [t for t in _tensors(inputs) if t.requires_grad] + [
         p for p in module.parameters() if p.requires_grad
     ]
     if not outs or not wrt:
         return 0
-    with _fc.FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
-        torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    try:
+        with _fc.FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    except RuntimeError as e:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        log.warning(
+            "selective checkpointing: the backward of %s did not run on its own (%s); "
+            "max_recompute counts it as twice the forward",
+            type(module).__name__,
+            why,
+        )
+        return 2 * forward_flops
     return int(counter.get_total_flops())
 
 
 def _table(
     ops: list[_Op], weights: list[int], capacity: int
-) -> tuple[list[tuple[int, int]], list[list[bool]]]:
+) -> tuple[list[tuple[int, int]], list[bytearray]]:
     """0/1 knapsack over integer ``weights``: at each capacity, (most FLOPs avoided, -bytes) and
-    which op each row took. Among equal FLOPs, fewer bytes."""
+    which op each row took (a byte per capacity: thousands of ops stay small). Among equal FLOPs,
+    fewer bytes."""
     best = [(0, 0)] * (capacity + 1)
-    took: list[list[bool]] = []
+    took: list[bytearray] = []
     for op, w in zip(ops, weights, strict=True):
-        row = [False] * (capacity + 1)
+        row = bytearray(capacity + 1)
         nxt = list(best)
         for c in range(w, capacity + 1):
             flops, neg_bytes = best[c - w]
             cand = (flops + op.flops, neg_bytes - op.bytes)
             if cand > nxt[c]:
-                nxt[c], row[c] = cand, True
+                nxt[c], row[c] = cand, 1
         best = nxt
         took.append(row)
     return best, took
 
 
-def _pick(ops: list[_Op], weights: list[int], took: list[list[bool]], c: int) -> set[tuple[Any, int]]:
+def _pick(ops: list[_Op], weights: list[int], took: list[bytearray], c: int) -> set[tuple[Any, int]]:
     chosen = set()
     for op, w, row in zip(reversed(ops), reversed(weights), reversed(took), strict=True):
         if row[c]:

@@ -316,7 +316,8 @@ def _force(handle: Checkpointed, keep: frozenset[tuple[Any, int]]) -> Callable[[
 
     def force() -> None:
         for key, plan in handle.plans.items():
-            handle.plans[key] = dataclasses.replace(plan, save=keep)
+            assert keep <= set(plan.choices), "the forced choice is not one of this plan's"
+            handle.plans[key] = dataclasses.replace(plan, save=keep)  # its other fields go stale
 
     return force
 

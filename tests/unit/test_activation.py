@@ -169,6 +169,104 @@ def test_planned_recompute_flops_are_the_measured_extra_flops(name: str, budget:
     assert _step_flops(model, inputs) - base == planned
 
 
+class _Looped(nn.Module):
+    """One block applied three times: its parameters lie before its own input from the second
+    call on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _MLPBlock16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+class _MLPBlock16(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_the_traced_backward_stays_inside_the_block() -> None:
+    """A shared block's second call is traced with its own backward: that backward must not run
+    the first call's (whose graph the real backward then finds freed), nor count its FLOPs."""
+    torch.manual_seed(0)
+    model = _Looped().double()
+    x = torch.randn(8, 16, dtype=torch.float64)  # data: the first call's input needs no grad
+    wrapped = copy.deepcopy(model)
+    handle = checkpoint_blocks(wrapped, _MLPBlock16, max_recompute=0.02)
+    expected = _grads(model, (x,))
+    for a, b in zip(expected, _grads(wrapped, (x,)), strict=True):
+        assert torch.equal(a, b)
+    first, later = handle.plans.values()  # the input without, then with, a gradient
+    matmuls = 2 * 8 * 16 * 64 * 2  # fc1 and fc2, forward
+    assert (first.forward_flops, first.backward_flops) == (matmuls, 3 * matmuls // 2)
+    assert (later.forward_flops, later.backward_flops) == (matmuls, 2 * matmuls)
+
+
+def test_an_outer_flop_counter_around_the_first_step() -> None:
+    """FlopCounterMode hooks every module's inputs; the trace's backward still runs on its own."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_MLPBlock16(), _MLPBlock16()).double()
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    wrapped = copy.deepcopy(model)
+    handle = checkpoint_blocks(wrapped, _MLPBlock16, max_recompute=0.02)
+    expected = _grads(model, (x,))
+    with FlopCounterMode(display=False):
+        got = _grads(wrapped, (x,))
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    (plan,) = handle.plans.values()
+    assert plan.backward_flops == 2 * plan.forward_flops == 2 * 2 * 8 * 16 * 64 * 2
+
+
+class _RefusesOnes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if bool((g == 1).all()):
+            raise RuntimeError("all-ones output gradients")
+        return g * 2
+
+
+class _Refusing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RefusesOnes.apply(self.lin(x))
+
+
+def test_a_backward_that_cannot_run_alone_is_estimated(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Refusing()).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    weights = torch.arange(8.0, dtype=torch.float64)
+    wrapped = copy.deepcopy(model)
+    handle = checkpoint_blocks(wrapped, _Refusing, max_recompute=0.02)
+    grads = []
+    for m in (model, wrapped):
+        x.grad = None
+        (m(x) * weights).sum().backward()
+        grads.append([p.grad for p in m.parameters()] + [x.grad])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    (plan,) = handle.plans.values()
+    assert plan.backward_flops == 2 * plan.forward_flops > 0
+    assert "the backward of _Refusing did not run on its own (all-ones output gradients)" in caplog.text
+
+
 def test_the_traced_backward_is_the_blocks_backward() -> None:
     model, inputs, blocks = _build("gpt", torch.float32)
     model.eval()
