@@ -12,7 +12,9 @@ import fcntl
 import mmap
 import os
 import re
+import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -962,6 +964,13 @@ def test_a_save_staged_into_the_held_segment_without_a_drop_is_refused_at_admiss
     assert torch.equal(out["w"], state(1.0)["w"])
 
 
+def _queued(conn: socket.socket) -> int:
+    """Bytes this side sent that the peer has not read yet."""
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
 def test_many_descriptors_lent_under_one_name_arrive_in_order_across_messages(tmp_path):
     """A restore from file storage lends one descriptor per object: past what one message
     carries, they come in several, in order; lent descriptors count against the bound one by one."""
@@ -1000,8 +1009,14 @@ def test_many_descriptors_lent_under_one_name_arrive_in_order_across_messages(tm
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             conn.connect(handover.path)
             conn.send(b"get " + third.encode())
-            time.sleep(0.2)  # answered, not read
+            assert select.select([conn], [], [], 30)[0], "no answer to the first get"  # not read
             conn.send(b"get " + fourth.encode())
+            # the second get must be answered before the first answer is read: wait until the
+            # sidecar has taken it (nothing left queued on this side), then for its answer
+            deadline = time.monotonic() + 30
+            while _queued(conn) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
             first_answer, fds, _, _ = socket.recv_fds(conn, 4096, 4)
             second_answer = conn.recv(4096)
             for fd in fds:
