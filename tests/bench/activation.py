@@ -268,15 +268,10 @@ def _configs(
     return out
 
 
-def _measure(
-    name: str,
-    make_model: Callable[[], nn.Module],
-    make_inputs: Callable[[], tuple[Any, ...]],
-    blocks: Any,
-    compile_budgets: tuple[float, ...],
-    phases: Phases,
-) -> dict[str, tuple[int, int]]:
-    """Column -> (bytes, step FLOPs) on fake CPU tensors."""
+def _on_fake(
+    make_model: Callable[[], nn.Module], make_inputs: Callable[[], tuple[Any, ...]]
+) -> tuple[Callable[[], nn.Module], tuple[Any, ...]]:
+    """A factory of fresh models and the inputs, both on one set of fake CPU tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode()
@@ -287,6 +282,19 @@ def _measure(
         with fake:
             return make_model()
 
+    return fresh, inputs
+
+
+def _measure(
+    name: str,
+    make_model: Callable[[], nn.Module],
+    make_inputs: Callable[[], tuple[Any, ...]],
+    blocks: Any,
+    compile_budgets: tuple[float, ...],
+    phases: Phases,
+) -> dict[str, tuple[int, int]]:
+    """Column -> (bytes, step FLOPs) on fake CPU tensors."""
+    fresh, inputs = _on_fake(make_model, make_inputs)
     points: dict[str, tuple[int, int]] = {}
     columns: list[tuple[str, str, Any]] = [
         ("none", "", None),
@@ -414,16 +422,7 @@ def _fake_frontier(
     base: tuple[int, int],
     figures: dict[str, Any],
 ) -> list[tuple[float, float]]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    fake = FakeTensorMode()
-    with fake:
-        inputs = make_inputs()
-
-    def fresh() -> nn.Module:
-        with fake:
-            return make_model()
-
+    fresh, inputs = _on_fake(make_model, make_inputs)
     return _frontier(name, fresh, inputs, blocks, base, figures)
 
 
