@@ -28,8 +28,10 @@ sidecar runs in its own process, as in a pod.
   shard, half the state) on two simulated pods, a rank SIGKILLed mid-save; from the launcher
   stopping the ranks to every rank restored, with the sidecars kept (in place: restored from
   memory) over every sidecar recreated empty (pod-level: restored from S3, both nodes' shares of
-  it, 400 MB/s). Target >= 2. A real pod-level restart also waits for scheduling and image pulls,
-  which this leaves out.
+  it, 400 MB/s). Target >= 2. Both runs stage into two segments (``STRATA_STAGING_BUFFERS=2``): with
+  the default one, the committed step held in memory is given back as the next save starts staging,
+  so a crash mid-save restores from peers or storage, in place or not. A real pod-level restart also
+  waits for scheduling and image pulls, which this leaves out.
 """
 
 from __future__ import annotations
@@ -358,6 +360,7 @@ def _restart_once(opts: Options, mode: str, storage: str, endpoint: str) -> floa
         STRATA_FAULTS="client.stream.chunk@29#1=kill",
         STRATA_FAULTS_RANK="1",
         STRATA_TEST_FAULTS="1",
+        STRATA_STAGING_BUFFERS="2",  # the step held in memory survives the save the kill interrupts
     )
     run = subprocess.run(
         [
