@@ -354,7 +354,7 @@ def bench_page(results: Path, img: Path) -> str:
     if not results.exists():
         lines += [
             '!!! note "No results yet"',
-            f"    `{results.name}` was not found: run `make bench` (every section, about an hour on",
+            f"    `{results.name}` was not found: run `make bench` (every section, about 55 minutes on",
             "    two cores) or `python -m tests.bench.run --sections NAME`, then "
             f"`{COMMAND}` to fill this page.",
         ]
@@ -371,6 +371,9 @@ def bench_page(results: Path, img: Path) -> str:
         "docs' snippets) follow the sections.",
         "",
     ]
+    times = [v for k, v in figures.items() if k.endswith("_section_s") and isinstance(v, int | float)]
+    if times:
+        lines += [f"The {len(times)} sections' times add up to {sum(times) / 60:.1f} minutes.", ""]
     for caption, file in _plots(figures, img):
         lines += [f"![{caption}](img/{file})", ""]
     shown: set[str] = set()
