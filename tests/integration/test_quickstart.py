@@ -35,10 +35,3 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
     # the newest committed step before the kill: 50 when its upload beat the crash, else a save before
     assert resumed_steps_ok(output) == "", output[-3000:]
 
-
-def test_the_quickstart_output_check() -> None:
-    _, _, expected = quickstart((ROOT / "README.md").read_text())
-    assert "[rank 0] resumed from step ..." in expected  # the note "or earlier" frees the number
-    run = "[rank 0] resumed from step None\n[rank 0] resumed from step {}\n[rank 0] done at step 119, loss 1"
-    for step, ok in (("50", True), ("40", True), ("60", False), ("45", False), ("None", False)):
-        assert (in_order(expected, run.format(step)) == "" and resumed_steps_ok(run.format(step)) == "") is ok

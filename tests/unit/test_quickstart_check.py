@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.quickstart_check import in_order, quickstart
+from tools.quickstart_check import in_order, quickstart, resumed_steps_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,5 +28,15 @@ def test_expected_lines_must_appear_in_order_with_ellipses_matching_anything() -
     )
     assert in_order(["[rank 0] resumed from step None", "[rank 0] done at step 119, loss ..."], out) == ""
     assert in_order(["[rank 0] resumed from step 50", "[rank 0] resumed from step None"], out) == (
-        "[rank 0] resumed from step None"
+        "no line like '[rank 0] resumed from step None'"
     )
+
+
+def test_the_restart_may_resume_from_any_save_before_the_crash() -> None:
+    """The README's "(or earlier ...)" note: the newest committed step at the kill is 50, or an
+    earlier save when step 50 was still uploading; nothing else passes."""
+    _, _, expected = quickstart((ROOT / "README.md").read_text())
+    assert "[rank 0] resumed from step ..." in expected
+    run = "[rank 0] resumed from step None\n[rank 0] resumed from step {}\n[rank 0] done at step 119, loss 1"
+    for step, ok in (("50", True), ("40", True), ("60", False), ("45", False), ("None", False)):
+        assert (in_order(expected, run.format(step)) == "" and resumed_steps_ok(run.format(step)) == "") is ok
